@@ -1,0 +1,49 @@
+"""The ``pdtrace`` command: one click group, subcommands contributed by each part.
+
+Subcommands are imported lazily so that ``pdtrace report`` never imports vLLM
+and ``pdtrace --help`` stays fast.
+"""
+from __future__ import annotations
+
+import importlib
+
+import click
+
+# subcommand name -> (module, attribute, one-line help)
+_SUBCOMMANDS = {
+    "lab": ("pdtrace.connector.cli", "lab", "Run the local P/D lab (real vLLM engines, router, trace replay)."),
+    "report": ("pdtrace.analysis.cli", "report", "Print the TTFT breakdown summary of a trace directory."),
+    "sql": ("pdtrace.analysis.cli", "sql", "Run read-only SQL over a trace directory's views."),
+    "dashboard": ("pdtrace.dashboard.cli", "dashboard", "Serve the Streamlit dashboard for a trace directory."),
+}
+
+
+class _LazyGroup(click.Group):
+    def list_commands(self, ctx):
+        return sorted(set(super().list_commands(ctx)) | set(_SUBCOMMANDS))
+
+    def format_commands(self, ctx, formatter):
+        # Listed from the static table: --help must not import vLLM or Streamlit.
+        rows = [(name, _SUBCOMMANDS[name][2]) for name in sorted(_SUBCOMMANDS)]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+    def get_command(self, ctx, name):
+        cmd = super().get_command(ctx, name)
+        if cmd is not None or name not in _SUBCOMMANDS:
+            return cmd
+        module, attr, _ = _SUBCOMMANDS[name]
+        try:
+            return getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as exc:
+            raise click.ClickException(f"'pdtrace {name}' is unavailable: {exc}") from exc
+
+
+@click.group(cls=_LazyGroup)
+@click.version_option(package_name="pdtrace")
+def main() -> None:
+    """pdtrace: where did each request's time to first token go?"""
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
