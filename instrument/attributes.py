@@ -1,0 +1,161 @@
+"""The attribute allowlist: every key a span or event may carry, with its type and unit.
+
+Privacy rule (DESIGN.md §5): only keys listed here reach the store or OTLP;
+values are ints, floats or short strings; prompt and completion text never
+appear. An unknown key, or a value of the wrong type, is dropped and counted
+(``recorder.dropped_attributes``), never raised into the caller. Strings are
+cut to the key's ``max_len``. Exceptions are reduced to class and code by
+:func:`error_attrs`.
+
+Add a key with :func:`register` (plug-ins) or, for pdtrace itself, a line in
+``_ALLOWED`` below. Stage names and event names live in
+:mod:`pdtrace.instrument.stages`.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class Attr(NamedTuple):
+    """One allowlisted attribute: Python type (int, float or str), max length for str, doc with unit."""
+
+    type: type
+    doc: str
+    max_len: int = 256
+
+
+_A = Attr
+_ALLOWED: dict[str, Attr] = {
+    # --- request identity and shape (gen_ai.* where OpenTelemetry has one) ---
+    "gen_ai.request.id": _A(str, "vLLM external request id (cmpl-X-i / chatcmpl-X)"),
+    "gen_ai.request.model": _A(str, "served model name"),
+    "gen_ai.request.max_tokens": _A(int, "max_tokens asked for (tokens)"),
+    "gen_ai.usage.input_tokens": _A(int, "prompt tokens"),
+    "gen_ai.usage.output_tokens": _A(int, "generated tokens"),
+    "request.internal_id": _A(str, "vLLM internal request id (external + 8 hex), differs on P and D"),
+    "request.client_id": _A(str, "the client's own request id, if it sent one"),
+    "request.mode": _A(str, "handoff mode: 'pull' (decode READs) or 'push' (prefill WRITEs)"),
+    "request.num_cached_tokens": _A(int, "prompt tokens served from the prefix cache (tokens)"),
+    "request.uncached_tokens": _A(int, "prompt tokens computed (prompt - cached) (tokens)"),
+    "request.stream": _A(int, "1 if the client asked for a stream"),
+    "http.response.status_code": _A(int, "HTTP status of a leg or of the client response"),
+    # --- router -------------------------------------------------------------
+    "router.leg": _A(str, "which leg a router.dispatch/wait span is for: 'prefill' or 'decode'"),
+    "router.upstream": _A(str, "engine URL a leg went to (host:port)"),
+    "router.policy": _A(str, "routing policy name (e.g. 'round-robin')"),
+    "router.concurrent_legs": _A(int, "1 if push legs were dispatched concurrently"),
+    "router.linked_request_id": _A(str, "request id sent on the other leg, when it differs (bug/mismatch evidence)"),
+    # --- engines and peers ----------------------------------------------------
+    "peer.engine_id": _A(str, "engine id of the other side of a handoff"),
+    "peer.host": _A(str, "host of the other side"),
+    "peer.port": _A(int, "side-channel port of the other side"),
+    "peer.tp_size": _A(int, "tensor-parallel size of the other side"),
+    "peer.tp_rank": _A(int, "rank on the other side that a per-rank record concerns"),
+    # --- engine steps -----------------------------------------------------------
+    "step.id": _A(int, "engine step counter of the recording engine (0-based)"),
+    "step.num_reqs": _A(int, "requests scheduled in the step"),
+    "step.prefill_tokens": _A(int, "prompt tokens scheduled in the step (tokens)"),
+    "step.decode_tokens": _A(int, "decode tokens scheduled in the step (tokens)"),
+    "step.recompute_tokens": _A(int, "tokens recomputed in the step after preemption or load failure (tokens)"),
+    "step.batch": _A(str, "batch composition: 'X:p128;Y:d1;Z:r64' = request X, 128 prefill tokens; Y 1 decode; Z 64 recompute", 16384),
+    "step.chunk_index": _A(int, "prefill chunk number of a prefill.compute child (0-based)"),
+    "step.tokens": _A(int, "tokens this request had scheduled in the step (tokens)"),
+    "vllm.method": _A(str, "vLLM connector method a connector.* span timed (e.g. 'start_load_kv')"),
+    "connector.request_ids": _A(str, "request ids (X) the connector work served, ';'-separated", 16384),
+    # --- KV transfer --------------------------------------------------------------
+    "kv.op": _A(str, "NIXL operation: 'READ' (pull) or 'WRITE' (push)"),
+    "kv.backend": _A(str, "NIXL backend (e.g. 'UCX')"),
+    "kv.bytes": _A(int, "bytes moved by the transfer (bytes)"),
+    "kv.descriptors": _A(int, "descriptor count of the transfer"),
+    "kv.blocks": _A(int, "KV blocks moved / held / reserved"),
+    "kv.block_bytes": _A(int, "bytes per KV block across all layers on one rank (bytes)"),
+    "kv.post_ns": _A(int, "NIXL post duration (ns; NIXL reports us, converted where read)"),
+    "kv.xfer_ns": _A(int, "NIXL transfer duration (ns; NIXL reports us, converted where read)"),
+    "kv.handle": _A(int, "NIXL transfer handle (opaque int) to join telemetry"),
+    "kv.ranks_expected": _A(int, "ranks (or producer ranks) whose completion is expected"),
+    "kv.ranks_received": _A(int, "ranks whose completion or notification arrived"),
+    "kv.ranks_missing": _A(str, "missing ranks, ','-separated (e.g. '2')"),
+    "kv.first_contact": _A(int, "1 if this handoff paid the first-contact cost (handshake) for its engine pair and rank"),
+    "kv.release_cause": _A(str, "why P's blocks were released: 'notification', 'expiry', 'abort', 'never'"),
+    "kv.lease_ns": _A(int, "lease or TTL length in force (ns)"),
+    "kv.prefix_hit_blocks": _A(int, "blocks already held by the destination (prefix cache hit)"),
+    "kv.notif_kind": _A(str, "kind of NIXL notification: 'push_reg', 'write_done', 'read_done', other"),
+    # --- clock samples ------------------------------------------------------------
+    "clock.offset_ns": _A(int, "estimated peer clock minus own clock (ns)"),
+    "clock.rtt_ns": _A(int, "round trip of the sample that gave the offset (ns)"),
+    "clock.send_ns": _A(int, "sender's timestamp carried in a message (ns since epoch, sender's clock)"),
+    "clock.peer_engine_id": _A(str, "engine whose clock the sample compares with"),
+    # --- errors and lifecycle -------------------------------------------------------
+    "error.type": _A(str, "exception class name (no message: messages can echo prompts)"),
+    "error.code": _A(str, "errno, HTTP status or NIXL status code, as text"),
+    "lifecycle.cause": _A(str, "cause of a failure/lifecycle event (e.g. 'post_failure', 'ttl_expired')"),
+    "lifecycle.expected": _A(int, "expected count (ranks, notifications) for a lifecycle event"),
+    "lifecycle.received": _A(int, "received count for a lifecycle event"),
+}
+
+#: Public read-only view of the allowlist: {key: Attr}.
+ALLOWED = _ALLOWED
+
+
+def register(key: str, typ: type, doc: str, max_len: int = 256) -> None:
+    """Add ``key`` to the allowlist with Python type ``typ`` (int, float or str).
+
+    Raises ValueError for another type or when ``key`` is already registered
+    with a different type.
+    """
+    if typ not in (int, float, str):
+        raise ValueError(f"attribute {key!r}: type must be int, float or str")
+    old = _ALLOWED.get(key)
+    if old is not None and old.type is not typ:
+        raise ValueError(f"attribute {key!r} already registered as {old.type.__name__}")
+    _ALLOWED[key] = Attr(typ, doc, max_len)
+
+
+def error_attrs(exc: BaseException, code: object | None = None) -> dict[str, str]:
+    """Reduce an exception to ``{'error.type': class name, 'error.code': code}``.
+
+    ``code`` defaults to ``exc.errno`` or ``exc.status``/``exc.code`` when the
+    exception has one; the message is never kept (it can echo prompt text).
+    """
+    out = {"error.type": type(exc).__name__}
+    if code is None:
+        for name in ("errno", "status", "status_code", "code"):
+            v = getattr(exc, name, None)
+            if isinstance(v, (int, str)) and not isinstance(v, bool):
+                code = v
+                break
+    if code is not None:
+        out["error.code"] = str(code)[:64]
+    return out
+
+
+def split_allowed(attrs: dict, out_int: list, out_float: list, out_str: list) -> int:
+    """Split ``attrs`` into typed (key, value) pairs appended to the three lists.
+
+    Keeps only allowlisted keys whose value has the key's type (int accepted
+    for a float key; bool for an int key); cuts strings to the key's max_len.
+    Returns the number of attributes dropped.
+    """
+    dropped = 0
+    allowed = _ALLOWED
+    for k, v in attrs.items():
+        a = allowed.get(k)
+        if a is None:
+            dropped += 1
+            continue
+        t = a.type
+        if t is int:
+            if type(v) is int or type(v) is bool:
+                out_int.append((k, int(v)))
+            else:
+                dropped += 1
+        elif t is float:
+            if type(v) is float or type(v) is int:
+                out_float.append((k, float(v)))
+            else:
+                dropped += 1
+        elif type(v) is str:
+            out_str.append((k, v if len(v) <= a.max_len else v[: a.max_len]))
+        else:
+            dropped += 1
+    return dropped

@@ -1,0 +1,82 @@
+"""The public vocabulary: stage (span) names, their categories, and event names.
+
+Taken from DESIGN.md §2. Only *leaf* stages own time in the TTFT breakdown;
+parents group and are never charged. The analysis loads :data:`STAGES` as its
+stage → category mapping table, so code, SQL and dashboard share one list.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class Stage(NamedTuple):
+    """A stage: owning role, category charged in the TTFT breakdown (None: parent, never charged), meaning."""
+
+    role: str
+    category: str | None
+    doc: str
+
+
+QUEUE, COMPUTE, TRANSFER, COORDINATION = "queue", "compute", "transfer", "coordination"
+CATEGORIES = (QUEUE, COMPUTE, TRANSFER, COORDINATION)
+
+STAGES: dict[str, Stage] = {
+    "router.request": Stage("router", None, "request received -> last byte written (root)"),
+    "router.dispatch": Stage("router", COORDINATION, "router work before a leg is sent (one per leg)"),
+    "router.wait": Stage("router", COORDINATION, "a leg's response awaited while no engine stage is known to run"),
+    "prefill.frontend": Stage("prefill", COORDINATION, "P's API server: HTTP received -> queued in EngineCore; output -> chunk written"),
+    "decode.frontend": Stage("decode", COORDINATION, "D's API server: HTTP received -> queued in EngineCore; output -> chunk written"),
+    "prefill.queue": Stage("prefill", QUEUE, "P: queued -> scheduled; waits between chunks; preempted intervals"),
+    "prefill.compute": Stage("prefill", COMPUTE, "P: forward passes of the prompt (one child per chunk)"),
+    "dest.register": Stage("decode", COORDINATION, "push: D's blocks allocated -> registration matched on P"),
+    "handoff.prep": Stage("decode", COORDINATION, "pull: D's blocks allocated -> READ posted; push: KV ready and registration matched -> WRITE posted"),
+    "handoff.step_wait": Stage("decode", COORDINATION, "child of handoff.prep: wait for the next engine step"),
+    "handoff.handshake": Stage("decode", COORDINATION, "child of handoff.prep: NIXL handshake on first contact"),
+    "handoff.agent_load": Stage("decode", COORDINATION, "child of handoff.prep: remote agent metadata load"),
+    "handoff.descriptors": Stage("decode", COORDINATION, "child of handoff.prep: descriptor list build"),
+    "handoff.writer_queue": Stage("prefill", COORDINATION, "child of handoff.prep (push): wait in the nixl-push-writer queue"),
+    "kv.transfer": Stage("decode", TRANSFER, "post -> post + NIXL's own transfer duration (per NIXL handle)"),
+    "kv.ready": Stage("decode", COORDINATION, "transfer finished -> seen by the poll on every expected rank -> promoted by the scheduler"),
+    "decode.queue": Stage("decode", QUEUE, "D: queued -> blocks allocated"),
+    "decode.first_step": Stage("decode", COMPUTE, "D: promoted -> first token sampled"),
+    "decode.step": Stage("decode", None, "one engine step (also on P); children: connector work on the forward thread"),
+    "prefill.step": Stage("prefill", None, "one engine step on P (same shape as decode.step)"),
+    "connector.load": Stage("decode", COORDINATION, "connector work on the forward thread before the forward (start_load_kv)"),
+    "connector.poll": Stage("decode", COORDINATION, "connector completion polling on the forward thread (get_finished)"),
+    "connector.save": Stage("decode", COORDINATION, "connector save work on the forward thread (wait_for_save)"),
+    "prefill.block_hold": Stage("prefill", None, "P's KV blocks from KV ready to release (attr kv.release_cause)"),
+    "decode.block_reserve": Stage("decode", None, "D's KV blocks from reservation to first use (push reserves early)"),
+    "unattributed": Stage("", COORDINATION, "part of an interval no leaf covers; named by its neighbours"),
+}
+
+#: Instants recorded as events (DESIGN.md §2): name -> meaning.
+EVENTS: dict[str, str] = {
+    "router.first_token": "router wrote the first chunk carrying >= 1 generated token (TTFT end)",
+    "router.last_token": "router wrote the last token chunk",
+    "token": "a chunk with generated tokens was written to the client (attr gen_ai.usage.output_tokens = tokens so far)",
+    "registration.sent": "push: D sent its PUSH_REG notification",
+    "registration.received": "push: P received a registration",
+    "notification.sent": "a NIXL notification was sent (attr kv.notif_kind)",
+    "notification.received": "a NIXL notification was received (attr kv.notif_kind)",
+    "clock.sample": "a cross-engine clock offset sample (attrs clock.*)",
+    "request.abort": "the request was aborted",
+    "request.preempted": "the request was preempted (a recompute starts a new attempt)",
+    "request.timeout": "a timeout fired (attr lifecycle.cause says which)",
+    "kv.lease_expired": "P's lease on the blocks expired before a release notification",
+    "kv.ttl_expired": "D's reserved blocks' TTL expired before every write arrived",
+    "kv.post_failed": "posting a NIXL transfer failed",
+    "kv.transfer_failed": "a posted NIXL transfer failed",
+    "kv.load_failed": "KV load failed; the prompt is recomputed locally",
+    "notification.unmatched": "a notification matched no known request (attr request id as received)",
+    "registration.timeout": "push: no registration matched before the timeout",
+    "handshake.failed": "the NIXL handshake with a peer failed",
+    "router.leg_failed": "a router leg failed (attrs http.response.status_code, error.*)",
+}
+
+
+def category(stage: str) -> str | None:
+    """Category of a stage name (queue/compute/transfer/coordination), None for parents.
+
+    Raises KeyError for a name not in :data:`STAGES`.
+    """
+    return STAGES[stage].category

@@ -1,0 +1,193 @@
+"""Writing and checking span-store files.
+
+Two users: the recorder's background writer (:mod:`pdtrace.instrument.writer`)
+and anyone who builds a store by hand — tests, bug cases, generators — with
+:func:`write_rows`, from plain dicts.
+
+Every file is written to a hidden temporary name in the store directory and
+renamed into place when complete, so a reader that lists ``*.parquet`` at any
+moment sees only whole files.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Mapping
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from . import schema
+
+#: Parquet compression of every store file.
+COMPRESSION = "zstd"
+
+_RECORD_DEFAULTS = {
+    "kind": schema.KIND_INTERNAL,
+    "status_code": schema.STATUS_UNSET,
+    "prompt_index": 0,
+    "attempt": 0,
+}
+
+
+def split_attrs(attrs: Mapping[str, object] | None) -> tuple[list, list, list]:
+    """Split one attribute dict into (int pairs, float pairs, str pairs) by Python type.
+
+    bool counts as int (0/1). Values of other types raise TypeError: the store
+    holds only ints, floats and short strings.
+    """
+    ints, floats, strs = [], [], []
+    if attrs:
+        for k, v in attrs.items():
+            if isinstance(v, bool) or isinstance(v, int):
+                ints.append((k, int(v)))
+            elif isinstance(v, float):
+                floats.append((k, v))
+            elif isinstance(v, str):
+                strs.append((k, v))
+            else:
+                raise TypeError(f"attribute {k!r}: {type(v).__name__} is not int, float or str")
+    return ints, floats, strs
+
+
+def rows_to_table(rows: Iterable[Mapping[str, object]], resource: Mapping[str, object] | None = None) -> pa.Table:
+    """Build a store table from plain row dicts.
+
+    Each row may hold any column of :data:`schema.COLUMNS` by name, plus
+    ``attrs`` (a dict of int/float/str values, split into the typed maps).
+    Missing columns are null, except ``kind`` (1), ``status_code`` (0),
+    ``prompt_index`` (0), ``attempt`` (0), ``record`` ('span'), ``end_ns``
+    (= ``start_ns``) and ``record_id`` (= ``span_id`` for spans, else a fresh
+    random id). ``resource`` gives defaults for any column (typically the
+    resource columns) that a row leaves out. Times are ns since the Unix epoch.
+
+    Raises KeyError for an unknown column name, TypeError for a bad attribute.
+    """
+    names = [c[0] for c in schema.COLUMNS]
+    known = set(names) | {"attrs"}
+    defaults = dict(_RECORD_DEFAULTS)
+    defaults["schema_version"] = schema.SCHEMA_VERSION
+    if resource:
+        for k in resource:
+            if k not in known:
+                raise KeyError(f"unknown store column {k!r}")
+        defaults.update(resource)
+    cols: dict[str, list] = {n: [] for n in names}
+    for row in rows:
+        for k in row:
+            if k not in known:
+                raise KeyError(f"unknown store column {k!r}")
+        rec = row.get("record", "span")
+        for n in names:
+            if n in row:
+                v = row[n]
+            else:
+                v = defaults.get(n)
+            cols[n].append(v)
+        i = len(cols["record"]) - 1
+        cols["record"][i] = rec
+        if cols["end_ns"][i] is None:
+            cols["end_ns"][i] = cols["start_ns"][i]
+        if cols["record_id"][i] is None:
+            cols["record_id"][i] = cols["span_id"][i] if (rec == "span" and cols["span_id"][i] is not None) else uuid.uuid4().int >> 65
+        ints, floats, strs = split_attrs(row.get("attrs"))
+        for col, extra in (("attr_int", ints), ("attr_float", floats), ("attr_str", strs)):
+            given = list(row.get(col) or [])
+            if isinstance(row.get(col), Mapping):
+                given = list(row[col].items())
+            cols[col][i] = given + extra
+    arrays = [pa.array(cols[n], type=typ) for n, typ, _ in schema.COLUMNS]
+    return pa.Table.from_arrays(arrays, schema=schema.SCHEMA)
+
+
+def write_table(directory: str | os.PathLike, table: pa.Table, name: str | None = None) -> Path:
+    """Write ``table`` as one complete store file in ``directory`` and return its path.
+
+    Written to ``.<name>.tmp`` then renamed to ``<name>`` (atomic on POSIX), so
+    readers never see a partial file. ``name`` defaults to a unique
+    ``manual-<host>-<pid>-<uuid>.parquet``; an existing file of that name is
+    replaced. Raises OSError on I/O failure (the temporary file is removed).
+    """
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    if name is None:
+        name = f"manual-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:12]}.parquet"
+    final = d / name
+    tmp = d / f".{name}.tmp"
+    try:
+        pq.write_table(table, tmp, compression=COMPRESSION)
+        os.replace(tmp, final)
+    except BaseException:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise
+    return final
+
+
+def write_rows(directory: str | os.PathLike, rows: Iterable[Mapping[str, object]],
+               resource: Mapping[str, object] | None = None, name: str | None = None) -> Path:
+    """Build a table from plain rows (see :func:`rows_to_table`) and write it (see :func:`write_table`).
+
+    Example (a 10 ms prefill compute span of request ``r1`` on the prefill engine)::
+
+        write_rows("trace/", [
+            {"name": "prefill.compute", "request_id": "r1", "span_id": 7,
+             "start_ns": 1_000_000_000, "end_ns": 1_010_000_000},
+        ], resource={"role": "prefill", "engine_id": "p0", "host": "h", "pid": 1})
+    """
+    return write_table(directory, rows_to_table(rows, resource), name)
+
+
+@dataclass(frozen=True)
+class FileCheck:
+    """Outcome of :func:`check_file`: ``ok`` or the ``reason`` a reader must skip ``path``."""
+
+    path: Path
+    ok: bool
+    reason: str = ""
+    version: str | None = None
+
+
+def check_file(path: str | os.PathLike) -> FileCheck:
+    """Check that ``path`` is a readable store file of this schema's major version.
+
+    Reads only the Parquet footer. Never raises for a bad file: returns a
+    FileCheck with ``ok=False`` and a reason ('empty file', 'not a Parquet
+    file: ...', 'not a pdtrace store file', 'schema 2.0: newer major, skipped').
+    """
+    p = Path(path)
+    try:
+        if p.stat().st_size == 0:
+            return FileCheck(p, False, "empty file")
+        meta = pq.read_metadata(p)
+    except Exception as exc:  # pyarrow raises ArrowInvalid/OSError for truncated/foreign files
+        return FileCheck(p, False, f"not a Parquet file: {type(exc).__name__}")
+    kv = meta.metadata or {}
+    raw = kv.get(schema.VERSION_KEY)
+    if raw is None:
+        return FileCheck(p, False, "not a pdtrace store file (no schema version)")
+    version = raw.decode(errors="replace")
+    try:
+        major = schema.major_of(version)
+    except ValueError:
+        return FileCheck(p, False, f"bad schema version {version!r}", version)
+    if major != schema.SCHEMA_MAJOR:
+        return FileCheck(p, False, f"schema {version}: major {major} is not {schema.SCHEMA_MAJOR}, skipped", version)
+    return FileCheck(p, True, "", version)
+
+
+def store_files(directory: str | os.PathLike) -> list[Path]:
+    """List the complete store files of ``directory`` (``*.parquet``, recursively, sorted).
+
+    Temporary files (``.*.tmp``) are never listed. Raises FileNotFoundError when
+    ``directory`` does not exist.
+    """
+    d = Path(directory)
+    if not d.is_dir():
+        raise FileNotFoundError(f"trace directory not found: {d}")
+    return sorted(p for p in d.rglob("*.parquet") if not p.name.startswith("."))
