@@ -1,0 +1,68 @@
+"""Clocks: the monotonic clock spans are stamped with, and (monotonic, wall) anchors.
+
+Call sites stamp with ``time.monotonic_ns()`` (CLOCK_MONOTONIC on Linux, the
+clock vLLM's own ``time.monotonic()`` engine events use, so those convert
+too). The writer turns monotonic ns into Unix-epoch ns through the latest
+anchor: ``epoch = mono + (wall_anchor - mono_anchor)``. Anchors are taken
+periodically and written to the store, because the two clocks drift apart
+over days (NTP slews the wall clock, not the monotonic one).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import NamedTuple
+
+#: The monotonic clock of every span timestamp, in ns.
+now_ns = time.monotonic_ns
+
+
+class Anchor(NamedTuple):
+    """One (monotonic, wall) pair: ``wall_ns`` read between two monotonic reads whose midpoint is ``mono_ns``.
+
+    ``uncertainty_ns`` is half the read window; ``offset_ns`` = wall - mono (the
+    amount added to a monotonic time to get epoch ns); ``test_offset_ns`` the
+    test-only shift included in ``wall_ns``.
+    """
+
+    mono_ns: int
+    wall_ns: int
+    uncertainty_ns: int
+    test_offset_ns: int
+
+    @property
+    def offset_ns(self) -> int:
+        return self.wall_ns - self.mono_ns
+
+
+def take_anchor(test_offset_ns: int = 0, tries: int = 5) -> Anchor:
+    """Read an anchor: the tightest of ``tries`` (mono, wall, mono) triples.
+
+    ``test_offset_ns`` (PDTRACE_TEST_WALL_OFFSET_NS) is added to the wall
+    reading; it exists only to reproduce skew between hosts on one machine.
+    """
+    best = None
+    for _ in range(tries):
+        m0 = time.monotonic_ns()
+        w = time.time_ns()
+        m1 = time.monotonic_ns()
+        if best is None or m1 - m0 < best[2] - best[0]:
+            best = (m0, w, m1)
+    m0, w, m1 = best
+    return Anchor((m0 + m1) // 2, w + test_offset_ns, (m1 - m0 + 1) // 2, test_offset_ns)
+
+
+def clock_source() -> str:
+    """Implementation name of the monotonic clock (e.g. 'clock_gettime(CLOCK_MONOTONIC)')."""
+    return time.get_clock_info("monotonic").implementation
+
+
+def read_cost_ns(samples: int = 2000) -> int:
+    """Median cost of one ``time.monotonic_ns()`` call, in ns (measured in batches of 100)."""
+    costs = []
+    for _ in range(max(1, samples // 100)):
+        t0 = time.perf_counter_ns()
+        for _ in range(100):
+            now_ns()
+        costs.append((time.perf_counter_ns() - t0) / 100)
+    return int(statistics.median(costs))

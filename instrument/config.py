@@ -1,0 +1,121 @@
+"""Every environment variable pdtrace reads, with its meaning and default.
+
+A bad value logs one warning naming the variable and falls back to the
+default; it never raises into the traced process.
+
+=============================  =========  ====================================================
+variable                       default    meaning
+=============================  =========  ====================================================
+``PDTRACE_DIR``                (unset)    trace directory; tracing is off unless it is set
+``PDTRACE_SAMPLE``             ``1.0``    fraction of requests traced, by sha256(request id)
+``PDTRACE_STEP_SAMPLE``        ``1.0``    fraction of engine steps whose step spans are kept
+                                          (every k-th step, k = round(1/fraction))
+``PDTRACE_BUFFER_SPANS``       ``65536``  bound of the in-memory buffer, in records
+``PDTRACE_FLUSH_INTERVAL_S``   ``1.0``    writer flush interval (s); a SIGKILL loses at most this
+``PDTRACE_ROTATE_S``           ``60``     merge a process's per-flush files into one segment
+                                          file at least this often (s)
+``PDTRACE_ROTATE_BYTES``       ``67108864`` ... or when their in-memory size exceeds this (bytes)
+``PDTRACE_ANCHOR_INTERVAL_S``  ``10``     write a (monotonic, wall) clock anchor this often (s)
+``PDTRACE_RUN_ID``             (unset)    run id written on every row (resource)
+``PDTRACE_ROLE``               (unset)    role resource (router/prefill/decode/...) if the
+                                          process does not set one itself
+``PDTRACE_OTLP``               ``0``      ``1``: export over OTLP even without OTEL_* endpoint
+                                          variables (to the SDK's default endpoint)
+``OTEL_EXPORTER_OTLP_ENDPOINT``           standard OTLP variables; when an endpoint is set, spans
+``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``    also go out over OTLP/HTTP (protobuf)
+``PDTRACE_TEST_WALL_OFFSET_NS`` ``0``     TEST ONLY: shift this process's wall anchor by this
+                                          many ns, to reproduce clock skew between hosts on one
+                                          machine. Recorded on every clock row.
+=============================  =========  ====================================================
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass
+
+log = logging.getLogger("pdtrace")
+
+
+def _warn(name: str, raw: str, default: object, why: str) -> None:
+    log.warning("pdtrace: ignoring %s=%r (%s); using %r", name, raw, why, default)
+
+
+def _float(env, name: str, default: float, lo: float, hi: float) -> float:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        v = float(raw)
+    except ValueError:
+        _warn(name, raw, default, "not a number")
+        return default
+    if not (lo <= v <= hi) or math.isnan(v):
+        _warn(name, raw, default, f"outside [{lo}, {hi}]")
+        return default
+    return v
+
+
+def _int(env, name: str, default: int, lo: int, hi: int) -> int:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        v = int(raw)
+    except ValueError:
+        _warn(name, raw, default, "not an integer")
+        return default
+    if not lo <= v <= hi:
+        _warn(name, raw, default, f"outside [{lo}, {hi}]")
+        return default
+    return v
+
+
+@dataclass(frozen=True)
+class Config:
+    """The recorder's settings, read once from the environment (see the module doc for each)."""
+
+    trace_dir: str | None = None
+    sample: float = 1.0
+    step_sample: float = 1.0
+    buffer_spans: int = 65536
+    flush_interval_s: float = 1.0
+    rotate_s: float = 60.0
+    rotate_bytes: int = 64 << 20
+    anchor_interval_s: float = 10.0
+    run_id: str | None = None
+    role: str | None = None
+    otlp: bool = False
+    test_wall_offset_ns: int = 0
+
+    @property
+    def enabled(self) -> bool:
+        """True when a trace directory is set."""
+        return bool(self.trace_dir)
+
+
+def from_env(env: dict | None = None) -> Config:
+    """Read :class:`Config` from ``env`` (default ``os.environ``); never raises."""
+    env = os.environ if env is None else env
+    otlp_flag = env.get("PDTRACE_OTLP", "0")
+    if otlp_flag not in ("0", "1", ""):
+        _warn("PDTRACE_OTLP", otlp_flag, "0", "not 0 or 1")
+        otlp_flag = "0"
+    otlp = otlp_flag == "1" or bool(env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
+    if env.get("OTEL_SDK_DISABLED", "").lower() == "true" or env.get("OTEL_TRACES_EXPORTER", "") == "none":
+        otlp = False
+    return Config(
+        trace_dir=env.get("PDTRACE_DIR") or None,
+        sample=_float(env, "PDTRACE_SAMPLE", 1.0, 0.0, 1.0),
+        step_sample=_float(env, "PDTRACE_STEP_SAMPLE", 1.0, 0.0, 1.0),
+        buffer_spans=_int(env, "PDTRACE_BUFFER_SPANS", 65536, 16, 1 << 26),
+        flush_interval_s=_float(env, "PDTRACE_FLUSH_INTERVAL_S", 1.0, 0.01, 3600.0),
+        rotate_s=_float(env, "PDTRACE_ROTATE_S", 60.0, 0.0, 86400.0),
+        rotate_bytes=_int(env, "PDTRACE_ROTATE_BYTES", 64 << 20, 1 << 16, 1 << 34),
+        anchor_interval_s=_float(env, "PDTRACE_ANCHOR_INTERVAL_S", 10.0, 0.01, 86400.0),
+        run_id=env.get("PDTRACE_RUN_ID") or None,
+        role=env.get("PDTRACE_ROLE") or None,
+        otlp=otlp,
+        test_wall_offset_ns=_int(env, "PDTRACE_TEST_WALL_OFFSET_NS", 0, -(1 << 62), 1 << 62),
+    )

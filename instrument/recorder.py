@@ -1,0 +1,395 @@
+"""The span recorder: the call-site API, run on the caller's thread.
+
+Contract (the *processor* role of OpenTelemetry's SDK): every method is
+thread-safe, never blocks on I/O and never raises into the caller. A record is
+a tuple appended to a bounded deque; a background thread
+(:mod:`pdtrace.instrument.writer`) converts and writes. When the deque is
+full the record is dropped and counted.
+
+Use from a call site::
+
+    from pdtrace.instrument import tracer
+    if tracer.on:                                  # the one check when tracing is off
+        t0 = tracer.now()
+        ...
+        tracer.record("kv.transfer", rid, t0, tracer.now(), {"kv.bytes": n})
+
+Times are monotonic ns (``time.monotonic_ns()``, :func:`now`); a float
+``time.monotonic()`` seconds value from vLLM converts with ``int(t * 1e9)``.
+
+Memory bound: at most ``PDTRACE_BUFFER_SPANS`` records wait in the deque
+(one record: a 16-slot tuple, ~200 bytes plus its attribute dict, so the
+default 65,536 bounds the buffer at ~20 MiB with 3 attributes each), and
+at most ``PDTRACE_BUFFER_SPANS`` spans may be open (started, not ended).
+"""
+from __future__ import annotations
+
+import atexit
+import itertools
+import logging
+import os
+import random
+import signal
+import threading
+import time
+import weakref
+from collections import deque
+from contextlib import contextmanager
+from typing import Iterator, Mapping
+
+from . import config as _config
+from . import ids as _ids
+from .schema import KIND_INTERNAL, STATUS_ERROR, STATUS_UNSET
+
+log = logging.getLogger("pdtrace")
+
+# Record tuple layout (shared with writer.py):
+# (rtype, record_id, span_id, parent, name, kind, start, end, status, status_msg,
+#  request_id, prompt_index, attempt, tp_rank, thread_ident, attrs)
+R_SPAN, R_EVENT, R_CLOCK, R_STATS = 0, 1, 2, 3
+
+_get_ident = threading.get_ident
+_now = time.monotonic_ns
+
+
+class Tracer:
+    """Process-wide recorder. Use the module singleton :data:`pdtrace.instrument.tracer`.
+
+    ``on`` is a plain bool attribute: True iff ``PDTRACE_DIR`` is set (or
+    :meth:`configure` was given a trace dir). All recording methods return 0
+    and do nothing while it is False.
+    """
+
+    def __init__(self) -> None:
+        self.on = False
+        self.config = _config.Config()
+        self._buf: deque = deque()
+        self._cap = 0
+        self._wake_at = 0
+        self._wake = threading.Event()
+        self._open: dict[int, tuple] = {}
+        self._ids = itertools.count(1)
+        self._dropped = itertools.count()
+        self._dropped_seen = 0
+        self._sample_threshold = 1 << 256
+        self._step_every = 1
+        self._sampled_cache: dict[str, bool] = {}
+        self.resource: dict[str, object] = {}
+        self._writer = None
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+        self._atexit_registered = False
+        self._prev_sigterm = None
+        self._last_stats: dict[str, int] | None = None
+
+    # ------------------------------------------------------------------ setup
+    def configure(self, cfg: _config.Config | None = None, **resource: object) -> "Tracer":
+        """(Re)configure from ``cfg`` (default: the environment) and start the writer.
+
+        Stops a running writer first (flushing it). ``resource`` sets resource
+        columns (see :meth:`set_resource`). Returns self. Never raises for bad
+        settings: a trace directory that cannot be created logs a warning and
+        records are dropped and counted at write time.
+        """
+        with self._lock:
+            self._shutdown_locked(timeout=5.0)
+            cfg = _config.from_env() if cfg is None else cfg
+            self.config = cfg
+            self._cap = cfg.buffer_spans
+            self._wake_at = max(1, cfg.buffer_spans // 2)
+            self._buf = deque()
+            self._open = {}
+            self._reset_ids()
+            self._sample_threshold = _ids.sample_threshold(cfg.sample)
+            self._step_every = 0 if cfg.step_sample <= 0 else max(1, round(1 / cfg.step_sample))
+            self._sampled_cache = {}
+            self.resource = _default_resource(cfg)
+            self.resource.update(resource)
+            if not cfg.enabled:
+                self.on = False
+                return self
+            from .writer import Writer  # deferred: the writer pulls in pyarrow
+
+            self._writer = Writer(self, cfg)
+            self._writer.start()
+            if not self._atexit_registered:
+                atexit.register(_atexit_shutdown, weakref.ref(self))
+                self._atexit_registered = True
+            self._install_sigterm()
+            self.on = True
+            return self
+
+    def set_resource(self, **resource: object) -> None:
+        """Set resource columns for rows written from now on.
+
+        Keys: run_id, service_name, role, engine_id, host, pid,
+        pdtrace_version, vllm_version, connector, config_hash, and ``tp_rank``
+        (the default rank for rows that give none). Raises KeyError for
+        another key.
+        """
+        from .schema import RESOURCE_COLUMNS
+
+        for k in resource:
+            if k not in RESOURCE_COLUMNS and k != "tp_rank":
+                raise KeyError(f"not a resource column: {k!r}")
+        self.resource = {**self.resource, **resource}
+
+    def _reset_ids(self) -> None:
+        # Ids are unique across processes: a random 31-bit process prefix, a counter below it.
+        base = (random.SystemRandom().getrandbits(31) << 32) | 1
+        self._ids = itertools.count(base)
+        self._dropped = itertools.count()
+        self._dropped_seen = 0
+
+    # -------------------------------------------------------------- hot path
+    now = staticmethod(_now)
+
+    def sampled(self, request_id: str) -> bool:
+        """True iff ``request_id`` (the base id X) is kept by the PDTRACE_SAMPLE rule (DESIGN.md §3)."""
+        if not self.on:
+            return False
+        v = self._sampled_cache.get(request_id)
+        if v is None:
+            v = int.from_bytes(_ids.digest(request_id), "big") < self._sample_threshold
+            if len(self._sampled_cache) > 65536:
+                self._sampled_cache.clear()
+            self._sampled_cache[request_id] = v
+        return v
+
+    def step_sampled(self, step_id: int) -> bool:
+        """True iff the per-step spans of engine step ``step_id`` are kept (every k-th step)."""
+        return self.on and self._step_every > 0 and step_id % self._step_every == 0
+
+    @staticmethod
+    def trace_id(request_id: str) -> str:
+        """W3C trace id (32 hex) of a request, the same in every process."""
+        return _ids.trace_id(request_id)
+
+    def new_id(self) -> int:
+        """A fresh span id (uint64, unique across processes) to pass as ``span_id`` or ``parent`` later."""
+        return next(self._ids)
+
+    def record(self, name: str, request_id: str | None = None, start_ns: int = 0, end_ns: int = 0,
+               attrs: Mapping[str, object] | None = None, parent: int | None = None,
+               kind: int = KIND_INTERNAL, status: int = STATUS_UNSET, span_id: int | None = None,
+               attempt: int = 0, tp_rank: int | None = None, prompt_index: int = 0) -> int:
+        """Record a finished span with explicit monotonic-ns times; return its span id (0 if not recorded).
+
+        ``name`` is a DESIGN.md stage name; ``attrs`` a dict of allowlisted
+        keys (pdtrace.instrument.attributes); ``parent`` a span id. Never raises.
+        """
+        if not self.on:
+            return 0
+        buf = self._buf
+        if len(buf) >= self._cap:
+            next(self._dropped)
+            return 0
+        sid = next(self._ids) if span_id is None else span_id
+        buf.append((R_SPAN, sid, sid, parent, name, kind, start_ns, end_ns, status, None,
+                    request_id, prompt_index, attempt, tp_rank, _get_ident(), attrs))
+        if len(buf) == self._wake_at:
+            self._wake.set()
+        return sid
+
+    def start(self, name: str, request_id: str | None = None, start_ns: int | None = None,
+              parent: int | None = None, attrs: Mapping[str, object] | None = None,
+              kind: int = KIND_INTERNAL, attempt: int = 0, tp_rank: int | None = None,
+              span_id: int | None = None, prompt_index: int = 0) -> int:
+        """Open a span (ended later by :meth:`end`, from any thread); return its id (0 if not recorded)."""
+        if not self.on:
+            return 0
+        if len(self._open) >= self._cap:
+            next(self._dropped)
+            return 0
+        sid = next(self._ids) if span_id is None else span_id
+        self._open[sid] = (name, request_id, _now() if start_ns is None else start_ns, parent,
+                           attrs, kind, attempt, tp_rank, prompt_index)
+        return sid
+
+    def end(self, span_id: int, end_ns: int | None = None, attrs: Mapping[str, object] | None = None,
+            status: int = STATUS_UNSET, error: BaseException | None = None) -> None:
+        """Close a span opened by :meth:`start`; ``attrs`` are merged over the start's.
+
+        ``error`` sets status ERROR with the exception's class (and code) only.
+        Unknown or already-closed ids are ignored.
+        """
+        if not self.on:
+            return
+        o = self._open.pop(span_id, None)
+        if o is None:
+            return
+        name, rid, start, parent, a0, kind, attempt, rank, pidx = o
+        if attrs:
+            a0 = {**a0, **attrs} if a0 else attrs
+        msg = None
+        if error is not None:
+            status = STATUS_ERROR
+            code = getattr(error, "errno", None) or getattr(error, "status", None)
+            msg = type(error).__name__ + (f":{code}" if isinstance(code, (int, str)) else "")
+        buf = self._buf
+        if len(buf) >= self._cap:
+            next(self._dropped)
+            return
+        buf.append((R_SPAN, span_id, span_id, parent, name, kind, start, _now() if end_ns is None else end_ns,
+                    status, msg, rid, pidx, attempt, rank, _get_ident(), a0))
+        if len(buf) == self._wake_at:
+            self._wake.set()
+
+    @contextmanager
+    def span(self, name: str, request_id: str | None = None, **kw) -> Iterator[int]:
+        """Context manager around :meth:`start`/:meth:`end`; records the exception class on error.
+
+        For code off the hot path (one generator frame more than ``start``/``end``).
+        """
+        sid = self.start(name, request_id, **kw)
+        try:
+            yield sid
+        except BaseException as exc:
+            self.end(sid, error=exc)
+            raise
+        else:
+            self.end(sid)
+
+    def event(self, name: str, request_id: str | None = None, span_id: int | None = None,
+              time_ns: int | None = None, attrs: Mapping[str, object] | None = None,
+              attempt: int = 0, tp_rank: int | None = None, prompt_index: int = 0) -> int:
+        """Record an instant ``name`` (see stages.EVENTS) on a span or request; return its record id."""
+        if not self.on:
+            return 0
+        buf = self._buf
+        if len(buf) >= self._cap:
+            next(self._dropped)
+            return 0
+        rid_ = next(self._ids)
+        t = _now() if time_ns is None else time_ns
+        buf.append((R_EVENT, rid_, span_id, None, name, KIND_INTERNAL, t, t, STATUS_UNSET, None,
+                    request_id, prompt_index, attempt, tp_rank, _get_ident(), attrs))
+        if len(buf) == self._wake_at:
+            self._wake.set()
+        return rid_
+
+    # ------------------------------------------------------------ lifecycle
+    def force_flush(self, timeout: float = 5.0) -> bool:
+        """Write everything recorded so far; False if ``timeout`` (s) passed first."""
+        w = self._writer
+        if not self.on or w is None:
+            return True
+        return w.flush(timeout)
+
+    def shutdown(self, timeout: float = 5.0) -> bool:
+        """Flush and stop the writer; tracing is off afterwards. Safe to call twice.
+
+        Returns False if the final flush did not finish within ``timeout`` (s).
+        """
+        with self._lock:
+            return self._shutdown_locked(timeout)
+
+    def _shutdown_locked(self, timeout: float) -> bool:
+        self.on = False
+        w, self._writer = self._writer, None
+        if w is None:
+            return True
+        ok = w.stop(timeout)
+        self._last_stats = w.stats()
+        return ok
+
+    def stats(self) -> dict[str, int]:
+        """The recorder's counters: recorded, dropped, written, write_errors, export_errors, dropped_attributes."""
+        w = self._writer
+        if w is not None:
+            return w.stats()
+        last = self._last_stats or {"written": 0, "write_errors": 0, "export_errors": 0,
+                                     "dropped_attributes": 0, "dropped": 0}
+        st = dict(last)
+        st["dropped"] = max(st.get("dropped", 0), self.dropped_count())
+        st["recorded"] = st["dropped"] + st["written"]
+        return st
+
+    def dropped_count(self) -> int:
+        """Records dropped on the caller's side (buffer full or too many open spans)."""
+        # itertools.count has no read; its repr carries the next value.
+        return int(repr(self._dropped)[6:-1])
+
+    # --------------------------------------------------------------- fork/signals
+    def _after_fork_in_child(self) -> None:
+        # A forked child never writes into its parent's file: new ids, new buffer,
+        # its own writer (the parent's thread does not exist in the child).
+        self._lock = threading.Lock()
+        self._writer = None
+        self._pid = os.getpid()
+        if not self.on:
+            return
+        self.on = False
+        self.resource["pid"] = self._pid
+        res = {k: v for k, v in self.resource.items()}
+        self.configure(self.config)
+        self.resource.update(res)
+        self.resource["pid"] = os.getpid()
+
+    def _install_sigterm(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        try:
+            prev = signal.getsignal(signal.SIGTERM)
+        except (ValueError, OSError):
+            return
+        if prev is signal.SIG_IGN or getattr(prev, "_pdtrace", False):
+            return
+        ref = weakref.ref(self)
+
+        def _on_sigterm(signum, frame):
+            t = ref()
+            if t is not None:
+                t.shutdown(timeout=2.0)
+            if callable(prev):
+                prev(signum, frame)
+            else:  # SIG_DFL / None: die by the signal, as without pdtrace
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        _on_sigterm._pdtrace = True  # type: ignore[attr-defined]
+        try:
+            signal.signal(signal.SIGTERM, _on_sigterm)
+        except (ValueError, OSError):
+            pass
+
+
+def _default_resource(cfg: _config.Config) -> dict[str, object]:
+    import socket
+
+    try:
+        from importlib.metadata import version
+
+        pdv = version("pdtrace")
+    except Exception:
+        pdv = None
+    return {
+        "run_id": cfg.run_id,
+        "service_name": f"pdtrace-{cfg.role}" if cfg.role else "pdtrace",
+        "role": cfg.role,
+        "engine_id": None,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "pdtrace_version": pdv,
+        "vllm_version": None,
+        "connector": None,
+        "config_hash": None,
+        "tp_rank": None,
+    }
+
+
+def _atexit_shutdown(ref) -> None:
+    t = ref()
+    if t is not None:
+        t.shutdown(timeout=5.0)
+
+
+tracer = Tracer()
+
+
+def _after_fork() -> None:
+    tracer._after_fork_in_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)
