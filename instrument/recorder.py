@@ -45,10 +45,12 @@ log = logging.getLogger("pdtrace")
 
 # Record tuple layout (shared with writer.py):
 # (rtype, record_id, span_id, parent, name, kind, start, end, status, status_msg,
-#  request_id, prompt_index, attempt, tp_rank, thread_ident, attrs)
+#  request_id, prompt_index, attempt, tp_rank, thread, attrs)
+# ``thread`` is the recording threading.Thread; its name is read by the writer
+# (an ident could be reused by a later thread before the writer runs).
 R_SPAN, R_EVENT, R_CLOCK, R_STATS = 0, 1, 2, 3
 
-_get_ident = threading.get_ident
+_current_thread = threading.current_thread
 _now = time.monotonic_ns
 
 
@@ -186,7 +188,7 @@ class Tracer:
             return 0
         sid = next(self._ids) if span_id is None else span_id
         buf.append((R_SPAN, sid, sid, parent, name, kind, start_ns, end_ns, status, None,
-                    request_id, prompt_index, attempt, tp_rank, _get_ident(), attrs))
+                    request_id, prompt_index, attempt, tp_rank, _current_thread(), attrs))
         if len(buf) == self._wake_at:
             self._wake.set()
         return sid
@@ -231,7 +233,7 @@ class Tracer:
             next(self._dropped)
             return
         buf.append((R_SPAN, span_id, span_id, parent, name, kind, start, _now() if end_ns is None else end_ns,
-                    status, msg, rid, pidx, attempt, rank, _get_ident(), a0))
+                    status, msg, rid, pidx, attempt, rank, _current_thread(), a0))
         if len(buf) == self._wake_at:
             self._wake.set()
 
@@ -263,7 +265,7 @@ class Tracer:
         rid_ = next(self._ids)
         t = _now() if time_ns is None else time_ns
         buf.append((R_EVENT, rid_, span_id, None, name, KIND_INTERNAL, t, t, STATUS_UNSET, None,
-                    request_id, prompt_index, attempt, tp_rank, _get_ident(), attrs))
+                    request_id, prompt_index, attempt, tp_rank, _current_thread(), attrs))
         if len(buf) == self._wake_at:
             self._wake.set()
         return rid_

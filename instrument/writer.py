@@ -82,7 +82,6 @@ class Writer(threading.Thread):
         self.write_errors = 0
         self.dropped_attributes = 0
         self._warned: set[str] = set()
-        self._thread_names: dict[int, str] = {}
         self._trace_ids: dict[str, str] = {}
         self.otlp = None
         if cfg.otlp:
@@ -187,15 +186,6 @@ class Writer(threading.Thread):
             time.sleep(0)
 
     # ---------------------------------------------------------- conversion
-    def _thread_name(self, ident: int) -> str:
-        name = self._thread_names.get(ident)
-        if name is None:
-            t = threading._active.get(ident)  # noqa: SLF001 - read-only lookup by ident
-            name = t.name if t is not None else f"thread-{ident}"
-            if t is not None:
-                self._thread_names[ident] = name
-        return name
-
     def _trace_id(self, rid: str) -> str:
         t = self._trace_ids.get(rid)
         if t is None:
@@ -208,7 +198,7 @@ class Writer(threading.Thread):
         """Turn record tuples (recorder.py layout) into a table of schema.SCHEMA."""
         n = len(recs)
         (rtype, record_id, span_id, parent, name, kind, start, end, status, msg,
-         rid, pidx, attempt, rank, ident, attrs) = zip(*recs)
+         rid, pidx, attempt, rank, thread, attrs) = zip(*recs)
         offset = self._anchor.offset_ns
         res = self.tracer.resource
         cols: dict[str, pa.Array] = {}
@@ -234,9 +224,7 @@ class Writer(threading.Thread):
         if default_rank is not None:
             rank = [default_rank if r is None else r for r in rank]
         cols["tp_rank"] = pa.array(rank, pa.int16())
-        di = pa.array(ident, pa.uint64()).dictionary_encode()
-        names = pa.array([self._thread_name(i) for i in di.dictionary.to_pylist()], pa.string())
-        cols["thread"] = pa.DictionaryArray.from_arrays(di.indices.cast(pa.int32()), names)
+        cols["thread"] = pa.array([th.name for th in thread], pa.string()).dictionary_encode()
         oi, ki, vi = [0], [], []
         of, kf, vf = [0], [], []
         os_, ks, vs = [0], [], []
@@ -288,7 +276,7 @@ class Writer(threading.Thread):
         """
         out = []
         now = time.monotonic()
-        ident = threading.get_ident()
+        ident = threading.current_thread()
         if now >= self._anchor_due or final:
             self._anchor = a = clock.take_anchor(self.cfg.test_wall_offset_ns)
             self._anchor_due = now + self.cfg.anchor_interval_s

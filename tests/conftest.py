@@ -1,0 +1,22 @@
+"""Shared test helpers: run a Python snippet in a fresh interpreter with tracing settings."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+
+def run_child(code: str, env: dict | None = None, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
+    """Run ``code`` in a new interpreter (this venv) with ``env`` added to a clean PDTRACE_* environment."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("PDTRACE_", "OTEL_"))}
+    base.update(env or {})
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=base, capture_output=True,
+                          text=True, timeout=timeout, **kw)
+
+
+@pytest.fixture
+def child():
+    return run_child
