@@ -23,6 +23,7 @@ variable                       default    meaning
                                           variables (to the SDK's default endpoint)
 ``OTEL_EXPORTER_OTLP_ENDPOINT``           standard OTLP variables; when an endpoint is set, spans
 ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``    also go out over OTLP/HTTP (protobuf)
+``OTEL_EXPORTER_OTLP_TIMEOUT``  ``10``     OTLP export timeout (s; the ``_TRACES_`` variant wins)
 ``PDTRACE_TEST_WALL_OFFSET_NS`` ``0``     TEST ONLY: shift this process's wall anchor by this
                                           many ns, to reproduce clock skew between hosts on one
                                           machine. Recorded on every clock row.
@@ -88,6 +89,8 @@ class Config:
     role: str | None = None
     otlp: bool = False
     test_wall_offset_ns: int = 0
+    otlp_endpoint: str | None = None
+    otlp_timeout_s: float | None = None
 
     @property
     def enabled(self) -> bool:
@@ -118,4 +121,18 @@ def from_env(env: dict | None = None) -> Config:
         role=env.get("PDTRACE_ROLE") or None,
         otlp=otlp,
         test_wall_offset_ns=_int(env, "PDTRACE_TEST_WALL_OFFSET_NS", 0, -(1 << 62), 1 << 62),
+        otlp_endpoint=_otlp_endpoint(env),
+        otlp_timeout_s=_float(env, "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", 0.0, 0.0, 600.0)
+        or _float(env, "OTEL_EXPORTER_OTLP_TIMEOUT", 0.0, 0.0, 600.0) or None,
     )
+
+
+def _otlp_endpoint(env) -> str | None:
+    """The OTLP/HTTP traces URL: the traces variable as given, or the base endpoint + '/v1/traces'."""
+    url = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    if url:
+        return url
+    base = env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    if base:
+        return base.rstrip("/") + "/v1/traces"
+    return None

@@ -43,7 +43,14 @@ class OtlpExporter:
     def __init__(self, cfg, exporter=None) -> None:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
-        self._exporter = exporter if exporter is not None else OTLPSpanExporter()
+        if exporter is None:
+            kw = {}
+            if cfg.otlp_endpoint:
+                kw["endpoint"] = cfg.otlp_endpoint
+            if cfg.otlp_timeout_s:
+                kw["timeout"] = cfg.otlp_timeout_s
+            exporter = OTLPSpanExporter(**kw)
+        self._exporter = exporter
         self._q: queue.Queue = queue.Queue(QUEUE_TABLES)
         self.errors = 0
         self.exported = 0

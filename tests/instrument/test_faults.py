@@ -1,0 +1,219 @@
+"""Faults around the recorder, each in a child process: what survives, what is counted.
+
+Every case asserts the traced process keeps running (exit 0 or the signal's
+own exit) and every file left in the trace directory is readable by DuckDB.
+"""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import duckdb
+import pytest
+
+from pdtrace.instrument import store
+
+PRELUDE = """
+import os, sys, time, json
+from pdtrace.instrument import tracer
+"""
+
+
+def _all_readable(d):
+    files = store.store_files(d)
+    for f in files:
+        duckdb.sql(f"select count(*) from read_parquet('{f}')").fetchall()
+    return files
+
+
+def _count(d, where="name='decode.step'"):
+    return duckdb.sql(f"select count(*) from read_parquet('{d}/**/*.parquet') where {where}").fetchall()[0][0]
+
+
+def test_missing_dir_is_created(child, tmp_path):
+    d = tmp_path / "a" / "b"
+    r = child(PRELUDE + "tracer.record('decode.step', None, 1, 2)\n", {"PDTRACE_DIR": str(d)})
+    assert r.returncode == 0, r.stderr
+    assert _count(d) == 1
+
+
+def test_not_writable_dir_drops_counts_warns_once(child, tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    code = PRELUDE + """
+for i in range(5):
+    tracer.record('decode.step', None, i, i + 1)
+    tracer.force_flush(5)
+st = tracer.stats()
+print(json.dumps(st))
+"""
+    r = child(code, {"PDTRACE_DIR": str(f / "sub")})
+    assert r.returncode == 0, r.stderr
+    import json
+    st = json.loads(r.stdout.strip().splitlines()[-1])
+    assert st["written"] == 0 and st["dropped"] == 5 and st["write_errors"] >= 5
+    assert r.stderr.count("cannot write trace file") == 1
+
+
+def test_dir_deleted_mid_run_process_goes_on(child, tmp_path):
+    import shutil
+    d = tmp_path / "t"
+    code = PRELUDE + f"""
+import shutil
+tracer.record('decode.step', None, 1, 2); tracer.force_flush(5)
+shutil.rmtree({str(d)!r})
+tracer.record('decode.step', None, 3, 4); tracer.force_flush(5)
+print('alive')
+"""
+    r = child(code, {"PDTRACE_DIR": str(d)})
+    assert r.returncode == 0 and "alive" in r.stdout, r.stderr
+    # the directory is re-created; spans after the deletion land, and the
+    # segment merge at exit keeps the first one too (parts are kept in memory)
+    _all_readable(d)
+    assert _count(d) == 2
+
+
+def _small_fs(tmp_path):
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True)
+    if r.returncode != 0:
+        return None
+    return mnt
+
+
+def test_disk_full_drops_counts_keeps_running(child, tmp_path):
+    mnt = _small_fs(tmp_path)
+    try:
+        if mnt is not None:
+            env = {"PDTRACE_DIR": str(mnt / "t")}
+            pre = ""
+        else:  # no mount permission here: a file-size limit gives EFBIG the same way
+            env = {"PDTRACE_DIR": str(tmp_path / "t")}
+            pre = "import resource, signal\nsignal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n" \
+                  "resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536))\n"
+        code = pre + PRELUDE + """
+import random
+for k in range(20):
+    for i in range(3000):
+        tracer.record('decode.step', None, i, i + 1, {'step.batch': '%x' % random.getrandbits(2000)})
+    tracer.force_flush(10)
+st = tracer.stats()
+print(json.dumps(st))
+"""
+        r = child(code, env)
+        assert r.returncode == 0, r.stderr
+        import json
+        st = json.loads(r.stdout.strip().splitlines()[-1])
+        assert st["write_errors"] >= 1 and st["dropped"] >= 3000
+        assert st["recorded"] == 60000
+        assert r.stderr.count("cannot write trace file") == 1
+        for f in _all_readable(env["PDTRACE_DIR"]):
+            assert store.check_file(f).ok
+    finally:
+        if mnt is not None:
+            subprocess.run(["umount", str(mnt)])
+
+
+def test_sigkill_mid_write_leaves_only_readable_files(tmp_path):
+    d = tmp_path / "t"
+    code = PRELUDE + """
+i = 0
+print('ready', flush=True)
+while True:
+    for _ in range(2000):
+        tracer.record('decode.step', None, i, i + 1, {'step.id': i}); i += 1
+    time.sleep(0.001)
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PDTRACE_")}
+    env.update({"PDTRACE_DIR": str(d), "PDTRACE_FLUSH_INTERVAL_S": "0.05", "PDTRACE_ROTATE_S": "0.3"})
+    for delay in (0.7, 1.3, 2.1):
+        p = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], env=env, stdout=subprocess.PIPE)
+        p.stdout.readline()
+        time.sleep(delay)
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    files = _all_readable(d)
+    assert files, "flushes before the kill must have left files"
+    assert _count(d) > 0
+    # no partial file is visible: temporary names are never listed
+    assert all(not f.name.startswith(".") for f in files)
+
+
+def test_sigterm_flushes(tmp_path):
+    d = tmp_path / "t"
+    code = PRELUDE + """
+for i in range(100):
+    tracer.record('decode.step', None, i, i + 1)
+print('ready', flush=True)
+time.sleep(60)
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PDTRACE_")}
+    env.update({"PDTRACE_DIR": str(d), "PDTRACE_FLUSH_INTERVAL_S": "30"})
+    p = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], env=env, stdout=subprocess.PIPE)
+    p.stdout.readline()
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(20) == -signal.SIGTERM  # dies by the signal, as without pdtrace
+    assert _count(d) == 100
+
+
+def test_exit_flushes(child, tmp_path):
+    r = child(PRELUDE + "[tracer.record('decode.step', None, i, i+1) for i in range(10)]\n",
+              {"PDTRACE_DIR": str(tmp_path), "PDTRACE_FLUSH_INTERVAL_S": "30"})
+    assert r.returncode == 0, r.stderr
+    assert _count(tmp_path) == 10
+
+
+def test_fork_child_writes_its_own_files(child, tmp_path):
+    code = PRELUDE + """
+tracer.record('decode.step', 'parent', 1, 2)
+pid = os.fork()
+if pid == 0:
+    tracer.record('decode.step', 'child', 1, 2)
+    tracer.shutdown()
+    os._exit(0)
+os.waitpid(pid, 0)
+tracer.record('decode.step', 'parent', 3, 4)
+print(os.getpid(), pid)
+"""
+    r = child(code, {"PDTRACE_DIR": str(tmp_path), "PDTRACE_FLUSH_INTERVAL_S": "30"})
+    assert r.returncode == 0, r.stderr
+    ppid, cpid = map(int, r.stdout.split())
+    rows = duckdb.sql(f"select request_id, pid, filename from read_parquet('{tmp_path}/*.parquet', filename=true) "
+                      "where name='decode.step'").fetchall()
+    assert sorted((a, b) for a, b, _ in rows) == sorted([("parent", ppid), ("parent", ppid), ("child", cpid)])
+    for rid, pid, fn in rows:
+        assert f"-{pid}-" in os.path.basename(fn)  # never in the other process's file
+    (u,), = duckdb.sql(f"select count(distinct record_id) = count(*) from read_parquet('{tmp_path}/*.parquet')").fetchall()
+    assert u
+
+
+def test_spawn_child_traces_on_its_own(child, tmp_path):
+    code = PRELUDE + """
+import multiprocessing as mp
+def work():
+    from pdtrace.instrument import tracer
+    tracer.record('decode.step', 'spawned', 1, 2)
+if __name__ == '__main__':
+    ctx = mp.get_context('spawn')
+    p = ctx.Process(target=work); p.start(); p.join()
+    print(p.exitcode)
+"""
+    script = tmp_path / "s.py"
+    script.write_text(textwrap.dedent(code))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PDTRACE_")}
+    env["PDTRACE_DIR"] = str(tmp_path / "t")
+    r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "0", r.stderr
+    assert _count(tmp_path / "t", "request_id='spawned'") == 1
+
+
+def test_sampling_same_decision_in_separate_processes(child, tmp_path):
+    code = PRELUDE + "print(','.join(x for x in [f'req-{i}' for i in range(400)] if tracer.sampled(x)))\n"
+    outs = [child(code, {"PDTRACE_DIR": str(tmp_path / str(k)), "PDTRACE_SAMPLE": "0.5"}).stdout.strip()
+            for k in range(3)]
+    assert outs[0] == outs[1] == outs[2]
+    n = len(outs[0].split(","))
+    assert 150 < n < 250
