@@ -46,11 +46,21 @@ log = logging.getLogger("pdtrace")
 # Record tuple layout (shared with writer.py):
 # (rtype, record_id, span_id, parent, name, kind, start, end, status, status_msg,
 #  request_id, prompt_index, attempt, tp_rank, thread, attrs)
-# ``thread`` is the recording threading.Thread; its name is read by the writer
-# (an ident could be reused by a later thread before the writer runs).
+# ``thread`` is the recording thread's name, read when the record is made (an
+# ident could be reused by a later thread before the writer runs).
 R_SPAN, R_EVENT, R_CLOCK, R_STATS = 0, 1, 2, 3
 
-_current_thread = threading.current_thread
+_tls = threading.local()
+
+
+def _thread_name() -> str:
+    """The calling thread's name, cached per thread (a str keeps the record tuple
+    out of the cyclic GC's tracked set; a Thread object would keep it in)."""
+    try:
+        return _tls.name
+    except AttributeError:
+        _tls.name = threading.current_thread().name
+        return _tls.name
 _now = time.monotonic_ns
 
 
@@ -188,7 +198,7 @@ class Tracer:
             return 0
         sid = next(self._ids) if span_id is None else span_id
         buf.append((R_SPAN, sid, sid, parent, name, kind, start_ns, end_ns, status, None,
-                    request_id, prompt_index, attempt, tp_rank, _current_thread(), attrs))
+                    request_id, prompt_index, attempt, tp_rank, _thread_name(), attrs))
         if len(buf) == self._wake_at:
             self._wake.set()
         return sid
@@ -233,7 +243,7 @@ class Tracer:
             next(self._dropped)
             return
         buf.append((R_SPAN, span_id, span_id, parent, name, kind, start, _now() if end_ns is None else end_ns,
-                    status, msg, rid, pidx, attempt, rank, _current_thread(), a0))
+                    status, msg, rid, pidx, attempt, rank, _thread_name(), a0))
         if len(buf) == self._wake_at:
             self._wake.set()
 
@@ -265,7 +275,7 @@ class Tracer:
         rid_ = next(self._ids)
         t = _now() if time_ns is None else time_ns
         buf.append((R_EVENT, rid_, span_id, None, name, KIND_INTERNAL, t, t, STATUS_UNSET, None,
-                    request_id, prompt_index, attempt, tp_rank, _current_thread(), attrs))
+                    request_id, prompt_index, attempt, tp_rank, _thread_name(), attrs))
         if len(buf) == self._wake_at:
             self._wake.set()
         return rid_

@@ -13,10 +13,14 @@ process's parts are merged into one *segment* file (``-s<seq>.parquet``) and
 then deleted; a reader that lists the directory between the rename and the
 deletes sees those rows twice, which readers remove by ``record_id``.
 
-GIL. Conversion runs in chunks of :data:`CHUNK` records and yields the GIL
-(``time.sleep(0)``) between steps, so a busy engine thread waits at most about
-one step (measured in BENCHMARKS.md); Parquet encoding and compression run in
-pyarrow's C++ code without the GIL.
+GIL. A thread waiting for the GIL only forces a switch after the
+interpreter's switch interval (5 ms by default), and pdtrace does not change
+that process-wide setting. So the writer yields on its own: conversion runs in
+chunks of :data:`CHUNK` records with yield points (:meth:`Writer._yield`)
+between steps, and whenever it has held the GIL for :data:`HOLD_NS` it
+sleeps :data:`YIELD_S`, long enough for a waiting thread to take the GIL.
+Parquet encoding and compression run in pyarrow's C++ code without the GIL.
+The longest stall a busy thread sees is measured in BENCHMARKS.md.
 
 Failures. An OSError while writing (directory not writable, deleted, disk
 full) drops that file's rows, counts them (``dropped``, ``write_errors``) and
@@ -39,7 +43,14 @@ from .recorder import R_CLOCK, R_EVENT, R_SPAN, R_STATS
 log = logging.getLogger("pdtrace")
 
 #: Records converted per step before the writer yields the GIL.
-CHUNK = 2048
+CHUNK = 1024
+
+#: Longest stretch (ns) the writer runs Python/arrow conversion before yielding.
+HOLD_NS = 400_000
+
+#: Sleep (s) at a yield point: a real sleep, so a thread blocked on the GIL wakes
+#: and takes it (``sleep(0)`` re-takes the GIL before a waiter can wake).
+YIELD_S = 0.00005
 
 _RTYPES = pa.array(list(schema.RECORD_TYPES), pa.string())
 _T = {name: typ for name, typ, _ in schema.COLUMNS}
@@ -82,6 +93,7 @@ class Writer(threading.Thread):
         self.write_errors = 0
         self.dropped_attributes = 0
         self._warned: set[str] = set()
+        self._held_since = time.perf_counter_ns()
         self._trace_ids: dict[str, str] = {}
         self.otlp = None
         if cfg.otlp:
@@ -183,7 +195,14 @@ class Writer(threading.Thread):
             self.drained += k
             self._pending.append(self._convert(chunk))
             self._pending_rows += k
-            time.sleep(0)
+            self._yield()
+
+    def _yield(self) -> None:
+        """Release the GIL briefly if the writer has held it for HOLD_NS or more."""
+        now = time.perf_counter_ns()
+        if now - self._held_since >= HOLD_NS:
+            time.sleep(YIELD_S)
+            self._held_since = time.perf_counter_ns()
 
     # ---------------------------------------------------------- conversion
     def _trace_id(self, rid: str) -> str:
@@ -211,6 +230,7 @@ class Writer(threading.Thread):
         cols["kind"] = pa.array(kind, pa.int8())
         cols["start_ns"] = pa.array(np.asarray(start, dtype=np.int64) + offset)
         cols["end_ns"] = pa.array(np.asarray(end, dtype=np.int64) + offset)
+        self._yield()
         cols["status_code"] = pa.array(status, pa.int8())
         cols["status_message"] = pa.array(msg, pa.string())
         rid_arr = pa.array(rid, pa.string())
@@ -218,19 +238,23 @@ class Writer(threading.Thread):
         d = rid_arr.dictionary_encode()
         tids = pa.array([self._trace_id(x) for x in d.dictionary.to_pylist()], pa.string())
         cols["trace_id"] = tids.take(d.indices) if len(tids) else pa.nulls(n, pa.string())
+        self._yield()
         cols["prompt_index"] = pa.array(pidx, pa.int32())
         cols["attempt"] = pa.array(attempt, pa.int32())
         default_rank = res.get("tp_rank")
         if default_rank is not None:
             rank = [default_rank if r is None else r for r in rank]
         cols["tp_rank"] = pa.array(rank, pa.int16())
-        cols["thread"] = pa.array([th.name for th in thread], pa.string()).dictionary_encode()
+        cols["thread"] = pa.array(thread, pa.string()).dictionary_encode()
         oi, ki, vi = [0], [], []
         of, kf, vf = [0], [], []
         os_, ks, vs = [0], [], []
         allowed = attributes.ALLOWED
         dropped = 0
-        for a in attrs:
+        yield_ = self._yield
+        for j, a in enumerate(attrs):
+            if not j & 255:
+                yield_()
             if a:
                 for k, v in a.items():
                     spec = allowed.get(k)
@@ -276,7 +300,7 @@ class Writer(threading.Thread):
         """
         out = []
         now = time.monotonic()
-        ident = threading.current_thread()
+        ident = threading.current_thread().name
         if now >= self._anchor_due or final:
             self._anchor = a = clock.take_anchor(self.cfg.test_wall_offset_ns)
             self._anchor_due = now + self.cfg.anchor_interval_s
