@@ -197,8 +197,12 @@ class Tracer:
             next(self._dropped)
             return 0
         sid = next(self._ids) if span_id is None else span_id
+        try:
+            th = _tls.name
+        except AttributeError:
+            th = _thread_name()
         buf.append((R_SPAN, sid, sid, parent, name, kind, start_ns, end_ns, status, None,
-                    request_id, prompt_index, attempt, tp_rank, _thread_name(), attrs))
+                    request_id, prompt_index, attempt, tp_rank, th, attrs))
         if len(buf) == self._wake_at:
             self._wake.set()
         return sid
