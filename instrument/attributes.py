@@ -67,6 +67,7 @@ _ALLOWED: dict[str, Attr] = {
     "kv.backend": _A(str, "NIXL backend (e.g. 'UCX')"),
     "kv.bytes": _A(int, "bytes moved by the transfer (bytes)"),
     "kv.descriptors": _A(int, "descriptor count of the transfer"),
+    "kv.descriptors_requested": _A(int, "descriptor ids vLLM passed to make_prepped_xfer (before NIXL merging)"),
     "kv.blocks": _A(int, "KV blocks moved / held / reserved"),
     "kv.block_bytes": _A(int, "bytes per KV block across all layers on one rank (bytes)"),
     "kv.post_ns": _A(int, "NIXL post duration (ns; NIXL reports us, converted where read)"),
@@ -85,6 +86,9 @@ _ALLOWED: dict[str, Attr] = {
     "clock.rtt_ns": _A(int, "round trip of the sample that gave the offset (ns)"),
     "clock.send_ns": _A(int, "sender's timestamp carried in a message (ns since epoch, sender's clock)"),
     "clock.peer_engine_id": _A(str, "engine whose clock the sample compares with"),
+    "clock.rtt_bound_ns": _A(int, "upper bound on the round trip of a clock sample: the whole NIXL handshake (ns)"),
+    "clock.domain": _A(str, "clock of clock.offset_ns: 'monotonic' (peer monotonic minus own monotonic; convert through both processes' anchors) or 'wall'"),
+    "clock.source": _A(str, "where a clock sample came from (e.g. 'nixl_handshake')"),
     # --- errors and lifecycle -------------------------------------------------------
     "error.type": _A(str, "exception class name (no message: messages can echo prompts)"),
     "error.code": _A(str, "errno, HTTP status or NIXL status code, as text"),

@@ -1,0 +1,136 @@
+"""The traced facades' shared part: construction and the forward-thread calls.
+
+Side: both. vLLM builds one facade per role: ``SCHEDULER`` in EngineCore,
+``WORKER`` in each model-runner process.
+
+Construction builds pdtrace's own scheduler or worker object directly (the
+stock facade's ``__init__`` would build the stock worker, whose NIXL agent
+and threads a later replacement would leak). With tracing off the stock
+vLLM classes are built instead, so the engine runs exactly the stock code
+(the facade methods below then only add one ``tracer.on`` check).
+
+Forward-thread calls timed as children of the step span (the step id and the
+step span's id ride on the connector metadata from the scheduler):
+
+=====================================  ==================  ============================
+facade method (vLLM contract)          span                ``vllm.method``
+=====================================  ==================  ============================
+``start_load_kv`` (after the forward   ``connector.load``  ``start_load_kv``
+unless the step has sync loads)
+``wait_for_save``                      ``connector.save``  ``wait_for_save``
+``get_transfer_results`` (completion   ``connector.poll``  ``get_transfer_results``
+polling; ``get_finished`` legacy)
+=====================================  ==================  ============================
+
+``build_connector_worker_meta`` returns pdtrace's per-step
+:class:`~pdtrace.connector.traced.wmeta.StepReport` (tracing on only).
+"""
+from __future__ import annotations
+
+from pdtrace.instrument import tracer
+
+from .. import vllm_compat
+from .safety import safe
+
+
+def _role_name(kv_role: str) -> str:
+    return "prefill" if kv_role == "kv_producer" else "decode"
+
+
+class TracedFacadeMixin:
+    """Mixed in before the vLLM facade (NixlPullConnector / NixlPushConnector)."""
+
+    _pdt_mode = "pull"
+    _pdt_sched_cls = _pdt_work_cls = None          # traced classes
+    _pdt_stock_sched_cls = _pdt_stock_work_cls = None
+
+    def _pdt_build(self, vllm_config, role, kv_cache_config) -> None:
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+        self._pdt_traced = bool(tracer.on)
+        kvc = vllm_config.kv_transfer_config
+        if self._pdt_traced:
+            safe(tracer.set_resource, role=_role_name(kvc.kv_role), engine_id=str(self.engine_id),
+                 vllm_version=vllm_compat.vllm_version(), connector=type(self).__name__)
+        self.connector_scheduler = None
+        self.connector_worker = None
+        if role == KVConnectorRole.SCHEDULER:
+            cls = self._pdt_sched_cls if self._pdt_traced else self._pdt_stock_sched_cls
+            self.connector_scheduler = cls(vllm_config, self.engine_id, kv_cache_config)
+        elif role == KVConnectorRole.WORKER:
+            cls = self._pdt_work_cls if self._pdt_traced else self._pdt_stock_work_cls
+            with vllm_compat.agent_config_override(vllm_compat.prog_thread_setting(kvc)):
+                self.connector_worker = cls(vllm_config, self.engine_id, kv_cache_config)
+        else:
+            raise ValueError(f"Unsupported KVConnectorRole: {role}")
+
+    # ------------------------------------------------------------ per step
+    def bind_connector_metadata(self, connector_metadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._pdt_traced and self.connector_worker is not None:
+            self.connector_worker._pdt_step = getattr(connector_metadata, "_pdtrace", None)
+
+    def _pdt_span(self, name, method, t0, t1, rids) -> None:
+        w = self.connector_worker
+        step = w._pdt_step
+        if step is not None:
+            if not step[1]:
+                return
+            a = {"vllm.method": method, "step.id": step[0]}
+            parent = step[1]
+        else:
+            a = {"vllm.method": method}
+            parent = None
+        if rids:
+            a["connector.request_ids"] = ";".join(rids)
+        tracer.record(name, None, t0, t1, a, parent=parent, tp_rank=w._pdt_rank)
+
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        if not (self._pdt_traced and tracer.on):
+            return super().start_load_kv(forward_context, **kwargs)
+        w = self.connector_worker
+        t0 = tracer.now()
+        rids = safe(w._pdt_before_load, self._connector_metadata, t0)
+        try:
+            return super().start_load_kv(forward_context, **kwargs)
+        finally:
+            safe(self._pdt_span, "connector.load", "start_load_kv", t0, tracer.now(), rids)
+
+    def wait_for_save(self):
+        if not (self._pdt_traced and tracer.on):
+            return super().wait_for_save()
+        t0 = tracer.now()
+        try:
+            return super().wait_for_save()
+        finally:
+            safe(self._pdt_span, "connector.save", "wait_for_save", t0, tracer.now(), None)
+
+    def get_transfer_results(self, finished_req_ids):
+        if not (self._pdt_traced and tracer.on):
+            return super().get_transfer_results(finished_req_ids)
+        t0 = tracer.now()
+        res = super().get_transfer_results(finished_req_ids)
+        t1 = tracer.now()
+        safe(self._pdt_after_poll, "get_transfer_results", t0, t1, res.finished_recving, res.finished_sending)
+        return res
+
+    def get_finished(self, finished_req_ids):
+        if not (self._pdt_traced and tracer.on):
+            return super().get_finished(finished_req_ids)
+        t0 = tracer.now()
+        sending, recving = super().get_finished(finished_req_ids)
+        safe(self._pdt_after_poll, "get_finished", t0, tracer.now(), recving, sending)
+        return sending, recving
+
+    def _pdt_after_poll(self, method, t0, t1, recving, sending) -> None:
+        w = self.connector_worker
+        w._pdt_finished_recv(recving, t1)
+        rids = [w._pdt_x(r) for r in (recving or ())] + [w._pdt_x(r) for r in (sending or ())]
+        self._pdt_span("connector.poll", method, t0, t1, rids)
+
+    def build_connector_worker_meta(self):
+        if self._pdt_traced and tracer.on and self.connector_worker is not None:
+            r = safe(self.connector_worker._pdt_take_report)
+            if r is not None:
+                return r
+        return super().build_connector_worker_meta()

