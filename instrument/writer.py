@@ -43,7 +43,7 @@ from .recorder import R_CLOCK, R_EVENT, R_SPAN, R_STATS
 log = logging.getLogger("pdtrace")
 
 #: Records converted per step before the writer yields the GIL.
-CHUNK = 1024
+CHUNK = 512
 
 #: Longest stretch (ns) the writer runs Python/arrow conversion before yielding.
 HOLD_NS = 400_000
@@ -94,6 +94,8 @@ class Writer(threading.Thread):
         self.dropped_attributes = 0
         self._warned: set[str] = set()
         self._held_since = time.perf_counter_ns()
+        self._cpu_mark = 0
+        self.max_stretch_cpu_ns = 0
         self._trace_ids: dict[str, str] = {}
         self.otlp = None
         if cfg.otlp:
@@ -157,12 +159,19 @@ class Writer(threading.Thread):
 
     # ---------------------------------------------------------------- loop
     def run(self) -> None:
+        # Pay pyarrow's one-time initialisation now, not in the middle of the first flush.
+        try:
+            self._convert([(R_SPAN, 0, 0, None, "warm-up", 1, 0, 0, 0, None, "w", 0, 0, None, "w",
+                            {"step.id": 1, "kv.op": "READ"})])
+        except Exception:
+            pass
         interval = self.cfg.flush_interval_s
         next_flush = time.monotonic() + interval
         wake = self.tracer._wake
         while True:
             wake.wait(max(0.0, next_flush - time.monotonic()))
             wake.clear()
+            self._mark()
             stopping = self._stop_evt.is_set()
             # A flush request counts as served only by a drain that began after it.
             asked = self._flush_req.is_set()
@@ -197,12 +206,26 @@ class Writer(threading.Thread):
             self._pending_rows += k
             self._yield()
 
+    def _mark(self) -> None:
+        """Start a new stretch of GIL-holding work (after a wait or a GIL-free call)."""
+        self._held_since = time.perf_counter_ns()
+        self._cpu_mark = time.thread_time_ns()
+
     def _yield(self) -> None:
-        """Release the GIL briefly if the writer has held it for HOLD_NS or more."""
+        """Release the GIL briefly if the writer has held it for HOLD_NS or more.
+
+        Also keeps ``max_stretch_cpu_ns``: the longest run of this thread's CPU
+        time between two releases (an upper bound of a GIL hold that, unlike
+        wall time, other processes on the machine cannot inflate).
+        """
         now = time.perf_counter_ns()
         if now - self._held_since >= HOLD_NS:
+            cpu = time.thread_time_ns()
+            if cpu - self._cpu_mark > self.max_stretch_cpu_ns:
+                self.max_stretch_cpu_ns = cpu - self._cpu_mark
             time.sleep(YIELD_S)
             self._held_since = time.perf_counter_ns()
+            self._cpu_mark = time.thread_time_ns()
 
     # ---------------------------------------------------------- conversion
     def _trace_id(self, rid: str) -> str:
@@ -284,6 +307,7 @@ class Writer(threading.Thread):
             of.append(len(kf))
             os_.append(len(ks))
         self.dropped_attributes += dropped
+        self._yield()
         cols["attr_int"] = pa.MapArray.from_arrays(pa.array(oi, pa.int32()), pa.array(ki, pa.string()), pa.array(vi, pa.int64()))
         cols["attr_float"] = pa.MapArray.from_arrays(pa.array(of, pa.int32()), pa.array(kf, pa.string()), pa.array(vf, pa.float64()))
         cols["attr_str"] = pa.MapArray.from_arrays(pa.array(os_, pa.int32()), pa.array(ks, pa.string()), pa.array(vs, pa.string()))
@@ -328,13 +352,16 @@ class Writer(threading.Thread):
             return
         rows = self._pending_rows
         self._pending.append(self._convert(self._meta_records(final, rows)))
+        self._yield()
         table = pa.concat_tables(self._pending)
         self._pending, self._pending_rows = [], 0
         if self.otlp is not None:
             self.otlp.submit(table)
         name = self._file_name("p")
         try:
-            store.write_table(self.dir, table, name)
+            self._yield()
+            store.write_table(self.dir, table, name)  # pyarrow releases the GIL while encoding
+            self._mark()
         except OSError as exc:
             self.write_errors += 1
             self.dropped_in_writer += rows
@@ -354,7 +381,9 @@ class Writer(threading.Thread):
         if len(parts) <= 1:
             return
         try:
+            self._yield()
             store.write_table(self.dir, pa.concat_tables([t for _, t in parts]), self._file_name("s"))
+            self._mark()
         except OSError as exc:
             self.write_errors += 1
             self._warn_once(f"merge-{exc.errno}", "pdtrace: cannot merge trace files in %s (%s); parts kept",
