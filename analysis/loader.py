@@ -1,0 +1,119 @@
+"""The SQL library: ``.sql`` modules in ``pdtrace/analysis/sql/``, loaded in dependency order.
+
+One file is one module, named by its file stem (``ttft_segments.sql`` is module
+``ttft_segments``). A module only *defines* (views, macros, and the empty
+``_mat_*`` tables behind materialized views); it never computes on load. Its
+header declares, in SQL comments::
+
+    -- module: ttft_segments
+    -- requires: request_base, stages
+    -- materialize: ttft_segments request
+
+``requires`` lists the modules that must be loaded first. ``materialize: NAME
+KIND`` says that view ``NAME`` reads table ``_mat_NAME``, filled from view
+``_calc_NAME`` by :mod:`pdtrace.analysis.db` on refresh: ``full`` recomputes the
+whole table, ``request`` only the request keys in ``_scope_keys``.
+
+``_tables.sql`` (no header) creates the base tables the connection module
+fills; it runs before every module.
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass, field
+from importlib import resources
+
+_HEADER = re.compile(r"^--\s*(module|requires|materialize):(.*)$", re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class Module:
+    """One SQL module: name, declared dependencies, materializations [(view, 'full'|'request')], text."""
+
+    name: str
+    requires: tuple[str, ...]
+    materialize: tuple[tuple[str, str], ...]
+    text: str = field(repr=False)
+
+
+def _sql_dir():
+    return resources.files("pdtrace.analysis.sql")
+
+
+def read_module(name: str, text: str) -> Module:
+    """Parse a module's header. Raises ValueError when ``-- module:`` is missing or differs from ``name``,
+    or a materialize line is not ``NAME full|request``."""
+    requires: list[str] = []
+    mats: list[tuple[str, str]] = []
+    declared = None
+    for key, value in _HEADER.findall(text):
+        value = value.strip()
+        if key == "module":
+            declared = value
+        elif key == "requires":
+            requires += [v.strip() for v in value.split(",") if v.strip()]
+        else:
+            parts = value.split()
+            if len(parts) != 2 or parts[1] not in ("full", "request"):
+                raise ValueError(f"module {name}: bad materialize line {value!r}")
+            mats.append((parts[0], parts[1]))
+    if declared != name:
+        raise ValueError(f"module file {name}.sql declares module {declared!r}")
+    return Module(name, tuple(requires), tuple(mats), text)
+
+
+def modules() -> dict[str, Module]:
+    """All modules of the library by name (files not starting with ``_``)."""
+    out = {}
+    for entry in _sql_dir().iterdir():
+        n = entry.name
+        if n.endswith(".sql") and not n.startswith("_"):
+            out[n[:-4]] = read_module(n[:-4], entry.read_text())
+    return out
+
+
+def load_order(mods: dict[str, Module] | None = None) -> list[Module]:
+    """Modules in an order where each comes after what it requires (ties by name).
+
+    Raises ValueError for an unknown dependency or a cycle.
+    """
+    mods = modules() if mods is None else mods
+    done: list[Module] = []
+    state: dict[str, int] = {}
+
+    def visit(name: str, via: str) -> None:
+        if name not in mods:
+            raise ValueError(f"module {via} requires unknown module {name!r}")
+        s = state.get(name)
+        if s == 2:
+            return
+        if s == 1:
+            raise ValueError(f"module dependency cycle through {name!r}")
+        state[name] = 1
+        for dep in mods[name].requires:
+            visit(dep, name)
+        state[name] = 2
+        done.append(mods[name])
+
+    for name in sorted(mods):
+        visit(name, name)
+    return done
+
+
+def base_tables_sql() -> str:
+    """Text of ``_tables.sql``: idempotent CREATE TABLE IF NOT EXISTS statements."""
+    return (_sql_dir() / "_tables.sql").read_text()
+
+
+def library_hash() -> str:
+    """sha256 over every module's text: a cache built with other SQL must be rebuilt."""
+    h = hashlib.sha256(base_tables_sql().encode())
+    for m in load_order():
+        h.update(m.name.encode() + b"\0" + m.text.encode())
+    return h.hexdigest()
+
+
+def materializations() -> list[tuple[str, str]]:
+    """[(view name, 'full'|'request')] in load order."""
+    return [mat for m in load_order() for mat in m.materialize]

@@ -1,0 +1,176 @@
+-- module: clock
+-- requires: records
+-- materialize: _domain_offsets full
+--
+-- Clock skew from causal pairs (DESIGN.md §3). A message sent at true time s
+-- and received at true time r >= s, with clocks reading clock_X = true +
+-- off_X, gives   off_dst - off_src <= recv_raw - sent_raw.   Messages in both
+-- directions between two clocks bound d = off_b - off_a from both sides; a
+-- handshake-style sample gives d = offset +- rtt/2 directly. Per clock pair and
+-- window:
+--     lower = max(lower bounds), upper = min(upper bounds)
+--     offset = clamp(best sample (lowest rtt), lower, upper)   if a sample exists
+--            = clamp(0, lower, upper)                           otherwise
+--              (the least correction that makes every observed order possible)
+--     bound  = max(offset - lower, upper - offset)
+--     if lower > upper (inconsistent: drift or a bad sample): offset = the
+--     midpoint, bound = half the overlap, consistent = false.
+-- Clock domains: the router is 'router', an engine is its engine_id (all its
+-- processes share the host clock). Every time is corrected to the router's
+-- clock: corrected = raw - offset(domain); the router's offset is 0.
+
+CREATE OR REPLACE MACRO _clamp(v, lo, hi) AS least(greatest(v, coalesce(lo, v)), coalesce(hi, v));
+CREATE OR REPLACE MACRO _clock_estimate(lo, hi, point) AS
+    CASE WHEN lo > hi THEN (lo + hi) // 2 ELSE _clamp(coalesce(point, 0), lo, hi) END;
+CREATE OR REPLACE MACRO _clock_bound(lo, hi, est) AS
+    CASE WHEN lo IS NULL OR hi IS NULL THEN NULL
+         WHEN lo > hi THEN (lo - hi + 1) // 2
+         ELSE greatest(est - lo, hi - est) END;
+
+CREATE OR REPLACE VIEW _clock_router_marks AS
+SELECT rkey,
+       max(end_ns) FILTER (WHERE name = 'router.dispatch' AND attr_str['router.leg'] = 'prefill') AS disp_p_end,
+       max(end_ns) FILTER (WHERE name = 'router.dispatch' AND attr_str['router.leg'] = 'decode') AS disp_d_end,
+       min(start_ns) FILTER (WHERE name = 'router.dispatch' AND attr_str['router.leg'] = 'decode') AS disp_d_start,
+       min(start_ns) FILTER (WHERE name = 'router.first_token') AS first_token_ns,
+       any_value(attr_str['request.mode']) FILTER (WHERE name = 'router.request') AS mode,
+       any_value(domain) AS router_domain
+FROM _records
+WHERE role = 'router' AND rkey IS NOT NULL AND record IN ('span', 'event')
+GROUP BY rkey;
+
+CREATE OR REPLACE VIEW _clock_engine_marks AS
+SELECT rkey, domain, role,
+       min(start_ns) AS first_start,
+       max(end_ns) FILTER (WHERE name = 'prefill.compute') AS compute_end,
+       max(end_ns) FILTER (WHERE name = 'decode.first_step') AS first_step_end
+FROM _records
+WHERE record = 'span' AND role IN ('prefill', 'decode') AND rkey IS NOT NULL
+GROUP BY rkey, domain, role;
+
+-- One row per causal message or sample: sent on src's clock, received on dst's.
+CREATE OR REPLACE VIEW _clock_msgs AS
+WITH pairs AS (
+    SELECT * FROM _clock_router_marks r JOIN _clock_engine_marks e USING (rkey)
+)
+-- router -> engine: an engine cannot start a request before the router sent it
+SELECT router_domain AS src, domain AS dst,
+       CASE role WHEN 'prefill' THEN disp_p_end ELSE disp_d_end END AS sent_ns,
+       first_start AS recv_ns, 'http_request' AS kind, NULL::BIGINT AS point_ns, NULL::BIGINT AS rtt_ns
+FROM pairs
+UNION ALL
+-- prefill -> router: pull dispatches D only after P's response; in any mode
+-- P's KV is computed before the router writes the first token
+SELECT domain, router_domain, compute_end,
+       CASE WHEN mode = 'pull' THEN coalesce(disp_d_start, first_token_ns) ELSE first_token_ns END,
+       'http_response', NULL, NULL
+FROM pairs WHERE role = 'prefill'
+UNION ALL
+-- decode -> router: the first token is sampled on D before the router writes it
+SELECT domain, router_domain, first_step_end, first_token_ns, 'http_response', NULL, NULL
+FROM pairs WHERE role = 'decode'
+UNION ALL
+-- engine <-> engine messages carrying the sender's send time (registration, notifications)
+SELECT coalesce(attr_str['clock.peer_engine_id'], attr_str['peer.engine_id']), domain,
+       attr_int['clock.send_ns'], start_ns, name, NULL, NULL
+FROM _records
+WHERE record = 'event' AND name IN ('registration.received', 'notification.received')
+  AND attr_int['clock.send_ns'] IS NOT NULL
+UNION ALL
+-- samples (e.g. the NIXL handshake's lowest-RTT estimate): peer clock minus own clock
+SELECT domain, attr_str['clock.peer_engine_id'], NULL, start_ns, 'clock.sample',
+       attr_int['clock.offset_ns'], coalesce(attr_int['clock.rtt_ns'], 0)
+FROM _records
+WHERE record = 'event' AND name = 'clock.sample' AND attr_int['clock.offset_ns'] IS NOT NULL;
+
+-- Bounds on off(clock_b) - off(clock_a); the router always sorts first.
+CREATE OR REPLACE VIEW _clock_bounds AS
+WITH m AS (
+    SELECT *, (CASE WHEN src = 'router' THEN '' ELSE src END) > (CASE WHEN dst = 'router' THEN '' ELSE dst END) AS flip
+    FROM _clock_msgs
+    WHERE src IS NOT NULL AND dst IS NOT NULL AND src <> dst AND recv_ns IS NOT NULL
+      AND (kind = 'clock.sample' OR sent_ns IS NOT NULL)
+)
+SELECT CASE WHEN flip THEN dst ELSE src END AS clock_a,
+       CASE WHEN flip THEN src ELSE dst END AS clock_b,
+       recv_ns // _clock_window_ns() AS window_idx,
+       kind,
+       CASE WHEN kind = 'clock.sample' THEN (CASE WHEN flip THEN -point_ns ELSE point_ns END) - rtt_ns // 2
+            WHEN flip THEN sent_ns - recv_ns END AS lower_ns,
+       CASE WHEN kind = 'clock.sample' THEN (CASE WHEN flip THEN -point_ns ELSE point_ns END) + rtt_ns // 2
+            WHEN NOT flip THEN recv_ns - sent_ns END AS upper_ns,
+       CASE WHEN kind = 'clock.sample' THEN (CASE WHEN flip THEN -point_ns ELSE point_ns END) END AS point_ns,
+       rtt_ns
+FROM m;
+
+-- Per clock pair: one row per window, plus one (window_idx NULL) for the whole trace.
+CREATE OR REPLACE VIEW _clock_pair_est AS
+WITH agg AS (
+    SELECT clock_a, clock_b, window_idx,
+           max(lower_ns) AS lo, min(upper_ns) AS hi,
+           arg_min(point_ns, rtt_ns) FILTER (WHERE point_ns IS NOT NULL) AS point,
+           count(*) FILTER (WHERE kind <> 'clock.sample') AS messages,
+           count(*) FILTER (WHERE kind = 'clock.sample') AS samples,
+           string_agg(DISTINCT kind, ',' ORDER BY kind) AS sources
+    FROM _clock_bounds
+    GROUP BY GROUPING SETS ((clock_a, clock_b, window_idx), (clock_a, clock_b))
+)
+SELECT *, _clock_estimate(lo, hi, point) AS est,
+       _clock_bound(lo, hi, _clock_estimate(lo, hi, point)) AS bound
+FROM agg;
+
+CREATE OR REPLACE VIEW clock_offsets AS
+SELECT clock_a, clock_b,
+       window_idx * _clock_window_ns() AS window_start_ns,
+       est AS offset_ns, est / 1e6 AS offset_ms,
+       bound AS bound_ns, bound / 1e6 AS bound_ms,
+       lo AS lower_ns, hi AS upper_ns,
+       coalesce(lo <= hi, true) AS consistent,
+       messages, samples, sources
+FROM _clock_pair_est;
+
+COMMENT ON VIEW clock_offsets IS 'Clock offset per pair of clocks (router, engines) and window, from causal pairs and samples; offset = clock_b - clock_a.';
+COMMENT ON COLUMN clock_offsets.clock_a IS 'first clock: ''router'' or an engine id (the router always sorts first)';
+COMMENT ON COLUMN clock_offsets.clock_b IS 'second clock: an engine id';
+COMMENT ON COLUMN clock_offsets.window_start_ns IS 'start of the estimation window (ns since the Unix epoch, receiver clock); NULL: the whole trace';
+COMMENT ON COLUMN clock_offsets.offset_ns IS 'estimated clock_b minus clock_a (duration ns; positive: b reads later)';
+COMMENT ON COLUMN clock_offsets.offset_ms IS 'offset_ns in ms';
+COMMENT ON COLUMN clock_offsets.bound_ns IS 'uncertainty: the true offset is within offset +- bound (duration ns); NULL when one side is unbounded';
+COMMENT ON COLUMN clock_offsets.bound_ms IS 'bound_ns in ms';
+COMMENT ON COLUMN clock_offsets.lower_ns IS 'largest lower bound on the offset from causal pairs and samples (duration ns)';
+COMMENT ON COLUMN clock_offsets.upper_ns IS 'smallest upper bound on the offset (duration ns)';
+COMMENT ON COLUMN clock_offsets.consistent IS 'false when the bounds contradict each other (lower > upper): drift or a bad sample';
+COMMENT ON COLUMN clock_offsets.messages IS 'causal messages used (router<->engine HTTP, registrations, notifications) (count)';
+COMMENT ON COLUMN clock_offsets.samples IS 'direct offset samples used, e.g. the handshake estimate (count)';
+COMMENT ON COLUMN clock_offsets.sources IS 'kinds of evidence, comma-separated';
+
+-- Offset of each clock domain relative to the router, per window and overall
+-- (window_idx NULL): intersect the direct router<->X bounds with one-hop
+-- bounds router<->Y<->X; a point estimate comes from the tightest candidate
+-- that has one.
+CREATE OR REPLACE VIEW _clock_dir AS
+SELECT clock_a AS a, clock_b AS b, window_idx, lo, hi, point, est FROM _clock_pair_est
+UNION ALL
+SELECT clock_b, clock_a, window_idx, -hi, -lo, -point, -est FROM _clock_pair_est;
+
+CREATE OR REPLACE VIEW _calc_domain_offsets AS
+WITH cand AS (
+    SELECT b AS domain, window_idx, lo, hi, point FROM _clock_dir WHERE a = 'router'
+    UNION ALL
+    SELECT y.b, y.window_idx, r.lo + y.lo, r.hi + y.hi, r.est + y.point
+    FROM _clock_dir r JOIN _clock_dir y
+      ON r.a = 'router' AND y.a = r.b AND y.b <> 'router'
+     AND r.window_idx IS NOT DISTINCT FROM y.window_idx
+), agg AS (
+    SELECT domain, window_idx, max(lo) AS lo, min(hi) AS hi,
+           arg_min(point, coalesce(hi - lo, 9223372036854775807)) FILTER (WHERE point IS NOT NULL) AS point
+    FROM cand GROUP BY domain, window_idx
+)
+SELECT domain, window_idx, _clock_estimate(lo, hi, point) AS offset_ns,
+       _clock_bound(lo, hi, _clock_estimate(lo, hi, point)) AS bound_ns
+FROM agg
+UNION ALL
+SELECT 'router', NULL, 0, 0;
+
+CREATE TABLE IF NOT EXISTS _mat_domain_offsets AS SELECT * FROM _calc_domain_offsets LIMIT 0;
+CREATE OR REPLACE VIEW _domain_offsets AS SELECT * FROM _mat_domain_offsets;

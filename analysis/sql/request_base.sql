@@ -1,0 +1,84 @@
+-- module: request_base
+-- requires: spans
+-- materialize: _req_base request
+--
+-- Materialized per request: a refresh recomputes the keys in _scope_keys.
+--
+-- One row per request: the router's root (router.request) gives arrival and
+-- the first-token event; engine rows add engines, tokens and flags. A request
+-- id seen only on engines is still a request (cause: no router record) unless
+-- a router span links it to another id (router.linked_request_id: the legs
+-- were sent different ids) -- then it belongs to the linking request.
+
+-- Request keys that a router span names as its other leg's id (whole store,
+-- never restricted by an incremental refresh).
+CREATE OR REPLACE VIEW _req_links AS
+SELECT DISTINCT _request_key(run_id, attr_str['router.linked_request_id'], prompt_index) AS rkey,
+       rkey AS by_rkey, attr_str['router.linked_request_id'] AS linked_id
+FROM _records
+WHERE role = 'router' AND attr_str['router.linked_request_id'] IS NOT NULL
+  AND attr_str['router.linked_request_id'] <> request_id;
+
+CREATE OR REPLACE VIEW _calc_req_base AS
+WITH rt AS (
+    SELECT rkey,
+           any_value(run_id) AS run_id, any_value(request_id) AS request_id, any_value(prompt_index) AS prompt_index,
+           min(c_start_ns) FILTER (WHERE record = 'span' AND name = 'router.request') AS arrival_ns,
+           max(c_end_ns) FILTER (WHERE record = 'span' AND name = 'router.request') AS root_end_ns,
+           max(status_code) FILTER (WHERE record = 'span' AND name = 'router.request') AS root_status,
+           min(c_start_ns) FILTER (WHERE record = 'event' AND name = 'router.first_token') AS first_token_ns,
+           max(c_start_ns) FILTER (WHERE record = 'event' AND name = 'router.last_token') AS last_token_ns,
+           any_value(attr_str['request.mode']) FILTER (WHERE name = 'router.request') AS mode,
+           max(attr_int['gen_ai.usage.input_tokens']) AS prompt_tokens,
+           max(attr_int['gen_ai.usage.output_tokens']) AS output_tokens,
+           max(attr_int['request.num_cached_tokens']) AS cached_tokens,
+           list(DISTINCT attr_str['router.linked_request_id'])
+               FILTER (WHERE attr_str['router.linked_request_id'] IS NOT NULL) AS linked_ids,
+           max(attempt) AS router_attempt,
+           count(*) FILTER (WHERE record = 'span' AND name = 'router.request') > 0 AS has_root
+    FROM _timed
+    WHERE role = 'router' AND rkey IN (SELECT rkey FROM _scope_keys)
+    GROUP BY rkey
+), en AS (
+    SELECT rkey,
+           any_value(run_id) AS run_id, any_value(request_id) AS request_id, any_value(prompt_index) AS prompt_index,
+           min(c_start_ns) AS first_ns, max(c_end_ns) AS last_ns,
+           any_value(engine_id) FILTER (WHERE role = 'prefill') AS prefill_engine,
+           any_value(engine_id) FILTER (WHERE role = 'decode') AS decode_engine,
+           max(attr_int['gen_ai.usage.input_tokens']) AS prompt_tokens,
+           max(attr_int['request.num_cached_tokens']) AS cached_tokens,
+           max(attempt) AS attempt,
+           bool_or(name = 'handoff.handshake' OR attr_int['kv.first_contact'] = 1) AS first_contact,
+           bool_or(name IN ('kv.load_failed', 'request.preempted')) AS recomputed,
+           CASE WHEN bool_or(connector ILIKE '%push%') THEN 'push'
+                WHEN bool_or(connector ILIKE '%nixl%') THEN 'pull' END AS connector_mode,
+           bool_or(name = 'dest.register') AS saw_registration
+    FROM _timed
+    WHERE role IN ('prefill', 'decode') AND rkey IN (SELECT rkey FROM _scope_keys)
+    GROUP BY rkey
+), linked AS (
+    SELECT rkey FROM _req_links
+)
+SELECT coalesce(rt.rkey, en.rkey) AS rkey,
+       coalesce(rt.run_id, en.run_id) AS run_id,
+       coalesce(rt.request_id, en.request_id) AS request_id,
+       coalesce(rt.prompt_index, en.prompt_index) AS prompt_index,
+       coalesce(rt.mode, en.connector_mode, CASE WHEN en.saw_registration THEN 'push' END, 'unknown') AS mode,
+       coalesce(rt.prompt_tokens, en.prompt_tokens) AS prompt_tokens,
+       coalesce(rt.cached_tokens, en.cached_tokens) AS cached_tokens,
+       coalesce(rt.prompt_tokens, en.prompt_tokens) - coalesce(rt.cached_tokens, en.cached_tokens, 0) AS uncached_tokens,
+       rt.output_tokens,
+       CASE WHEN rt.has_root THEN rt.arrival_ns ELSE en.first_ns END AS arrival_ns,
+       rt.first_token_ns, rt.last_token_ns, rt.root_end_ns, rt.root_status,
+       greatest(coalesce(rt.router_attempt, 0), coalesce(en.attempt, 0)) + 1 AS attempts,
+       en.prefill_engine, en.decode_engine,
+       coalesce(en.first_contact, false) AS first_contact,
+       coalesce(en.recomputed, false) AS recomputed,
+       coalesce(rt.has_root, false) AS has_router_record,
+       rt.linked_ids,
+       en.last_ns AS engine_last_ns
+FROM rt FULL OUTER JOIN en ON rt.rkey = en.rkey
+WHERE NOT (rt.rkey IS NULL AND en.rkey IN (SELECT rkey FROM linked));
+
+CREATE TABLE IF NOT EXISTS _mat_req_base AS SELECT * FROM _calc_req_base LIMIT 0;
+CREATE OR REPLACE VIEW _req_base AS SELECT * FROM _mat_req_base;

@@ -1,0 +1,95 @@
+-- module: spans
+-- requires: stages, clock
+-- Every span and event once, with raw and skew-corrected times.
+-- corrected = raw - offset(clock domain, window of the raw start), the offset
+-- of the domain's clock relative to the router's (module clock); a domain
+-- without evidence in a window uses its whole-trace offset, and 0 without any.
+
+CREATE OR REPLACE VIEW _timed AS
+SELECT r.*,
+       coalesce(w.offset_ns, a.offset_ns, 0) AS clock_offset_ns,
+       CASE WHEN w.offset_ns IS NOT NULL THEN w.bound_ns ELSE a.bound_ns END AS clock_bound_ns,
+       r.start_ns - coalesce(w.offset_ns, a.offset_ns, 0) AS c_start_ns,
+       r.end_ns - coalesce(w.offset_ns, a.offset_ns, 0) AS c_end_ns
+FROM _records r
+LEFT JOIN (SELECT * FROM _domain_offsets WHERE window_idx IS NOT NULL) w
+       ON w.domain = r.domain AND w.window_idx = r.start_ns // _clock_window_ns()
+LEFT JOIN (SELECT * FROM _domain_offsets WHERE window_idx IS NULL) a
+       ON a.domain = r.domain
+WHERE r.record IN ('span', 'event');
+
+CREATE OR REPLACE VIEW spans AS
+SELECT t.record_id, t.trace_id, t.span_id, t.parent_span_id, t.run_id, t.request_id, t.prompt_index, t.attempt,
+       t.role, t.engine_id, t.tp_rank, t.thread, t.name AS stage, s.category,
+       t.c_start_ns AS start_ns, t.c_end_ns AS end_ns, t.end_ns - t.start_ns AS dur_ns,
+       t.start_ns AS raw_start_ns, t.end_ns AS raw_end_ns,
+       t.domain AS clock_domain, t.clock_offset_ns, t.clock_bound_ns,
+       t.status_code, t.status_message, t.attr_int, t.attr_float, t.attr_str,
+       t.host, t.pid, t.connector, t.rkey
+FROM _timed t LEFT JOIN stages s ON s.stage = t.name
+WHERE t.record = 'span';
+
+CREATE OR REPLACE VIEW events AS
+SELECT t.record_id, t.trace_id, t.span_id, t.run_id, t.request_id, t.prompt_index, t.attempt,
+       t.role, t.engine_id, t.tp_rank, t.thread, t.name AS event,
+       t.c_start_ns AS time_ns, t.start_ns AS raw_time_ns,
+       t.domain AS clock_domain, t.clock_offset_ns, t.clock_bound_ns,
+       t.attr_int, t.attr_float, t.attr_str, t.rkey
+FROM _timed t
+WHERE t.record = 'event';
+
+COMMENT ON VIEW spans IS 'Every span once (duplicates by record_id removed), raw and skew-corrected times.';
+COMMENT ON COLUMN spans.record_id IS 'unique record id (duplicates of a span share it)';
+COMMENT ON COLUMN spans.trace_id IS 'W3C trace id (32 hex); NULL for per-step spans';
+COMMENT ON COLUMN spans.span_id IS 'span id (uint64)';
+COMMENT ON COLUMN spans.parent_span_id IS 'parent span id, NULL for a root or unparented stage';
+COMMENT ON COLUMN spans.run_id IS 'deployment run id';
+COMMENT ON COLUMN spans.request_id IS 'base request id X (vLLM prefix, index and 8-hex suffix stripped); NULL for per-step spans';
+COMMENT ON COLUMN spans.prompt_index IS 'prompt index i of cmpl-X-i (0 otherwise)';
+COMMENT ON COLUMN spans.attempt IS 'attempt number: 0 first dispatch, +1 per retry or local recompute';
+COMMENT ON COLUMN spans.role IS 'router | prefill | decode';
+COMMENT ON COLUMN spans.engine_id IS 'recording engine id (NULL for the router)';
+COMMENT ON COLUMN spans.tp_rank IS 'tensor-parallel rank of a per-rank stage (NULL: scheduler/API/router)';
+COMMENT ON COLUMN spans.thread IS 'recording thread name';
+COMMENT ON COLUMN spans.stage IS 'stage name (see view stages)';
+COMMENT ON COLUMN spans.category IS 'category of the stage: queue | compute | transfer | coordination; NULL for parents and unknown names';
+COMMENT ON COLUMN spans.start_ns IS 'start corrected to the router clock (ns since the Unix epoch)';
+COMMENT ON COLUMN spans.end_ns IS 'end corrected to the router clock (ns since the Unix epoch)';
+COMMENT ON COLUMN spans.dur_ns IS 'end - start (duration ns; the same raw or corrected)';
+COMMENT ON COLUMN spans.raw_start_ns IS 'start as recorded on the writing process clock (ns since the Unix epoch)';
+COMMENT ON COLUMN spans.raw_end_ns IS 'end as recorded (ns since the Unix epoch)';
+COMMENT ON COLUMN spans.clock_domain IS 'clock the row was recorded on: ''router'' or the engine id';
+COMMENT ON COLUMN spans.clock_offset_ns IS 'offset subtracted from raw times: domain clock minus router clock (duration ns)';
+COMMENT ON COLUMN spans.clock_bound_ns IS 'uncertainty of clock_offset_ns (duration ns; NULL: unbounded or no evidence)';
+COMMENT ON COLUMN spans.status_code IS 'OTLP status: 0 unset, 1 ok, 2 error';
+COMMENT ON COLUMN spans.status_message IS 'error class and code';
+COMMENT ON COLUMN spans.attr_int IS 'integer attributes (units per pdtrace.instrument.attributes)';
+COMMENT ON COLUMN spans.attr_float IS 'float attributes';
+COMMENT ON COLUMN spans.attr_str IS 'string attributes';
+COMMENT ON COLUMN spans.host IS 'host of the recording process';
+COMMENT ON COLUMN spans.pid IS 'process id of the recording process';
+COMMENT ON COLUMN spans.connector IS 'KV connector class of the engine';
+COMMENT ON COLUMN spans.rkey IS 'request join key: hash of (run_id, request_id, prompt_index); NULL for per-step spans';
+
+COMMENT ON VIEW events IS 'Every event (instant) once, raw and skew-corrected time.';
+COMMENT ON COLUMN events.record_id IS 'unique record id';
+COMMENT ON COLUMN events.trace_id IS 'W3C trace id (32 hex)';
+COMMENT ON COLUMN events.span_id IS 'span the event is on (NULL: on the request)';
+COMMENT ON COLUMN events.run_id IS 'deployment run id';
+COMMENT ON COLUMN events.request_id IS 'base request id X';
+COMMENT ON COLUMN events.prompt_index IS 'prompt index i of cmpl-X-i (0 otherwise)';
+COMMENT ON COLUMN events.attempt IS 'attempt number';
+COMMENT ON COLUMN events.role IS 'router | prefill | decode';
+COMMENT ON COLUMN events.engine_id IS 'recording engine id (NULL for the router)';
+COMMENT ON COLUMN events.tp_rank IS 'tensor-parallel rank (NULL: not per-rank)';
+COMMENT ON COLUMN events.thread IS 'recording thread name';
+COMMENT ON COLUMN events.event IS 'event name (pdtrace.instrument.stages.EVENTS)';
+COMMENT ON COLUMN events.time_ns IS 'instant corrected to the router clock (ns since the Unix epoch)';
+COMMENT ON COLUMN events.raw_time_ns IS 'instant as recorded (ns since the Unix epoch)';
+COMMENT ON COLUMN events.clock_domain IS 'clock the row was recorded on';
+COMMENT ON COLUMN events.clock_offset_ns IS 'offset subtracted from the raw time (duration ns)';
+COMMENT ON COLUMN events.clock_bound_ns IS 'uncertainty of clock_offset_ns (duration ns)';
+COMMENT ON COLUMN events.attr_int IS 'integer attributes';
+COMMENT ON COLUMN events.attr_float IS 'float attributes';
+COMMENT ON COLUMN events.attr_str IS 'string attributes';
+COMMENT ON COLUMN events.rkey IS 'request join key (see spans.rkey)';

@@ -1,0 +1,44 @@
+-- module: stages
+-- requires:
+-- The stage vocabulary as a mapping table. `_stage_vocab(stage, role,
+-- category, doc)` is loaded by the connection module from
+-- pdtrace.instrument.stages.STAGES (one list for code, SQL and dashboard);
+-- the flags below are the analysis' own reading of DESIGN.md §2.
+
+CREATE OR REPLACE VIEW _stage_flags AS
+SELECT * FROM (VALUES
+    -- stage,                 stage_group,      filler, step_boundary, step_level
+    ('router.wait',          'router.wait',     true,   false, false),
+    ('handoff.step_wait',    'handoff.prep',    false,  true,  false),
+    ('handoff.handshake',    'handoff.prep',    false,  false, false),
+    ('handoff.agent_load',   'handoff.prep',    false,  false, false),
+    ('handoff.descriptors',  'handoff.prep',    false,  false, false),
+    ('handoff.writer_queue', 'handoff.prep',    false,  false, false),
+    ('kv.ready',             'kv.ready',        false,  true,  false),
+    ('connector.load',       'decode.step',     false,  false, true),
+    ('connector.poll',       'decode.step',     false,  false, true),
+    ('connector.save',       'decode.step',     false,  false, true),
+    ('decode.step',          'decode.step',     false,  false, true),
+    ('prefill.step',         'prefill.step',    false,  false, true)
+) t(stage, stage_group, is_filler, is_step_boundary, is_step_level);
+
+CREATE OR REPLACE VIEW stages AS
+SELECT v.stage,
+       v.role,
+       v.category,
+       v.category IS NOT NULL AND NOT coalesce(f.is_step_level, false) AND v.stage <> 'unattributed' AS owns_ttft,
+       coalesce(f.stage_group, v.stage) AS stage_group,
+       coalesce(f.is_filler, false) AS is_filler,
+       coalesce(f.is_step_boundary, false) AS is_step_boundary,
+       v.doc
+FROM _stage_vocab v LEFT JOIN _stage_flags f USING (stage);
+
+COMMENT ON VIEW stages IS 'Stage name -> category mapping (pdtrace.instrument.stages) with the flags the critical path uses.';
+COMMENT ON COLUMN stages.stage IS 'stage (span) name, e.g. kv.transfer';
+COMMENT ON COLUMN stages.role IS 'role that records the stage: router | prefill | decode (empty for unattributed)';
+COMMENT ON COLUMN stages.category IS 'queue | compute | transfer | coordination; NULL for parents, which are never charged';
+COMMENT ON COLUMN stages.owns_ttft IS 'true if the stage can own time on a request''s TTFT critical path (leaf request stage)';
+COMMENT ON COLUMN stages.stage_group IS 'the DESIGN.md §2 stage a child rolls up to (handoff.* -> handoff.prep); itself otherwise';
+COMMENT ON COLUMN stages.is_filler IS 'true for waits (router.wait) that own only time no other stage covers';
+COMMENT ON COLUMN stages.is_step_boundary IS 'true for waits on an engine-step boundary (handoff.step_wait, kv.ready)';
+COMMENT ON COLUMN stages.doc IS 'meaning of the stage (from -> to)';

@@ -1,0 +1,123 @@
+-- module: ttft_breakdown
+-- requires: ttft_segments
+-- materialize: ttft_hidden request
+-- materialize: ttft_breakdown request
+--
+-- Per request: TTFT split into categories from ttft_segments, so
+--     queue_ns + compute_ns + transfer_ns + coordination_ns = ttft_ns exactly
+-- (coordination includes unattributed), plus the hidden time: work of a
+-- charged stage that ran while the critical path was elsewhere (the losing
+-- branch of a join; DESIGN.md §3). Other TP ranks' copies of the critical
+-- rank's stages are not counted as hidden.
+
+CREATE OR REPLACE VIEW _calc_ttft_hidden AS
+WITH c AS (
+    SELECT c.* FROM _tt_cand c
+    WHERE NOT c.is_filler
+      AND NOT EXISTS (SELECT 1 FROM _tt_cand p WHERE p.rkey = c.rkey AND p.span_id = c.parent_span_id)
+)
+SELECT c.rkey, c.stage, sum((c.e0 - c.s0) - coalesce(t.oe - t.s0, 0))::BIGINT AS hidden_ns
+FROM c LEFT JOIN _tt_top t ON t.rkey = c.rkey AND t.span_id = c.span_id
+GROUP BY c.rkey, c.stage
+HAVING sum((c.e0 - c.s0) - coalesce(t.oe - t.s0, 0)) > 0;
+
+CREATE TABLE IF NOT EXISTS _mat_ttft_hidden AS SELECT * FROM _calc_ttft_hidden LIMIT 0;
+CREATE OR REPLACE VIEW ttft_hidden AS
+SELECT q.run_id, q.request_id, q.prompt_index, h.stage, h.hidden_ns, h.hidden_ns / 1e6 AS hidden_ms, h.rkey
+FROM _mat_ttft_hidden h JOIN _req_base q ON q.rkey = h.rkey;
+
+COMMENT ON VIEW ttft_hidden IS 'Per request and stage: time a charged stage ran off the critical path (hidden behind the last-arriving input).';
+COMMENT ON COLUMN ttft_hidden.run_id IS 'deployment run id';
+COMMENT ON COLUMN ttft_hidden.request_id IS 'base request id X';
+COMMENT ON COLUMN ttft_hidden.prompt_index IS 'prompt index i';
+COMMENT ON COLUMN ttft_hidden.stage IS 'stage name';
+COMMENT ON COLUMN ttft_hidden.hidden_ns IS 'clipped stage time not on the critical path (duration ns)';
+COMMENT ON COLUMN ttft_hidden.hidden_ms IS 'hidden_ns in ms';
+COMMENT ON COLUMN ttft_hidden.rkey IS 'request join key';
+
+CREATE OR REPLACE VIEW _calc_ttft_breakdown AS
+WITH seg AS (
+    SELECT s.rkey,
+           sum(s.dur_ns) AS total_ns,
+           coalesce(sum(s.dur_ns) FILTER (WHERE s.category = 'queue'), 0) AS queue_ns,
+           coalesce(sum(s.dur_ns) FILTER (WHERE s.category = 'compute'), 0) AS compute_ns,
+           coalesce(sum(s.dur_ns) FILTER (WHERE s.category = 'transfer'), 0) AS transfer_ns,
+           coalesce(sum(s.dur_ns) FILTER (WHERE s.category = 'coordination'), 0) AS coordination_ns,
+           coalesce(sum(s.dur_ns) FILTER (WHERE s.stage = 'unattributed'), 0) AS unattributed_ns,
+           coalesce(sum(s.dur_ns) FILTER (WHERE st.is_step_boundary), 0) AS step_boundary_ns,
+           coalesce(sum(s.dur_ns) FILTER (WHERE s.stage = 'kv.ready'), 0) AS readiness_lag_ns,
+           coalesce(sum(s.dur_ns) FILTER (WHERE s.stage = 'router.wait'), 0) AS router_wait_ns,
+           count(*) AS segments
+    FROM _mat_ttft_segments s LEFT JOIN stages st ON st.stage = s.stage
+    WHERE s.rkey IN (SELECT rkey FROM _scope_keys)
+    GROUP BY s.rkey
+), dom AS (
+    SELECT rkey, arg_max(stage_group, (d, stage_group)) AS dominant_stage, max(d) AS dominant_ns
+    FROM (SELECT rkey, stage_group, sum(dur_ns) AS d FROM _mat_ttft_segments
+          WHERE rkey IN (SELECT rkey FROM _scope_keys) GROUP BY rkey, stage_group)
+    GROUP BY rkey
+), hid AS (
+    SELECT rkey, sum(hidden_ns)::BIGINT AS hidden_ns FROM _mat_ttft_hidden
+    WHERE rkey IN (SELECT rkey FROM _scope_keys) GROUP BY rkey
+)
+SELECT q.run_id, q.request_id, q.prompt_index, q.mode,
+       q.first_token_ns - q.arrival_ns AS ttft_ns,
+       (q.first_token_ns - q.arrival_ns) / 1e6 AS ttft_ms,
+       seg.queue_ns, seg.compute_ns, seg.transfer_ns, seg.coordination_ns, seg.unattributed_ns,
+       coalesce(hid.hidden_ns, 0) AS hidden_ns,
+       seg.queue_ns / 1e6 AS queue_ms, seg.compute_ns / 1e6 AS compute_ms, seg.transfer_ns / 1e6 AS transfer_ms,
+       seg.coordination_ns / 1e6 AS coordination_ms, seg.unattributed_ns / 1e6 AS unattributed_ms,
+       coalesce(hid.hidden_ns, 0) / 1e6 AS hidden_ms,
+       seg.step_boundary_ns / 1e6 AS step_boundary_ms,
+       seg.readiness_lag_ns / 1e6 AS readiness_lag_ms,
+       seg.router_wait_ns / 1e6 AS router_wait_ms,
+       dom.dominant_stage, dom.dominant_ns / 1e6 AS dominant_ms,
+       q.first_contact, q.recomputed,
+       q.prompt_tokens, q.cached_tokens, q.uncached_tokens, q.output_tokens,
+       q.arrival_ns, q.first_token_ns, q.prefill_engine, q.decode_engine, seg.segments,
+       q.rkey
+FROM _req_base q
+JOIN seg ON seg.rkey = q.rkey
+LEFT JOIN dom ON dom.rkey = q.rkey
+LEFT JOIN hid ON hid.rkey = q.rkey
+WHERE q.rkey IN (SELECT rkey FROM _scope_keys);
+
+CREATE TABLE IF NOT EXISTS _mat_ttft_breakdown AS SELECT * FROM _calc_ttft_breakdown LIMIT 0;
+CREATE OR REPLACE VIEW ttft_breakdown AS SELECT * FROM _mat_ttft_breakdown;
+
+COMMENT ON VIEW ttft_breakdown IS 'Per complete request: TTFT by category (queue + compute + transfer + coordination = ttft, to the ns), hidden time, dominant stage.';
+COMMENT ON COLUMN ttft_breakdown.run_id IS 'deployment run id';
+COMMENT ON COLUMN ttft_breakdown.request_id IS 'base request id X';
+COMMENT ON COLUMN ttft_breakdown.prompt_index IS 'prompt index i';
+COMMENT ON COLUMN ttft_breakdown.mode IS 'handoff mode: pull | push | unknown';
+COMMENT ON COLUMN ttft_breakdown.ttft_ns IS 'first token written - request received, router clock (duration ns)';
+COMMENT ON COLUMN ttft_breakdown.ttft_ms IS 'ttft_ns in ms';
+COMMENT ON COLUMN ttft_breakdown.queue_ns IS 'exposed queue time (duration ns)';
+COMMENT ON COLUMN ttft_breakdown.compute_ns IS 'exposed compute time (duration ns)';
+COMMENT ON COLUMN ttft_breakdown.transfer_ns IS 'exposed KV transfer time (duration ns)';
+COMMENT ON COLUMN ttft_breakdown.coordination_ns IS 'exposed coordination time including unattributed (duration ns)';
+COMMENT ON COLUMN ttft_breakdown.unattributed_ns IS 'part of coordination_ns no stage covers (duration ns)';
+COMMENT ON COLUMN ttft_breakdown.hidden_ns IS 'charged-stage time off the critical path, summed over stages (duration ns)';
+COMMENT ON COLUMN ttft_breakdown.queue_ms IS 'queue_ns in ms';
+COMMENT ON COLUMN ttft_breakdown.compute_ms IS 'compute_ns in ms';
+COMMENT ON COLUMN ttft_breakdown.transfer_ms IS 'transfer_ns in ms';
+COMMENT ON COLUMN ttft_breakdown.coordination_ms IS 'coordination_ns in ms (including unattributed)';
+COMMENT ON COLUMN ttft_breakdown.unattributed_ms IS 'unattributed_ns in ms';
+COMMENT ON COLUMN ttft_breakdown.hidden_ms IS 'hidden_ns in ms';
+COMMENT ON COLUMN ttft_breakdown.step_boundary_ms IS 'exposed waits on engine-step boundaries: handoff.step_wait + kv.ready (ms)';
+COMMENT ON COLUMN ttft_breakdown.readiness_lag_ms IS 'exposed kv.ready: all ranks'' KV ready -> promoted by the scheduler (ms)';
+COMMENT ON COLUMN ttft_breakdown.router_wait_ms IS 'exposed router.wait: the router awaiting a leg while no engine stage runs (ms)';
+COMMENT ON COLUMN ttft_breakdown.dominant_stage IS 'stage (rolled up to its DESIGN.md §2 stage) with the most exposed time';
+COMMENT ON COLUMN ttft_breakdown.dominant_ms IS 'exposed time of dominant_stage (ms)';
+COMMENT ON COLUMN ttft_breakdown.first_contact IS 'true if the handoff paid the first-contact cost (handshake) for its engine pair';
+COMMENT ON COLUMN ttft_breakdown.recomputed IS 'true if the prompt was recomputed (load failure or preemption); recompute counts as compute';
+COMMENT ON COLUMN ttft_breakdown.prompt_tokens IS 'prompt tokens (tokens)';
+COMMENT ON COLUMN ttft_breakdown.cached_tokens IS 'prompt tokens from the prefix cache (tokens)';
+COMMENT ON COLUMN ttft_breakdown.uncached_tokens IS 'prompt tokens computed (tokens)';
+COMMENT ON COLUMN ttft_breakdown.output_tokens IS 'generated tokens (tokens)';
+COMMENT ON COLUMN ttft_breakdown.arrival_ns IS 'request received by the router (ns since the Unix epoch)';
+COMMENT ON COLUMN ttft_breakdown.first_token_ns IS 'first token written by the router (ns since the Unix epoch)';
+COMMENT ON COLUMN ttft_breakdown.prefill_engine IS 'prefill engine id';
+COMMENT ON COLUMN ttft_breakdown.decode_engine IS 'decode engine id';
+COMMENT ON COLUMN ttft_breakdown.segments IS 'number of ttft_segments rows (count)';
+COMMENT ON COLUMN ttft_breakdown.rkey IS 'request join key';

@@ -1,0 +1,205 @@
+-- module: ttft_segments
+-- requires: request_base
+-- materialize: ttft_segments request
+--
+-- The TTFT critical path (DESIGN.md §2-3) as exclusive segments tiling
+-- [arrival at the router, first token written], both on the router clock.
+--
+--  1. Candidates: a complete request's leaf stages (stages.owns_ttft), on
+--     corrected times, clipped to [arrival, first token].
+--  2. Slowest expected rank: per engine, the per-rank spans (tp_rank set) of
+--     the rank whose per-rank work ends last stand for all ranks; the other
+--     ranks' copies are hidden.
+--  3. Join: the handoff starts at J = the first post-join stage (handoff.prep,
+--     kv.transfer, kv.ready, decode.first_step). Before J, prefill and decode
+--     engine stages are two branches (push: P computes while D registers).
+--     The critical branch is the one whose last stage ends last (the input
+--     that arrived last); the other branch's stages that overlap it are
+--     hidden; stages that ended before it started (pull: P before D) stay.
+--  4. Flatten (Perfetto's startup breakdown): among top-level stages the one
+--     ending last owns each instant ("latest end wins" = walking back from
+--     the first token and following the last-arriving input), so each owns
+--     one interval [start, min(end, earliest start of stages ending later)].
+--     Children (handoff.* under handoff.prep, chunks) own their part of their
+--     parent's interval the same way; the parent keeps the rest. Deeper
+--     descendants are not split out (their parent owns their time).
+--  5. Waits (router.wait) own only instants no stage covers; what remains is
+--     an `unattributed` segment named by its neighbours.
+--
+--   arrival                                                        first token
+--   |dispatch|----- prefill.compute -----|                                  |
+--   |dispatch|--------------- dest.register ---------------|prep|xfer|first_step|
+--   => dispatch, dest.register, handoff.prep, kv.transfer, decode.first_step;
+--      prefill.compute hidden (push, late registration: bug case H).
+
+CREATE OR REPLACE MACRO _post_join_stage(g) AS g IN ('handoff.prep', 'kv.transfer', 'kv.ready', 'decode.first_step');
+
+CREATE OR REPLACE VIEW _tt_req AS
+SELECT rkey, arrival_ns, first_token_ns FROM _req_base
+WHERE first_token_ns IS NOT NULL AND arrival_ns IS NOT NULL AND first_token_ns >= arrival_ns
+  AND rkey IN (SELECT rkey FROM _scope_keys);
+
+CREATE OR REPLACE VIEW _tt_all AS
+SELECT t.rkey, t.span_id, t.parent_span_id, t.name AS stage, s.category, s.stage_group, s.is_filler,
+       t.role, t.engine_id, t.tp_rank, t.attempt, t.c_end_ns AS end_c,
+       greatest(t.c_start_ns, q.arrival_ns) AS s0,
+       least(t.c_end_ns, q.first_token_ns) AS e0,
+       q.arrival_ns, q.first_token_ns
+FROM _timed t
+JOIN _tt_req q ON q.rkey = t.rkey
+JOIN stages s ON s.stage = t.name
+WHERE t.record = 'span' AND s.owns_ttft
+  AND t.c_start_ns <= q.first_token_ns AND t.c_end_ns >= q.arrival_ns;
+
+-- Candidates after the rank and branch rules; `kept` = may own time.
+CREATE OR REPLACE VIEW _tt_cand AS
+WITH ranks AS (
+    SELECT rkey, engine_id, arg_max(tp_rank, (end_c, -tp_rank)) AS crit_rank
+    FROM _tt_all WHERE tp_rank IS NOT NULL
+    GROUP BY rkey, engine_id
+), ranked AS (
+    SELECT a.* FROM _tt_all a LEFT JOIN ranks r ON r.rkey = a.rkey AND r.engine_id IS NOT DISTINCT FROM a.engine_id
+    WHERE a.tp_rank IS NULL OR a.tp_rank = r.crit_rank
+), j AS (
+    SELECT rkey, min(s0) AS join_ns FROM ranked WHERE _post_join_stage(stage_group) GROUP BY rkey
+), pre AS (
+    SELECT ranked.*, j.join_ns,
+           coalesce(ranked.role IN ('prefill', 'decode') AND NOT _post_join_stage(ranked.stage_group)
+                    AND ranked.e0 <= j.join_ns, false) AS is_pre
+    FROM ranked LEFT JOIN j ON j.rkey = ranked.rkey
+), br AS (
+    SELECT rkey, arg_max(role, (e0, role = 'prefill')) AS crit_role FROM pre WHERE is_pre GROUP BY rkey
+), b0 AS (
+    SELECT p.rkey, min(p.s0) AS b0 FROM pre p JOIN br ON br.rkey = p.rkey AND p.role = br.crit_role
+    WHERE p.is_pre GROUP BY p.rkey
+)
+SELECT pre.*,
+       NOT coalesce(pre.is_pre AND pre.role <> br.crit_role AND pre.e0 > b0.b0, false) AS kept
+FROM pre LEFT JOIN br ON br.rkey = pre.rkey LEFT JOIN b0 ON b0.rkey = pre.rkey;
+
+CREATE OR REPLACE VIEW _tt_tree AS
+SELECT c.*, p.span_id IS NOT NULL AS is_child, p.is_nested AS is_deep
+FROM (SELECT * FROM _tt_cand WHERE kept) c
+LEFT JOIN (
+    SELECT k.rkey, k.span_id, pp.span_id IS NOT NULL AS is_nested
+    FROM (SELECT * FROM _tt_cand WHERE kept) k
+    LEFT JOIN (SELECT rkey, span_id FROM _tt_cand WHERE kept) pp
+           ON pp.rkey = k.rkey AND pp.span_id = k.parent_span_id
+) p ON p.rkey = c.rkey AND p.span_id = c.parent_span_id;
+
+-- Top-level owners: [s0, oe] with oe = min(e0, earliest start of stages ending later).
+CREATE OR REPLACE VIEW _tt_top AS
+SELECT * FROM (
+    SELECT *, least(e0, coalesce(min(s0) OVER w, e0)) AS oe
+    FROM _tt_tree WHERE NOT is_child AND NOT is_filler
+    WINDOW w AS (PARTITION BY rkey ORDER BY e0 DESC, s0 DESC, span_id
+                 ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING)
+) WHERE oe > s0;
+
+-- Instants no top-level stage owns.
+CREATE OR REPLACE VIEW _tt_gaps AS
+SELECT rkey, gs, ge FROM (
+    SELECT rkey, s0 AS ge, coalesce(lag(oe) OVER (PARTITION BY rkey ORDER BY s0, oe), arrival_ns) AS gs
+    FROM (SELECT rkey, s0, oe, arrival_ns FROM _tt_top
+          UNION ALL SELECT rkey, first_token_ns, first_token_ns, arrival_ns FROM _tt_req)
+) WHERE ge > gs;
+
+-- Waits own what they cover of the gaps (latest end wins among waits too).
+CREATE OR REPLACE VIEW _tt_fill AS
+SELECT * FROM (
+    SELECT *, least(fe, coalesce(min(fs) OVER w, fe)) AS foe FROM (
+        SELECT f.rkey, f.span_id, f.stage, f.stage_group, f.category, f.role, f.engine_id, f.tp_rank, f.attempt,
+               greatest(g.gs, f.s0) AS fs, least(g.ge, f.e0) AS fe
+        FROM _tt_gaps g JOIN (SELECT * FROM _tt_tree WHERE is_filler AND NOT is_child) f
+          ON f.rkey = g.rkey AND f.s0 < g.ge AND f.e0 > g.gs
+    )
+    WINDOW w AS (PARTITION BY rkey ORDER BY fe DESC, fs DESC, span_id ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING)
+) WHERE foe > fs;
+
+-- Children of owned top-level stages, flattened inside their parent's interval.
+CREATE OR REPLACE VIEW _tt_kids AS
+SELECT * FROM (
+    SELECT *, least(ke, coalesce(min(ks) OVER w, ke)) AS koe FROM (
+        SELECT k.rkey, k.span_id, k.stage, k.stage_group, k.category, k.role, k.engine_id, k.tp_rank, k.attempt,
+               a.span_id AS parent_id, greatest(k.s0, a.s0) AS ks, least(k.e0, a.oe) AS ke
+        FROM (SELECT * FROM _tt_tree WHERE is_child AND NOT coalesce(is_deep, false)) k
+        JOIN _tt_top a ON a.rkey = k.rkey AND a.span_id = k.parent_span_id
+        WHERE greatest(k.s0, a.s0) < least(k.e0, a.oe)
+    )
+    WINDOW w AS (PARTITION BY rkey, parent_id ORDER BY ke DESC, ks DESC, span_id
+                 ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING)
+) WHERE koe > ks;
+
+-- A parent's own time: its interval minus its children's.
+CREATE OR REPLACE VIEW _tt_parent_self AS
+SELECT rkey, span_id, gs AS start_ns, ge AS end_ns FROM (
+    SELECT x.rkey, x.span_id, x.ks AS ge,
+           coalesce(lag(x.koe) OVER (PARTITION BY x.rkey, x.span_id ORDER BY x.ks, x.koe), x.ps) AS gs
+    FROM (
+        SELECT k.rkey, k.parent_id AS span_id, k.ks, k.koe, a.s0 AS ps
+        FROM _tt_kids k JOIN _tt_top a ON a.rkey = k.rkey AND a.span_id = k.parent_id
+        UNION ALL
+        SELECT a.rkey, a.span_id, a.oe, a.oe, a.s0
+        FROM _tt_top a WHERE (a.rkey, a.span_id) IN (SELECT (rkey, parent_id) FROM _tt_kids)
+    ) x
+) WHERE ge > gs;
+
+CREATE OR REPLACE VIEW _tt_owned AS
+SELECT rkey, span_id, stage, stage_group, category, role, engine_id, tp_rank, attempt, s0 AS start_ns, oe AS end_ns
+FROM _tt_top WHERE (rkey, span_id) NOT IN (SELECT (rkey, parent_id) FROM _tt_kids)
+UNION ALL
+SELECT rkey, span_id, stage, stage_group, category, role, engine_id, tp_rank, attempt, ks, koe FROM _tt_kids
+UNION ALL
+SELECT a.rkey, a.span_id, a.stage, a.stage_group, a.category, a.role, a.engine_id, a.tp_rank, a.attempt,
+       p.start_ns, p.end_ns
+FROM _tt_parent_self p JOIN _tt_top a ON a.rkey = p.rkey AND a.span_id = p.span_id
+UNION ALL
+SELECT rkey, span_id, stage, stage_group, category, role, engine_id, tp_rank, attempt, fs, foe FROM _tt_fill;
+
+-- Whatever nothing owns, named by its neighbours.
+CREATE OR REPLACE VIEW _tt_unattributed AS
+SELECT rkey, gs AS start_ns, ge AS end_ns,
+       'between ' || coalesce(prev_stage, 'arrival') || ' and ' || coalesce(next_stage, 'first token') AS detail
+FROM (
+    SELECT rkey, start_ns AS ge, stage AS next_stage,
+           coalesce(lag(end_ns) OVER w, arrival_ns) AS gs,
+           lag(stage) OVER w AS prev_stage
+    FROM (SELECT o.rkey, o.start_ns, o.end_ns, o.stage, q.arrival_ns FROM _tt_owned o JOIN _tt_req q ON q.rkey = o.rkey
+          UNION ALL SELECT rkey, first_token_ns, first_token_ns, NULL, arrival_ns FROM _tt_req)
+    WINDOW w AS (PARTITION BY rkey ORDER BY start_ns, end_ns)
+) WHERE ge > gs;
+
+CREATE OR REPLACE VIEW _calc_ttft_segments AS
+SELECT q.run_id, q.request_id, q.prompt_index,
+       (row_number() OVER (PARTITION BY s.rkey ORDER BY s.start_ns, s.end_ns))::INTEGER AS seq,
+       s.stage, s.stage_group, s.category, s.start_ns, s.end_ns, s.end_ns - s.start_ns AS dur_ns,
+       s.role, s.engine_id, s.tp_rank, s.attempt, s.span_id, s.detail, s.rkey
+FROM (
+    SELECT rkey, stage, stage_group, category, start_ns, end_ns, role, engine_id, tp_rank, attempt, span_id,
+           NULL::VARCHAR AS detail FROM _tt_owned
+    UNION ALL
+    SELECT rkey, 'unattributed', 'unattributed', 'coordination', start_ns, end_ns, NULL, NULL, NULL, NULL, NULL, detail
+    FROM _tt_unattributed
+) s JOIN _req_base q ON q.rkey = s.rkey;
+
+CREATE TABLE IF NOT EXISTS _mat_ttft_segments AS SELECT * FROM _calc_ttft_segments LIMIT 0;
+CREATE OR REPLACE VIEW ttft_segments AS SELECT * FROM _mat_ttft_segments;
+
+COMMENT ON VIEW ttft_segments IS 'Exclusive critical-path segments tiling each complete request''s [arrival at router, first token written] (DESIGN.md §2-3).';
+COMMENT ON COLUMN ttft_segments.run_id IS 'deployment run id';
+COMMENT ON COLUMN ttft_segments.request_id IS 'base request id X';
+COMMENT ON COLUMN ttft_segments.prompt_index IS 'prompt index i (0 otherwise)';
+COMMENT ON COLUMN ttft_segments.seq IS 'position of the segment in time order, from 1';
+COMMENT ON COLUMN ttft_segments.stage IS 'leaf stage owning the segment, or ''unattributed''';
+COMMENT ON COLUMN ttft_segments.stage_group IS 'DESIGN.md §2 stage the leaf rolls up to (handoff.* -> handoff.prep)';
+COMMENT ON COLUMN ttft_segments.category IS 'queue | compute | transfer | coordination (unattributed counts as coordination)';
+COMMENT ON COLUMN ttft_segments.start_ns IS 'segment start on the router clock (ns since the Unix epoch)';
+COMMENT ON COLUMN ttft_segments.end_ns IS 'segment end on the router clock (ns since the Unix epoch)';
+COMMENT ON COLUMN ttft_segments.dur_ns IS 'end_ns - start_ns (duration ns); the segments of a request sum to its TTFT';
+COMMENT ON COLUMN ttft_segments.role IS 'role of the owning stage (NULL for unattributed)';
+COMMENT ON COLUMN ttft_segments.engine_id IS 'engine of the owning stage (NULL for router stages and unattributed)';
+COMMENT ON COLUMN ttft_segments.tp_rank IS 'rank of a per-rank stage: the slowest expected rank (NULL if not per-rank)';
+COMMENT ON COLUMN ttft_segments.attempt IS 'attempt of the owning stage';
+COMMENT ON COLUMN ttft_segments.span_id IS 'span that owns the segment (NULL for unattributed)';
+COMMENT ON COLUMN ttft_segments.detail IS 'for unattributed: ''between <previous stage> and <next stage>''';
+COMMENT ON COLUMN ttft_segments.rkey IS 'request join key (see spans.rkey)';

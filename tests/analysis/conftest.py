@@ -1,0 +1,28 @@
+import warnings
+
+import pytest
+
+from pdtrace.analysis import db
+
+
+@pytest.fixture
+def analyse(tmp_path):
+    """Write a Case to a fresh directory and return an open, refreshed in-memory Trace."""
+    opened = []
+
+    def run(case, directory=None):
+        d = directory or (tmp_path / f"store{len(opened)}")
+        case.write(d)
+        tr = db.open_trace(d)
+        opened.append(tr)
+        return tr
+
+    yield run
+    for tr in opened:
+        tr.close()
+
+
+def one(trace, sql, params=None):
+    rows = trace.query(sql, params)
+    assert len(rows) == 1, rows
+    return rows[0]
