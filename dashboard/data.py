@@ -1,0 +1,579 @@
+"""The dashboard's one data module: plain functions over the analysis views.
+
+No Streamlit here (the pages add caching and rendering). Every number the
+dashboard shows comes from a function below, and every function reads only
+the public views of :mod:`pdtrace.analysis` (``requests``, ``ttft_breakdown``,
+``ttft_segments``, ``ttft_hidden``, ``spans``, ``events``, ``incomplete_requests``,
+``decode_stalls``, ``request_stalls``, ``transfers``, ``clock_offsets``,
+``store_files``) through a read-only cursor of the analysis connection.
+
+Units: times are ns since the Unix epoch (``*_ns`` absolute) on the router's
+clock, as the views give them; durations shown are ms (``*_ms``), shares are
+fractions 0..1 of TTFT. A :class:`Window` filters requests by arrival.
+
+Functions return pandas DataFrames (what Streamlit and plotly take) or plain
+dicts of numbers.
+"""
+from __future__ import annotations
+
+import math
+import os
+import threading
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import pandas as pd
+
+from pdtrace.instrument.stages import CATEGORIES
+
+#: Prompt-length buckets (prompt tokens): label -> [lo, hi).
+PROMPT_BUCKETS: list[tuple[str, int, int]] = [
+    ("<256", 0, 256), ("256-1k", 256, 1024), ("1k-4k", 1024, 4096), ("4k-16k", 4096, 16384), (">=16k", 16384, 2**62),
+]
+#: Descriptor-count buckets of a request's KV transfers (descriptors): label -> [lo, hi).
+DESCRIPTOR_BUCKETS: list[tuple[str, int, int]] = [
+    ("<1k", 0, 1000), ("1k-10k", 1000, 10_000), ("10k-100k", 10_000, 100_000), (">=100k", 100_000, 2**62),
+]
+#: The views the SQL page documents, in reading order.
+PUBLIC_VIEWS_FIRST = ("requests", "ttft_breakdown", "ttft_segments", "ttft_hidden", "spans", "events",
+                      "incomplete_requests", "decode_stalls", "request_stalls", "transfers", "block_holds",
+                      "clock_offsets", "store_files", "stages")
+
+
+def _bucket_case(col: str, buckets: Sequence[tuple[str, int, int]]) -> str:
+    parts = " ".join(f"WHEN {col} < {hi} THEN '{label}'" for label, _, hi in buckets)
+    return f"(CASE WHEN {col} IS NULL THEN 'unknown' {parts} END)"
+
+
+#: SQL expression: the prompt-length bucket of a row with a ``prompt_tokens`` column.
+PROMPT_BUCKET_SQL = _bucket_case("prompt_tokens", PROMPT_BUCKETS)
+
+
+def bucket_order(buckets: Sequence[tuple[str, int, int]] = PROMPT_BUCKETS) -> list[str]:
+    """Bucket labels in ascending order, then 'unknown'."""
+    return [b[0] for b in buckets] + ["unknown"]
+
+
+@dataclass(frozen=True)
+class Window:
+    """A time window on request arrival: [start_ns, end_ns) in ns since the Unix epoch (None: open)."""
+
+    start_ns: int | None = None
+    end_ns: int | None = None
+
+    def sql(self, col: str = "arrival_ns") -> str:
+        """A SQL predicate on ``col`` (ints inlined: they are ints, so safe)."""
+        parts = []
+        if self.start_ns is not None:
+            parts.append(f"{col} >= {int(self.start_ns)}")
+        if self.end_ns is not None:
+            parts.append(f"{col} < {int(self.end_ns)}")
+        return " AND ".join(parts) or "TRUE"
+
+
+ALL = Window()
+
+
+class ConsoleError(ValueError):
+    """A console query was refused (not a single read-only statement)."""
+
+
+#: Statement types the SQL console runs.
+CONSOLE_STATEMENTS = ("SELECT", "EXPLAIN")
+
+
+class Trace:
+    """One trace directory, opened through the analysis' connection module (:mod:`pdtrace.analysis.db`).
+
+    The analysis database lives in the analysis' cache file for the directory
+    (``db.default_cache_path``; an in-memory database when that file is locked by
+    another process), so a second start is warm. ``refresh()`` absorbs files
+    that appeared since the last call (the analysis' incremental refresh) and
+    returns True when anything changed; ``version`` changes with it (the key of
+    cached query results). Queries run on per-call cursors; refreshes are
+    serialized. The connection may read only files under the trace directory
+    (DuckDB ``allowed_directories`` with external access off), so the SQL console
+    cannot read or write other files.
+    """
+
+    def __init__(self, directory: str | os.PathLike, cache: str | os.PathLike | None | bool = True):
+        from pdtrace.analysis import db  # the analysis' connection module
+
+        self.directory = Path(directory)
+        self._db = db
+        self._cache_arg = cache
+        self._lock = threading.Lock()
+        self._tr = None
+        self.version = 0
+        self.cache_path: Path | None = None
+        self.last_refresh = None  # the analysis' RefreshResult of the last refresh
+        self.refresh()
+
+    def _open(self) -> None:
+        import duckdb
+
+        cache = self._cache_arg
+        if cache is True:
+            cache = self._db.default_cache_path(self.directory)
+        try:
+            self._tr = self._db.Trace(self.directory, cache=cache or None)
+        except duckdb.IOException:  # cache file held by another process (e.g. `pdtrace report`)
+            self._tr = self._db.Trace(self.directory, cache=None)
+        self.cache_path = self._tr.cache
+        con = self._tr.con
+        con.execute("SET allowed_directories = ?", [[str(self.directory.resolve()) + os.sep]])
+        con.execute("SET enable_external_access = false")
+
+    @property
+    def exists(self) -> bool:
+        """True when the directory exists (it may still hold no files)."""
+        return self.directory.is_dir()
+
+    def refresh(self) -> bool:
+        """Absorb new or changed store files; True when the views changed (skipped files are not an error)."""
+        with self._lock:
+            if self._tr is None:
+                if not self.directory.is_dir():
+                    return False
+                self._open()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # skipped files are shown in the dashboard's banner
+                res = self._tr.refresh()
+            self.last_refresh = res
+            changed = bool(res.new or res.gone or res.rebuilt) or self._skipped != res.skipped
+            self._skipped = res.skipped
+            if changed or self.version == 0:
+                self.version += 1
+            return changed
+
+    _skipped: list = []
+
+    def cursor(self):
+        """A new DuckDB cursor over the views (close it when done)."""
+        if self._tr is None:
+            raise FileNotFoundError(f"trace directory not found: {self.directory}")
+        return self._tr.con.cursor()
+
+    def query(self, sql: str, params: Sequence[Any] | None = None) -> pd.DataFrame:
+        """Run one of this module's queries and return a DataFrame."""
+        cur = self.cursor()
+        try:
+            return cur.execute(sql, list(params or [])).df()
+        finally:
+            cur.close()
+
+    def close(self) -> None:
+        """Close the analysis connection (safe to call twice)."""
+        with self._lock:
+            if self._tr is not None:
+                self._tr.close()
+                self._tr = None
+
+
+# ---------------------------------------------------------------------------
+# store health
+# ---------------------------------------------------------------------------
+
+def store_health(t: Trace) -> dict:
+    """Files absorbed and skipped: {'files': n ok, 'skipped': [(path, reason)], 'requests': n}."""
+    if not t.exists:
+        return {"files": 0, "skipped": [], "requests": 0, "missing": True}
+    f = t.query("SELECT path, ok, reason FROM store_files ORDER BY path")
+    ok = int(f["ok"].sum()) if len(f) else 0
+    skipped = [(r.path, r.reason) for r in f.itertuples() if not r.ok]
+    n = int(t.query("SELECT count(*) AS n FROM requests")["n"].iloc[0]) if ok else 0
+    return {"files": ok, "skipped": skipped, "requests": n, "missing": False}
+
+
+def time_range(t: Trace) -> tuple[int, int] | None:
+    """(first, last) request arrival in ns since the Unix epoch, or None without requests."""
+    r = t.query("SELECT min(arrival_ns) AS lo, max(arrival_ns) AS hi FROM requests")
+    if not len(r) or pd.isna(r["lo"].iloc[0]):
+        return None
+    return int(r["lo"].iloc[0]), int(r["hi"].iloc[0])
+
+
+def modes(t: Trace) -> list[str]:
+    """Handoff modes present ('pull', 'push', ...), sorted."""
+    return t.query("SELECT DISTINCT mode FROM requests WHERE mode IS NOT NULL ORDER BY 1")["mode"].tolist()
+
+
+# ---------------------------------------------------------------------------
+# overview
+# ---------------------------------------------------------------------------
+
+def headline(t: Trace, w: Window = ALL, mode: str | None = None) -> dict:
+    """Counts and percentiles in the window.
+
+    Keys: requests, complete, incomplete (counts); ttft_p50/p90/p99_ms and
+    tpot_p50/p90/p99_ms (ms, quantile_cont over complete requests); share_queue
+    / share_compute / share_transfer / share_coordination (fraction of the
+    summed TTFT of requests with a breakdown); unattributed_share (fraction).
+    """
+    mf = "TRUE" if mode is None else "mode = $1"
+    p = [mode] if mode is not None else []
+    r = t.query(f"""
+        SELECT count(*) AS requests,
+               count(*) FILTER (WHERE status = 'complete') AS complete,
+               count(*) FILTER (WHERE status <> 'complete') AS incomplete,
+               quantile_cont(ttft_ms, 0.5) AS ttft_p50_ms, quantile_cont(ttft_ms, 0.9) AS ttft_p90_ms,
+               quantile_cont(ttft_ms, 0.99) AS ttft_p99_ms,
+               quantile_cont(tpot_ms, 0.5) AS tpot_p50_ms, quantile_cont(tpot_ms, 0.9) AS tpot_p90_ms,
+               quantile_cont(tpot_ms, 0.99) AS tpot_p99_ms
+        FROM requests WHERE {w.sql()} AND {mf}""", p).iloc[0].to_dict()
+    s = t.query(f"""
+        SELECT sum(ttft_ms) AS ttft, sum(queue_ms) AS queue, sum(compute_ms) AS compute,
+               sum(transfer_ms) AS transfer, sum(coordination_ms) AS coordination,
+               sum(unattributed_ms) AS unattributed
+        FROM ttft_breakdown WHERE {w.sql()} AND {mf}""", p).iloc[0].to_dict()
+    tot = s["ttft"] or 0.0
+    for c in CATEGORIES:
+        r[f"share_{c}"] = (s[c] / tot) if tot else float("nan")
+    r["unattributed_share"] = (s["unattributed"] / tot) if tot else float("nan")
+    for k in ("requests", "complete", "incomplete"):
+        r[k] = int(r[k] or 0)
+    return r
+
+
+def nice_bucket_ns(span_ns: int, target_points: int = 60) -> int:
+    """A round time-bucket width (ns) giving about ``target_points`` buckets over ``span_ns``."""
+    steps_s = [1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 21600, 86400]
+    want = max(span_ns / max(target_points, 1), 1) / 1e9
+    for s in steps_s:
+        if s >= want:
+            return s * 1_000_000_000
+    return steps_s[-1] * 1_000_000_000
+
+
+def latency_over_time(t: Trace, w: Window, bucket_ns: int) -> pd.DataFrame:
+    """TTFT and TPOT p50/p90/p99 (ms) per arrival-time bucket and mode, complete requests.
+
+    Columns: bucket_ns (bucket start, ns since the Unix epoch), mode, requests
+    (count), ttft_p50_ms, ttft_p90_ms, ttft_p99_ms, tpot_p50_ms, tpot_p90_ms, tpot_p99_ms.
+    """
+    b = int(bucket_ns)
+    return t.query(f"""
+        SELECT (arrival_ns // {b}) * {b} AS bucket_ns, mode, count(*) AS requests,
+               quantile_cont(ttft_ms, 0.5) AS ttft_p50_ms, quantile_cont(ttft_ms, 0.9) AS ttft_p90_ms,
+               quantile_cont(ttft_ms, 0.99) AS ttft_p99_ms,
+               quantile_cont(tpot_ms, 0.5) AS tpot_p50_ms, quantile_cont(tpot_ms, 0.9) AS tpot_p90_ms,
+               quantile_cont(tpot_ms, 0.99) AS tpot_p99_ms
+        FROM requests WHERE status = 'complete' AND {w.sql()}
+        GROUP BY ALL ORDER BY bucket_ns, mode""")
+
+
+def category_share_over_time(t: Trace, w: Window, bucket_ns: int) -> pd.DataFrame:
+    """Share of TTFT per category per arrival-time bucket and mode (long form).
+
+    Columns: bucket_ns (ns since the Unix epoch), mode, category, ms (summed
+    category time in the bucket, ms), share (fraction of the bucket's summed TTFT),
+    requests (count with a breakdown).
+    """
+    b = int(bucket_ns)
+    df = t.query(f"""
+        SELECT (arrival_ns // {b}) * {b} AS bucket_ns, mode, count(*) AS requests, sum(ttft_ms) AS ttft_ms,
+               sum(queue_ms) AS queue, sum(compute_ms) AS compute, sum(transfer_ms) AS transfer,
+               sum(coordination_ms) AS coordination
+        FROM ttft_breakdown WHERE {w.sql()} GROUP BY ALL ORDER BY bucket_ns, mode""")
+    return _long_shares(df, ["bucket_ns", "mode"])
+
+
+def _long_shares(df: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
+    if df.empty:
+        return pd.DataFrame(columns=keys + ["requests", "category", "ms", "share"])
+    long = df.melt(id_vars=keys + ["requests", "ttft_ms"], value_vars=list(CATEGORIES), var_name="category",
+                   value_name="ms")
+    long["share"] = long["ms"] / long["ttft_ms"].where(long["ttft_ms"] > 0)
+    return long.drop(columns=["ttft_ms"])
+
+
+def category_share_by_bucket(t: Trace, w: Window = ALL) -> pd.DataFrame:
+    """Share of TTFT per category by mode and prompt-length bucket (long form).
+
+    Columns: mode, prompt_bucket (see :data:`PROMPT_BUCKETS`), requests (count),
+    category, ms (summed, ms), share (fraction of the group's summed TTFT),
+    mean_ms (per request, ms).
+    """
+    df = t.query(f"""
+        SELECT mode, {PROMPT_BUCKET_SQL} AS prompt_bucket, count(*) AS requests, sum(ttft_ms) AS ttft_ms,
+               sum(queue_ms) AS queue, sum(compute_ms) AS compute, sum(transfer_ms) AS transfer,
+               sum(coordination_ms) AS coordination
+        FROM ttft_breakdown WHERE {w.sql()} GROUP BY ALL""")
+    long = _long_shares(df, ["mode", "prompt_bucket"])
+    if not long.empty:
+        long["mean_ms"] = long["ms"] / long["requests"]
+    return long
+
+
+def incomplete_by_cause(t: Trace, w: Window = ALL) -> pd.DataFrame:
+    """Incomplete requests per cause in the window: cause, requests (count), median time to failure (ms)."""
+    return t.query(f"""
+        SELECT cause, count(*) AS requests, median(time_to_failure_ms) AS median_time_to_failure_ms
+        FROM incomplete_requests WHERE {w.sql()} GROUP BY cause ORDER BY requests DESC, cause""")
+
+
+def incomplete_list(t: Trace, w: Window = ALL, limit: int = 200) -> pd.DataFrame:
+    """Incomplete requests (newest first): request_id, mode, cause, detail, time_to_failure_ms, arrival_ns."""
+    return t.query(f"""
+        SELECT request_id, mode, cause, detail, time_to_failure_ms, arrival_ns
+        FROM incomplete_requests WHERE {w.sql()} ORDER BY arrival_ns DESC LIMIT {int(limit)}""")
+
+
+def slowest_requests(t: Trace, w: Window = ALL, limit: int = 20, mode: str | None = None) -> pd.DataFrame:
+    """The slowest complete requests by TTFT with their split (ms) and dominant stage.
+
+    Columns: request_id, run_id, mode, prompt_tokens, ttft_ms, queue_ms, compute_ms,
+    transfer_ms, coordination_ms, hidden_ms, dominant_stage, first_contact, arrival_ns.
+    """
+    mf = "TRUE" if mode is None else "mode = $1"
+    return t.query(f"""
+        SELECT request_id, run_id, mode, prompt_tokens, ttft_ms, queue_ms, compute_ms, transfer_ms,
+               coordination_ms, hidden_ms, dominant_stage, first_contact, arrival_ns
+        FROM ttft_breakdown WHERE {w.sql()} AND {mf}
+        ORDER BY ttft_ms DESC, request_id LIMIT {int(limit)}""", [mode] if mode else [])
+
+
+# ---------------------------------------------------------------------------
+# request explorer
+# ---------------------------------------------------------------------------
+
+def find_requests(t: Trace, text: str, limit: int = 50) -> pd.DataFrame:
+    """Requests whose id contains ``text`` (case-insensitive): request_id, run_id, mode, status, ttft_ms."""
+    return t.query(f"""
+        SELECT request_id, run_id, mode, status, ttft_ms FROM requests
+        WHERE request_id ILIKE '%' || $1 || '%' ORDER BY arrival_ns LIMIT {int(limit)}""", [text])
+
+
+def request_row(t: Trace, request_id: str, run_id: str | None = None) -> dict | None:
+    """The request's ``requests`` row joined with its ``ttft_breakdown`` row (None if unknown)."""
+    r = t.query("""
+        SELECT r.*, b.queue_ms, b.compute_ms, b.transfer_ms, b.coordination_ms, b.unattributed_ms, b.hidden_ms,
+               b.dominant_stage, b.first_contact
+        FROM requests r LEFT JOIN ttft_breakdown b USING (rkey)
+        WHERE r.request_id = $1 AND ($2 IS NULL OR r.run_id = $2)
+        ORDER BY r.arrival_ns LIMIT 1""", [request_id, run_id])
+    return None if r.empty else r.iloc[0].to_dict()
+
+
+def request_spans(t: Trace, rkey: int) -> pd.DataFrame:
+    """All spans of a request plus the engine steps that served it, with lane and critical-path share.
+
+    Columns: span_id, parent_span_id, stage, category, role, engine_id, thread, tp_rank,
+    lane (role · engine · thread), start_ns, end_ns (router clock, ns since the Unix epoch),
+    raw_start_ns, clock_offset_ns, clock_bound_ns (ns), dur_ms, exposed_ms (time this span
+    owns on the critical path, ms), hidden_ms (time of this stage off the critical path, ms),
+    attrs (short text).
+    """
+    return t.query("""
+        WITH seg AS (SELECT span_id, sum(dur_ns) AS exposed_ns FROM ttft_segments WHERE rkey = $1 GROUP BY span_id)
+        SELECT s.span_id, s.parent_span_id, s.stage, s.category, s.role, s.engine_id, s.thread, s.tp_rank,
+               s.role || coalesce(' · ' || s.engine_id, '') || coalesce(' · rank ' || s.tp_rank, '')
+                   || ' · ' || coalesce(s.thread, '?') AS lane,
+               s.start_ns, s.end_ns, s.raw_start_ns, s.clock_offset_ns, s.clock_bound_ns,
+               s.dur_ns / 1e6 AS dur_ms, coalesce(seg.exposed_ns, 0) / 1e6 AS exposed_ms,
+               s.attr_int, s.attr_str
+        FROM spans s LEFT JOIN seg USING (span_id)
+        WHERE s.rkey = $1
+        ORDER BY s.start_ns, s.span_id""", [rkey])
+
+
+def request_segments(t: Trace, rkey: int) -> pd.DataFrame:
+    """The request's critical path: seq, stage, stage_group, category, start_ns, end_ns (ns), dur_ms, detail, span_id."""
+    return t.query("""
+        SELECT seq, stage, stage_group, category, start_ns, end_ns, dur_ns / 1e6 AS dur_ms, detail, span_id, role
+        FROM ttft_segments WHERE rkey = $1 ORDER BY seq""", [rkey])
+
+
+def request_hidden(t: Trace, rkey: int) -> pd.DataFrame:
+    """Per stage, time that ran off the critical path (hidden): stage, hidden_ms."""
+    return t.query("SELECT stage, hidden_ms FROM ttft_hidden WHERE rkey = $1 ORDER BY hidden_ms DESC", [rkey])
+
+
+def request_events(t: Trace, rkey: int) -> pd.DataFrame:
+    """Events of a request: event, role, engine_id, thread, tp_rank, time_ns (router clock), raw_time_ns, attr_str, attr_int."""
+    return t.query("""
+        SELECT event, role, engine_id, thread, tp_rank, time_ns, raw_time_ns, clock_offset_ns, attr_str, attr_int,
+               role || coalesce(' · ' || engine_id, '') || coalesce(' · rank ' || tp_rank, '')
+                   || ' · ' || coalesce(thread, '?') AS lane
+        FROM events WHERE rkey = $1 ORDER BY time_ns""", [rkey])
+
+
+def request_clock(t: Trace, rkey: int) -> pd.DataFrame:
+    """Clock correction applied to the request's rows per clock domain: clock_domain, offset_ms, bound_ms, spans."""
+    return t.query("""
+        SELECT clock_domain, any_value(clock_offset_ns) / 1e6 AS offset_ms,
+               max(clock_bound_ns) / 1e6 AS bound_ms, count(*) AS spans
+        FROM spans WHERE rkey = $1 GROUP BY clock_domain ORDER BY clock_domain""", [rkey])
+
+
+# ---------------------------------------------------------------------------
+# push vs pull
+# ---------------------------------------------------------------------------
+
+def percentiles_by_bucket(t: Trace, w: Window = ALL) -> pd.DataFrame:
+    """Per mode and prompt-length bucket: requests, TTFT p50/p90/p99 and TPOT p50/p90/p99 (ms), complete only."""
+    return t.query(f"""
+        SELECT mode, {PROMPT_BUCKET_SQL} AS prompt_bucket, count(*) AS requests,
+               quantile_cont(ttft_ms, 0.5) AS ttft_p50_ms, quantile_cont(ttft_ms, 0.9) AS ttft_p90_ms,
+               quantile_cont(ttft_ms, 0.99) AS ttft_p99_ms,
+               quantile_cont(tpot_ms, 0.5) AS tpot_p50_ms, quantile_cont(tpot_ms, 0.9) AS tpot_p90_ms,
+               quantile_cont(tpot_ms, 0.99) AS tpot_p99_ms
+        FROM requests WHERE status = 'complete' AND {w.sql()} GROUP BY ALL ORDER BY mode, prompt_bucket""")
+
+
+# ---------------------------------------------------------------------------
+# decode stalls
+# ---------------------------------------------------------------------------
+
+def decode_engines(t: Trace) -> list[str]:
+    """Engines with decode steps, sorted."""
+    return t.query("SELECT DISTINCT engine_id FROM decode_stalls WHERE engine_id IS NOT NULL ORDER BY 1")[
+        "engine_id"].tolist()
+
+
+def decode_steps(t: Trace, w: Window, engine_id: str | None = None, limit: int = 20000) -> pd.DataFrame:
+    """D's steps in the window (by step start): see the ``decode_stalls`` view for the columns."""
+    ef = "TRUE" if engine_id is None else "engine_id = $1"
+    return t.query(f"""
+        SELECT * FROM decode_stalls WHERE {w.sql('start_ns')} AND {ef}
+        ORDER BY start_ns LIMIT {int(limit)}""", [engine_id] if engine_id else [])
+
+
+def worst_tpot(t: Trace, w: Window, limit: int = 20) -> pd.DataFrame:
+    """Requests with the most TPOT due to other requests' handoffs or recomputes (``request_stalls``)."""
+    return t.query(f"""
+        SELECT s.* FROM request_stalls s JOIN requests r USING (rkey)
+        WHERE {w.sql('r.arrival_ns')}
+        ORDER BY s.stall_ms DESC NULLS LAST, s.request_id LIMIT {int(limit)}""")
+
+
+def stall_culprits(t: Trace, rkey: int) -> pd.DataFrame:
+    """For one victim request, the steps that stalled it and whose handoff caused each: see ``decode_stalls``."""
+    return t.query("""
+        SELECT d.* FROM decode_stalls d
+        WHERE d.excess_ms > 0 AND list_contains(d.batch_rkeys, $1)
+        ORDER BY d.start_ns""", [rkey])
+
+
+# ---------------------------------------------------------------------------
+# what changed
+# ---------------------------------------------------------------------------
+
+def stage_share_change(t: Trace, incident: Window, baseline: Window) -> pd.DataFrame:
+    """Stages ranked by how much their share of TTFT grew from baseline to incident.
+
+    Share = a stage's summed critical-path time / the window's summed TTFT
+    (fraction). Columns: stage, category, share_baseline, share_incident,
+    growth_pp (percentage points), mean_ms_baseline, mean_ms_incident (per
+    request, ms).
+    """
+    df = t.query(f"""
+        WITH b AS (SELECT rkey, ttft_ns, {incident.sql()} AS inc, {baseline.sql()} AS base
+                   FROM ttft_breakdown WHERE ({incident.sql()}) OR ({baseline.sql()})),
+             tot AS (SELECT sum(ttft_ns) FILTER (WHERE inc) AS ti, sum(ttft_ns) FILTER (WHERE base) AS tb,
+                            count(*) FILTER (WHERE inc) AS ni, count(*) FILTER (WHERE base) AS nb FROM b)
+        SELECT s.stage_group AS stage, any_value(s.category) AS category,
+               coalesce(sum(s.dur_ns) FILTER (WHERE b.base), 0) / any_value(tot.tb) AS share_baseline,
+               coalesce(sum(s.dur_ns) FILTER (WHERE b.inc), 0) / any_value(tot.ti) AS share_incident,
+               coalesce(sum(s.dur_ns) FILTER (WHERE b.base), 0) / 1e6 / any_value(tot.nb) AS mean_ms_baseline,
+               coalesce(sum(s.dur_ns) FILTER (WHERE b.inc), 0) / 1e6 / any_value(tot.ni) AS mean_ms_incident
+        FROM ttft_segments s JOIN b USING (rkey), tot
+        GROUP BY s.stage_group""")
+    df["growth_pp"] = (df["share_incident"].fillna(0) - df["share_baseline"].fillna(0)) * 100
+    return df.sort_values(["growth_pp", "stage"], ascending=[False, True]).reset_index(drop=True)
+
+
+#: Attributes "What changed" ranks: label -> SQL expression over ttft_breakdown (alias b) and a descriptor
+#: count (alias d.descriptors).
+CHANGE_ATTRIBUTES: dict[str, str] = {
+    "mode": "b.mode",
+    "prefill engine": "b.prefill_engine",
+    "decode engine": "b.decode_engine",
+    "prompt bucket": PROMPT_BUCKET_SQL.replace("prompt_tokens", "b.prompt_tokens"),
+    "first contact": "CASE WHEN b.first_contact THEN 'first contact' ELSE 'warm pair' END",
+    "descriptors": _bucket_case("d.descriptors", DESCRIPTOR_BUCKETS),
+}
+
+
+def attribute_share_change(t: Trace, incident: Window, baseline: Window) -> pd.DataFrame:
+    """Attribute values ranked by how much their requests' share of summed TTFT grew.
+
+    For each attribute (:data:`CHANGE_ATTRIBUTES`) and value: share = summed
+    TTFT of requests with that value / the window's summed TTFT (fraction).
+    Columns: attribute, value, requests_baseline, requests_incident (counts),
+    share_baseline, share_incident, growth_pp (percentage points),
+    mean_ttft_ms_baseline, mean_ttft_ms_incident (ms).
+    """
+    unions = " UNION ALL ".join(
+        f"SELECT '{label}' AS attribute, coalesce(CAST({expr} AS VARCHAR), 'unknown') AS value, b.ttft_ns, "
+        f"b.inc, b.base FROM b LEFT JOIN d USING (rkey)"
+        for label, expr in CHANGE_ATTRIBUTES.items())
+    df = t.query(f"""
+        WITH b AS (SELECT *, {incident.sql()} AS inc, {baseline.sql()} AS base
+                   FROM ttft_breakdown WHERE ({incident.sql()}) OR ({baseline.sql()})),
+             d AS (SELECT rkey, sum(attr_int['kv.descriptors']) AS descriptors FROM spans
+                   WHERE stage = 'kv.transfer' AND rkey IN (SELECT rkey FROM b) GROUP BY rkey),
+             tot AS (SELECT sum(ttft_ns) FILTER (WHERE inc) AS ti, sum(ttft_ns) FILTER (WHERE base) AS tb FROM b),
+             a AS ({unions})
+        SELECT attribute, value,
+               count(*) FILTER (WHERE base) AS requests_baseline, count(*) FILTER (WHERE inc) AS requests_incident,
+               coalesce(sum(ttft_ns) FILTER (WHERE base), 0) / any_value(tot.tb) AS share_baseline,
+               coalesce(sum(ttft_ns) FILTER (WHERE inc), 0) / any_value(tot.ti) AS share_incident,
+               avg(ttft_ns) FILTER (WHERE base) / 1e6 AS mean_ttft_ms_baseline,
+               avg(ttft_ns) FILTER (WHERE inc) / 1e6 AS mean_ttft_ms_incident
+        FROM a, tot GROUP BY attribute, value""")
+    df["growth_pp"] = (df["share_incident"].fillna(0) - df["share_baseline"].fillna(0)) * 100
+    return df.sort_values(["growth_pp", "attribute", "value"], ascending=[False, True, True]).reset_index(drop=True)
+
+
+# ---------------------------------------------------------------------------
+# SQL console and view docs
+# ---------------------------------------------------------------------------
+
+def run_console(t: Trace, sql: str, max_rows: int = 10_000) -> tuple[pd.DataFrame, bool]:
+    """Run one read-only statement typed by the operator; return (at most ``max_rows`` rows, truncated?).
+
+    Only a single SELECT (incl. WITH, FROM-first, SUMMARIZE, DESCRIBE) or EXPLAIN
+    statement runs; anything else raises :class:`ConsoleError` before it reaches
+    DuckDB. File access outside the trace directory is refused by DuckDB itself.
+    Raises duckdb.Error for a bad query.
+    """
+    cur = t.cursor()
+    try:
+        stmts = cur.extract_statements(sql)
+        if len(stmts) != 1:
+            raise ConsoleError(f"one statement at a time, got {len(stmts)}")
+        kind = stmts[0].type.name
+        if kind not in CONSOLE_STATEMENTS:
+            raise ConsoleError(f"read-only console: {kind} statements are not allowed (SELECT or EXPLAIN only)")
+        res = cur.execute(stmts[0].query)
+        if res.description is None:
+            return pd.DataFrame(), False
+        cols = [d[0] for d in res.description]
+        rows = res.fetchmany(max_rows + 1)
+        return pd.DataFrame(rows[:max_rows], columns=cols), len(rows) > max_rows
+    finally:
+        cur.close()
+
+
+def view_docs(t: Trace) -> pd.DataFrame:
+    """Public views and their documented columns: view, view_doc, column, type, column_doc."""
+    df = t.query("""
+        SELECT v.view_name AS view, v.comment AS view_doc, c.column_name AS "column", c.data_type AS type,
+               c.comment AS column_doc, c.column_index
+        FROM duckdb_views() v JOIN duckdb_columns() c
+          ON c.table_name = v.view_name AND c.schema_name = v.schema_name AND c.database_name = v.database_name
+        WHERE NOT v.internal AND v.view_name NOT LIKE '\\_%' ESCAPE '\\'
+        ORDER BY v.view_name, c.column_index""")
+    order = {v: i for i, v in enumerate(PUBLIC_VIEWS_FIRST)}
+    df["_o"] = df["view"].map(lambda v: order.get(v, len(order)))
+    return df.sort_values(["_o", "view", "column_index"]).drop(columns=["_o", "column_index"]).reset_index(drop=True)
+
+
+def fmt_ms(v: float | None) -> str:
+    """A duration in ms for display: '—' for missing, 1 decimal under 100 ms, else whole ms."""
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "—"
+    return f"{v:,.1f} ms" if abs(v) < 100 else f"{v:,.0f} ms"

@@ -1,0 +1,4 @@
+"""Decode stalls (being written)."""
+import streamlit as st
+
+st.title("Decode stalls")

@@ -1,0 +1,172 @@
+"""Streamlit glue shared by the pages: the opened trace, the sidebar, cached queries, banners.
+
+The trace directory comes from the sidebar (default: ``PDTRACE_DASHBOARD_DIR``,
+set by ``pdtrace dashboard DIR``). The opened :class:`~.data.Trace` is a cached
+resource (one per directory, shared by sessions); query results are cached
+as data, keyed by the trace's version (bumped when new files are absorbed),
+bounded by ``max_entries`` and a ttl.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import streamlit as st
+
+from . import data
+
+ENV_DIR = "PDTRACE_DASHBOARD_DIR"
+ENV_COMPARE_DIR = "PDTRACE_DASHBOARD_COMPARE_DIR"
+#: Seconds between checks for new files when "Follow new files" is on.
+FOLLOW_EVERY_S = 5
+
+
+@st.cache_resource(show_spinner=False, max_entries=8)
+def open_trace(directory: str) -> data.Trace:
+    """The trace of ``directory`` (absolute path), opened once per process."""
+    return data.Trace(directory)
+
+
+@st.cache_data(show_spinner=False, max_entries=512, ttl=3600)
+def _cached(directory: str, version: int, fn_name: str, args: tuple, kwargs: tuple) -> Any:
+    fn = getattr(data, fn_name)
+    return fn(open_trace(directory), *args, **dict(kwargs))
+
+
+def q(t: data.Trace, fn: Callable, *args, **kwargs) -> Any:
+    """Call ``data.<fn>(t, *args, **kwargs)`` through the result cache (args must be hashable)."""
+    return _cached(str(t.directory), t.version, fn.__name__, args, tuple(sorted(kwargs.items())))
+
+
+def _abs(p: str) -> str:
+    return str(Path(p).expanduser().resolve()) if p else ""
+
+
+def current_dir() -> str:
+    """The trace directory chosen in the sidebar (absolute path, '' when none)."""
+    return st.session_state.get("trace_dir", "")
+
+
+def sidebar() -> None:
+    """Render the shared sidebar (trace directory, follow toggle, time window) into session state."""
+    if "trace_dir" not in st.session_state:
+        st.session_state["trace_dir"] = _abs(os.environ.get(ENV_DIR, ""))
+    with st.sidebar:
+        st.text_input("Trace directory", key="trace_dir", help="A pdtrace span store: a directory of Parquet files.")
+        st.toggle("Follow new files", key="follow", value=True,
+                  help=f"Check the directory every {FOLLOW_EVERY_S} s and absorb new files (live incidents).")
+
+
+def trace_or_stop() -> data.Trace:
+    """Open the sidebar's trace; show a clear message and stop the page when there is nothing to show.
+
+    Names skipped (corrupt/foreign/other-major) files in a warning banner.
+    """
+    d = _abs(current_dir())
+    if not d:
+        st.info("No trace directory chosen. Enter one in the sidebar, or start with `pdtrace dashboard DIR`.")
+        st.stop()
+    t = open_trace(d)
+    if not t.exists:
+        st.info(f"Trace directory `{d}` does not exist (yet). It is picked up as soon as it appears.")
+        _follow(t)
+        st.stop()
+    h = q(t, data.store_health)
+    if h["skipped"]:
+        lines = "\n".join(f"- `{Path(p).name}`: {reason}" for p, reason in h["skipped"][:20])
+        more = f"\n- … and {len(h['skipped']) - 20} more" if len(h["skipped"]) > 20 else ""
+        st.warning(f"**{len(h['skipped'])} file(s) skipped** in `{d}`; the other files are shown:\n{lines}{more}")
+    if h["files"] == 0:
+        st.info(f"No readable span files in `{d}` yet. Start the lab or an engine with `PDTRACE_DIR={d}`; "
+                "new files are picked up as the directory grows.")
+        _follow(t)
+        st.stop()
+    if h["requests"] == 0:
+        st.info(f"`{d}` holds {h['files']} span file(s) but no request yet.")
+        _follow(t)
+        st.stop()
+    _follow(t)
+    return t
+
+
+def _follow(t: data.Trace) -> None:
+    if not st.session_state.get("follow", True):
+        return
+
+    @st.fragment(run_every=FOLLOW_EVERY_S)
+    def _check() -> None:
+        before = t.version
+        try:
+            t.refresh()
+        except Exception as exc:  # a file being replaced mid-read: try again next tick
+            st.sidebar.caption(f"refresh failed: {type(exc).__name__}")
+            return
+        if t.version != before:
+            st.rerun(scope="app")
+
+    with st.sidebar:
+        _check()
+
+
+def _to_dt(ns: int) -> dt.datetime:
+    return dt.datetime.fromtimestamp(ns / 1e9, tz=dt.timezone.utc).replace(microsecond=0)
+
+
+def _to_ns(d: dt.datetime) -> int:
+    return int(d.replace(tzinfo=dt.timezone.utc).timestamp()) * 1_000_000_000
+
+
+PRESETS = {"whole trace": None, "last 5 min": 300, "last 15 min": 900, "last 1 h": 3600}
+
+
+def window_picker(t: data.Trace, key: str = "win", label: str = "Time window (arrival, UTC)",
+                  in_sidebar: bool = True, default_fraction: tuple[float, float] | None = None) -> data.Window:
+    """A time window on request arrival, chosen from presets or a range slider; returned as a Window."""
+    rng = q(t, data.time_range)
+    if rng is None:
+        return data.ALL
+    lo, hi = _to_dt(rng[0]), _to_dt(rng[1]) + dt.timedelta(seconds=1)
+    where = st.sidebar if in_sidebar else st
+    preset = where.selectbox(label, list(PRESETS) + ["custom"], key=f"{key}_preset",
+                             index=len(PRESETS) if default_fraction else 0)
+    if preset != "custom":
+        secs = PRESETS[preset]
+        if secs is None:
+            return data.ALL
+        return data.Window(int(rng[1]) + 1_000_000_000 - secs * 1_000_000_000, None)
+    if default_fraction:
+        span = hi - lo
+        default = (lo + span * default_fraction[0], lo + span * default_fraction[1])
+        default = tuple(x.replace(microsecond=0) for x in default)
+    else:
+        default = (lo, hi)
+    a, b = where.slider("Arrival between", min_value=lo, max_value=hi, value=default, key=f"{key}_range",
+                        step=dt.timedelta(seconds=1), format="HH:mm:ss")
+    return data.Window(_to_ns(a), _to_ns(b))
+
+
+def window() -> data.Window:
+    """The sidebar's window (set by the entry script)."""
+    return st.session_state.get("_window", data.ALL)
+
+
+def pct(v: float | None) -> str:
+    """A fraction as a percentage for display ('—' when missing)."""
+    if v is None or v != v:
+        return "—"
+    return f"{v * 100:.1f}%"
+
+
+def trace() -> data.Trace:
+    """The trace the entry script opened and checked (pages call this)."""
+    return open_trace(_abs(current_dir()))
+
+
+def open_request(request_id: str, run_id: str | None = None) -> None:
+    """Switch to the request explorer on ``request_id`` (kept in the URL, so the link can be shared)."""
+    params = {"request": request_id}
+    if run_id:
+        params["run"] = run_id
+    st.switch_page("pages/request.py", query_params=params)
