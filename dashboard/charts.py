@@ -20,8 +20,10 @@ PCT_COLORS = {"p50": "#0072B2", "p90": "#E69F00", "p99": "#D55E00"}
 
 
 def _layout(fig: go.Figure, height: int = 320, **kw) -> go.Figure:
-    fig.update_layout(height=height, margin=dict(l=10, r=10, t=40, b=10), legend=dict(orientation="h", y=-0.18),
-                      hovermode="x unified", **kw)
+    opts = dict(height=height, margin=dict(l=10, r=10, t=40, b=10), legend=dict(orientation="h", y=-0.18),
+                hovermode="x unified")
+    opts.update(kw)
+    fig.update_layout(**opts)
     return fig
 
 

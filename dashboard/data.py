@@ -76,6 +76,43 @@ class Window:
 ALL = Window()
 
 
+#: Stand-ins for analysis views that have not landed yet, created in the analysis database only when the
+#: view is missing (``Trace._shim``); derived from the public views ``spans`` and ``events``. Remove each
+#: entry when the analysis ships the view.
+_SHIMS: dict[str, str] = {
+    "requests": """
+        CREATE VIEW requests AS
+        WITH root AS (
+            SELECT rkey, any_value(run_id) AS run_id, any_value(request_id) AS request_id,
+                   any_value(prompt_index) AS prompt_index, min(start_ns) AS arrival_ns, max(end_ns) AS end_ns,
+                   any_value(attr_str['request.mode']) AS mode,
+                   max(attr_int['gen_ai.usage.input_tokens']) AS prompt_tokens,
+                   max(attr_int['gen_ai.usage.output_tokens']) AS output_tokens
+            FROM spans WHERE stage = 'router.request' GROUP BY rkey),
+        ev AS (
+            SELECT rkey, min(time_ns) FILTER (WHERE event = 'router.first_token') AS first_token_ns,
+                   max(time_ns) FILTER (WHERE event = 'router.last_token') AS last_token_ns,
+                   min(event) FILTER (WHERE event NOT IN ('router.first_token', 'router.last_token', 'token',
+                       'registration.sent', 'registration.received', 'notification.sent',
+                       'notification.received', 'clock.sample')) AS failure_event
+            FROM events GROUP BY rkey)
+        SELECT root.run_id, root.request_id, root.prompt_index, root.mode, root.prompt_tokens, root.output_tokens,
+               root.arrival_ns, ev.first_token_ns,
+               (ev.first_token_ns - root.arrival_ns) / 1e6 AS ttft_ms,
+               CASE WHEN root.output_tokens > 1 THEN (ev.last_token_ns - ev.first_token_ns) / 1e6
+                    / (root.output_tokens - 1) END AS tpot_ms,
+               CASE WHEN ev.first_token_ns IS NULL THEN 'incomplete' ELSE 'complete' END AS status,
+               CASE WHEN ev.first_token_ns IS NULL THEN coalesce(ev.failure_event, 'no first token') END AS cause,
+               root.end_ns, root.rkey
+        FROM root LEFT JOIN ev USING (rkey)""",
+    "incomplete_requests": """
+        CREATE VIEW incomplete_requests AS
+        SELECT request_id, run_id, mode, cause, NULL::VARCHAR AS detail,
+               (end_ns - arrival_ns) / 1e6 AS time_to_failure_ms, arrival_ns, rkey
+        FROM requests WHERE status = 'incomplete'""",
+}
+
+
 class ConsoleError(ValueError):
     """A console query was refused (not a single read-only statement)."""
 
@@ -123,8 +160,15 @@ class Trace:
             self._tr = self._db.Trace(self.directory, cache=None)
         self.cache_path = self._tr.cache
         con = self._tr.con
+        self._shim(con)
         con.execute("SET allowed_directories = ?", [[str(self.directory.resolve()) + os.sep]])
         con.execute("SET enable_external_access = false")
+
+    def _shim(self, con) -> None:
+        have = {r[0] for r in con.execute("SELECT view_name FROM duckdb_views() WHERE NOT internal").fetchall()}
+        self.shimmed = [name for name in _SHIMS if name not in have]
+        for name in self.shimmed:
+            con.execute(_SHIMS[name])
 
     @property
     def exists(self) -> bool:

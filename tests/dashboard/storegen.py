@@ -240,6 +240,8 @@ def build_store(directory: str | Path, n_requests: int = 60, mode: str = "pull",
                                 "attrs": {"vllm.method": "start_load_kv", "connector.request_ids": x}})
             t, step = end, step + 1
     t_first, t_last = start_ns, start_ns + int(n_requests * gap_ms * MS) + 40_000 * MS
+    for r in router:
+        r.setdefault("thread", "MainThread")
     write_rows(d, router + _anchors(t_first, t_last), resource=_res("router", None, 100 + seed, mode, run_id),
                name=f"router-{run_id}.parquet")
     write_rows(d, pre + _anchors(t_first, t_last), resource=_res("prefill", "p0", 200 + seed, mode, run_id),
