@@ -252,10 +252,16 @@ class Trace:
                       AND (m.window_idx IS NULL OR r.start_ns // _clock_window_ns() = m.window_idx)
                       WHERE r.rkey IS NOT NULL""")
         for name, kind in loader.materializations():
+            mat, calc = f"_mat_{name.lstrip('_')}", f"_calc_{name.lstrip('_')}"
             if kind == "request":
-                mat = f"_mat_{name.lstrip('_')}"
                 con.execute(f"DELETE FROM {mat} WHERE rkey IN (SELECT rkey FROM _scope_keys)")
-                con.execute(f"INSERT INTO {mat} SELECT * FROM _calc_{name.lstrip('_')}")
+                con.execute(f"INSERT INTO {mat} SELECT * FROM {calc}")
+            elif kind == "scratch":
+                con.execute(f"DELETE FROM {mat}")
+                con.execute(f"INSERT INTO {mat} SELECT * FROM {calc}")
+        for name, kind in loader.materializations():
+            if kind == "scratch":
+                con.execute(f"DELETE FROM _mat_{name.lstrip('_')}")
         return con.execute("SELECT count(*) FROM _scope_keys").fetchone()[0]
 
     # -- queries ----------------------------------------------------------------

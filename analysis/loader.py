@@ -12,7 +12,9 @@ header declares, in SQL comments::
 ``requires`` lists the modules that must be loaded first. ``materialize: NAME
 KIND`` says that view ``NAME`` reads table ``_mat_NAME``, filled from view
 ``_calc_NAME`` by :mod:`pdtrace.analysis.db` on refresh: ``full`` recomputes the
-whole table, ``request`` only the request keys in ``_scope_keys``.
+whole table, ``request`` only the request keys in ``_scope_keys``; ``scratch``
+holds an intermediate step for the refreshed requests only and is emptied
+after the refresh (read by several later steps, so computed once).
 
 ``_tables.sql`` (no header) creates the base tables the connection module
 fills; it runs before every module.
@@ -55,7 +57,7 @@ def read_module(name: str, text: str) -> Module:
             requires += [v.strip() for v in value.split(",") if v.strip()]
         else:
             parts = value.split()
-            if len(parts) != 2 or parts[1] not in ("full", "request"):
+            if len(parts) != 2 or parts[1] not in ("full", "request", "scratch"):
                 raise ValueError(f"module {name}: bad materialize line {value!r}")
             mats.append((parts[0], parts[1]))
     if declared != name:

@@ -1,6 +1,14 @@
 -- module: ttft_segments
 -- requires: request_base
+-- materialize: _tt_cand scratch
+-- materialize: _tt_tree scratch
+-- materialize: _tt_top scratch
+-- materialize: _tt_kids scratch
+-- materialize: _tt_owned scratch
 -- materialize: ttft_segments request
+--
+-- Intermediate steps are materialized (scratch: for the refreshed requests
+-- only, emptied after the refresh) because several later steps read them.
 --
 -- The TTFT critical path (DESIGN.md §2-3) as exclusive segments tiling
 -- [arrival at the router, first token written], both on the router clock.
@@ -52,7 +60,7 @@ WHERE t.record = 'span' AND s.owns_ttft
   AND t.c_start_ns <= q.first_token_ns AND t.c_end_ns >= q.arrival_ns;
 
 -- Candidates after the rank and branch rules; `kept` = may own time.
-CREATE OR REPLACE VIEW _tt_cand AS
+CREATE OR REPLACE VIEW _calc_tt_cand AS
 WITH ranks AS (
     SELECT rkey, engine_id, arg_max(tp_rank, (end_c, -tp_rank)) AS crit_rank
     FROM _tt_all WHERE tp_rank IS NOT NULL
@@ -76,8 +84,10 @@ WITH ranks AS (
 SELECT pre.*,
        NOT coalesce(pre.is_pre AND pre.role <> br.crit_role AND pre.e0 > b0.b0, false) AS kept
 FROM pre LEFT JOIN br ON br.rkey = pre.rkey LEFT JOIN b0 ON b0.rkey = pre.rkey;
+CREATE TABLE IF NOT EXISTS _mat_tt_cand AS SELECT * FROM _calc_tt_cand LIMIT 0;
+CREATE OR REPLACE VIEW _tt_cand AS SELECT * FROM _mat_tt_cand;
 
-CREATE OR REPLACE VIEW _tt_tree AS
+CREATE OR REPLACE VIEW _calc_tt_tree AS
 SELECT c.*, p.span_id IS NOT NULL AS is_child, p.is_nested AS is_deep
 FROM (SELECT * FROM _tt_cand WHERE kept) c
 LEFT JOIN (
@@ -86,15 +96,19 @@ LEFT JOIN (
     LEFT JOIN (SELECT rkey, span_id FROM _tt_cand WHERE kept) pp
            ON pp.rkey = k.rkey AND pp.span_id = k.parent_span_id
 ) p ON p.rkey = c.rkey AND p.span_id = c.parent_span_id;
+CREATE TABLE IF NOT EXISTS _mat_tt_tree AS SELECT * FROM _calc_tt_tree LIMIT 0;
+CREATE OR REPLACE VIEW _tt_tree AS SELECT * FROM _mat_tt_tree;
 
 -- Top-level owners: [s0, oe] with oe = min(e0, earliest start of stages ending later).
-CREATE OR REPLACE VIEW _tt_top AS
+CREATE OR REPLACE VIEW _calc_tt_top AS
 SELECT * FROM (
     SELECT *, least(e0, coalesce(min(s0) OVER w, e0)) AS oe
     FROM _tt_tree WHERE NOT is_child AND NOT is_filler
     WINDOW w AS (PARTITION BY rkey ORDER BY e0 DESC, s0 DESC, span_id
                  ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING)
 ) WHERE oe > s0;
+CREATE TABLE IF NOT EXISTS _mat_tt_top AS SELECT * FROM _calc_tt_top LIMIT 0;
+CREATE OR REPLACE VIEW _tt_top AS SELECT * FROM _mat_tt_top;
 
 -- Instants no top-level stage owns.
 CREATE OR REPLACE VIEW _tt_gaps AS
@@ -117,7 +131,7 @@ SELECT * FROM (
 ) WHERE foe > fs;
 
 -- Children of owned top-level stages, flattened inside their parent's interval.
-CREATE OR REPLACE VIEW _tt_kids AS
+CREATE OR REPLACE VIEW _calc_tt_kids AS
 SELECT * FROM (
     SELECT *, least(ke, coalesce(min(ks) OVER w, ke)) AS koe FROM (
         SELECT k.rkey, k.span_id, k.stage, k.stage_group, k.category, k.role, k.engine_id, k.tp_rank, k.attempt,
@@ -129,6 +143,8 @@ SELECT * FROM (
     WINDOW w AS (PARTITION BY rkey, parent_id ORDER BY ke DESC, ks DESC, span_id
                  ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING)
 ) WHERE koe > ks;
+CREATE TABLE IF NOT EXISTS _mat_tt_kids AS SELECT * FROM _calc_tt_kids LIMIT 0;
+CREATE OR REPLACE VIEW _tt_kids AS SELECT * FROM _mat_tt_kids;
 
 -- A parent's own time: its interval minus its children's.
 CREATE OR REPLACE VIEW _tt_parent_self AS
@@ -140,13 +156,13 @@ SELECT rkey, span_id, gs AS start_ns, ge AS end_ns FROM (
         FROM _tt_kids k JOIN _tt_top a ON a.rkey = k.rkey AND a.span_id = k.parent_id
         UNION ALL
         SELECT a.rkey, a.span_id, a.oe, a.oe, a.s0
-        FROM _tt_top a WHERE (a.rkey, a.span_id) IN (SELECT (rkey, parent_id) FROM _tt_kids)
+        FROM _tt_top a WHERE EXISTS (SELECT 1 FROM _tt_kids k WHERE k.rkey = a.rkey AND k.parent_id = a.span_id)
     ) x
 ) WHERE ge > gs;
 
-CREATE OR REPLACE VIEW _tt_owned AS
+CREATE OR REPLACE VIEW _calc_tt_owned AS
 SELECT rkey, span_id, stage, stage_group, category, role, engine_id, tp_rank, attempt, s0 AS start_ns, oe AS end_ns
-FROM _tt_top WHERE (rkey, span_id) NOT IN (SELECT (rkey, parent_id) FROM _tt_kids)
+FROM _tt_top a WHERE NOT EXISTS (SELECT 1 FROM _tt_kids k WHERE k.rkey = a.rkey AND k.parent_id = a.span_id)
 UNION ALL
 SELECT rkey, span_id, stage, stage_group, category, role, engine_id, tp_rank, attempt, ks, koe FROM _tt_kids
 UNION ALL
@@ -155,6 +171,8 @@ SELECT a.rkey, a.span_id, a.stage, a.stage_group, a.category, a.role, a.engine_i
 FROM _tt_parent_self p JOIN _tt_top a ON a.rkey = p.rkey AND a.span_id = p.span_id
 UNION ALL
 SELECT rkey, span_id, stage, stage_group, category, role, engine_id, tp_rank, attempt, fs, foe FROM _tt_fill;
+CREATE TABLE IF NOT EXISTS _mat_tt_owned AS SELECT * FROM _calc_tt_owned LIMIT 0;
+CREATE OR REPLACE VIEW _tt_owned AS SELECT * FROM _mat_tt_owned;
 
 -- Whatever nothing owns, named by its neighbours.
 CREATE OR REPLACE VIEW _tt_unattributed AS
