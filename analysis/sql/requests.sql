@@ -1,0 +1,50 @@
+-- module: requests
+-- requires: request_base, incomplete
+--
+-- One row per request. TTFT only for complete requests (first token
+-- written); TPOT = (last token - first token) / (output tokens - 1). A
+-- request with a first token but no last token is `hung`: it keeps its TTFT,
+-- has no TPOT, and its hang (time since the first token until the router's
+-- root ended or the last record) is reported in hang_ms.
+
+CREATE OR REPLACE VIEW requests AS
+SELECT q.run_id, q.request_id, q.prompt_index, q.mode,
+       q.prompt_tokens, q.cached_tokens, q.uncached_tokens, q.output_tokens,
+       q.arrival_ns, q.first_token_ns, q.last_token_ns,
+       (q.first_token_ns - q.arrival_ns) / 1e6 AS ttft_ms,
+       CASE WHEN q.output_tokens > 1 AND q.last_token_ns IS NOT NULL
+            THEN (q.last_token_ns - q.first_token_ns) / 1e6 / (q.output_tokens - 1) END AS tpot_ms,
+       CASE WHEN q.first_token_ns IS NOT NULL THEN 'complete' ELSE 'incomplete' END AS status,
+       i.cause, i.detail,
+       q.first_token_ns IS NOT NULL AND q.last_token_ns IS NULL AS hung,
+       CASE WHEN q.first_token_ns IS NOT NULL AND q.last_token_ns IS NULL
+            THEN (greatest(coalesce(q.root_end_ns, q.first_token_ns), coalesce(q.engine_last_ns, q.first_token_ns))
+                  - q.first_token_ns) / 1e6 END AS hang_ms,
+       q.attempts, q.prefill_engine, q.decode_engine, q.first_contact, q.recomputed, q.rkey
+FROM _req_base q LEFT JOIN incomplete_requests i ON i.rkey = q.rkey;
+
+COMMENT ON VIEW requests IS 'One row per request: mode, tokens, TTFT/TPOT, complete or incomplete with a cause.';
+COMMENT ON COLUMN requests.run_id IS 'deployment run id';
+COMMENT ON COLUMN requests.request_id IS 'base request id X';
+COMMENT ON COLUMN requests.prompt_index IS 'prompt index i';
+COMMENT ON COLUMN requests.mode IS 'handoff mode: pull | push | unknown';
+COMMENT ON COLUMN requests.prompt_tokens IS 'prompt tokens (tokens)';
+COMMENT ON COLUMN requests.cached_tokens IS 'prompt tokens served from the prefix cache (tokens)';
+COMMENT ON COLUMN requests.uncached_tokens IS 'prompt tokens computed: prompt - cached (tokens)';
+COMMENT ON COLUMN requests.output_tokens IS 'generated tokens (tokens)';
+COMMENT ON COLUMN requests.arrival_ns IS 'request received by the router (ns since the Unix epoch, router clock)';
+COMMENT ON COLUMN requests.first_token_ns IS 'first token chunk written by the router (ns since the Unix epoch); NULL if none';
+COMMENT ON COLUMN requests.last_token_ns IS 'last token chunk written (ns since the Unix epoch)';
+COMMENT ON COLUMN requests.ttft_ms IS 'first_token - arrival on the router clock (ms); NULL for incomplete requests';
+COMMENT ON COLUMN requests.tpot_ms IS '(last token - first token) / (output tokens - 1) (ms per token)';
+COMMENT ON COLUMN requests.status IS 'complete (first token written) | incomplete';
+COMMENT ON COLUMN requests.cause IS 'cause of an incomplete request (see incomplete_requests.cause)';
+COMMENT ON COLUMN requests.detail IS 'evidence for the cause';
+COMMENT ON COLUMN requests.hung IS 'true if the first token came but the last token never did';
+COMMENT ON COLUMN requests.hang_ms IS 'for a hung request: first token -> last record of the request (ms)';
+COMMENT ON COLUMN requests.attempts IS 'dispatch attempts including local recomputes (count)';
+COMMENT ON COLUMN requests.prefill_engine IS 'prefill engine id';
+COMMENT ON COLUMN requests.decode_engine IS 'decode engine id';
+COMMENT ON COLUMN requests.first_contact IS 'true if the handoff paid the first-contact handshake';
+COMMENT ON COLUMN requests.recomputed IS 'true if the prompt was recomputed after a load failure or preemption';
+COMMENT ON COLUMN requests.rkey IS 'request join key';
