@@ -129,7 +129,19 @@ HOOKS: tuple[Hook, ...] = (
 
 #: Differences between 0.32.0 and 0.33.0 that affect the hooks: {hook name: what differs}.
 #: Filled from the static check of the 0.33.0 wheel (see BENCHMARKS.md "Connectors").
-DIFFERENCES: dict[str, str] = {}
+DIFFERENCES: dict[str, str] = {
+    "pull_worker.NixlPullConnectorWorker._read_blocks_for_req":
+        "0.33 re-handshakes a peer whose registration generation grew (sleep mode / re-registration) "
+        "inside this method; pdtrace marks a handshake wait in _background_nixl_handshake, so first "
+        "contact and re-handshake are both recorded as handoff.handshake",
+    "connector.NixlBaseConnector":
+        "0.33 adds supports_sleep_mode() and unregister_kv_caches(); not hooked, inherited unchanged",
+    "metadata":
+        "0.33 bumps NIXL_CONNECTOR_VERSION 14 -> 15 and adds remote_registration_generation to "
+        "kv_transfer_params: P and D must run the same vLLM (the traced classes add nothing to it)",
+    "base_worker": "0.33 calls check_nixl_version() at import; descriptor building returns numpy "
+                   "arrays (pdtrace only takes len() of the ids passed to make_prepped_xfer)",
+}
 
 
 def module_name(hook: Hook) -> str:
@@ -259,3 +271,119 @@ def prog_thread_setting(kv_transfer_config) -> bool | None:
     if s in ("0", "false", "off", "no"):
         return False
     raise ValueError(f"kv_connector_extra_config.{PROG_THREAD_KEY}: expected a boolean, got {raw!r}")
+
+
+# ---------------------------------------------------------------- static check (AST)
+def _module_file(root, modname: str):
+    from pathlib import Path
+
+    return Path(root) / (modname.replace(".", "/") + ".py")
+
+
+def static_check(src_root) -> list[str]:
+    """Check :data:`HOOKS` against vLLM *source* under ``src_root`` without importing it.
+
+    ``src_root`` holds ``vllm/...`` (e.g. an unzipped wheel). Classes are
+    followed through their bases by name across the hooked modules (imported
+    names resolved via ``from X import Y``). Returns problems as readable
+    strings; empty means every hooked name and signature is present. This is
+    "checked statically, not run".
+    """
+    import ast
+
+    trees: dict[str, ast.Module] = {}
+
+    def tree(modname):
+        if modname not in trees:
+            f = _module_file(src_root, modname)
+            trees[modname] = ast.parse(f.read_text()) if f.exists() else None
+        return trees[modname]
+
+    def find_class(modname, clsname, depth=0):
+        t = tree(modname)
+        if t is None or depth > 8:
+            return None
+        for node in t.body:
+            if isinstance(node, ast.ClassDef) and node.name == clsname:
+                return modname, node
+        for node in t.body:  # re-exported via "from X import Y"
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("vllm."):
+                for a in node.names:
+                    if (a.asname or a.name) == clsname:
+                        return find_class(node.module, a.name, depth + 1)
+        return None
+
+    def mro(modname, clsname):
+        out, todo = [], [(modname, clsname)]
+        while todo:
+            m, c = todo.pop(0)
+            found = find_class(m, c)
+            if found is None:
+                continue
+            fm, node = found
+            out.append((fm, node))
+            for b in node.bases:
+                name = b.id if isinstance(b, ast.Name) else (b.attr if isinstance(b, ast.Attribute) else None)
+                if name:
+                    todo.append((fm, name))
+        return out
+
+    problems = []
+    for h in HOOKS:
+        modname = module_name(h)
+        where = f"{modname}.{h.cls + '.' if h.cls else ''}{h.name}"
+        t = tree(modname)
+        if t is None:
+            problems.append(f"{where}: module file missing")
+            continue
+        if h.cls is None:
+            names = set()
+            for node in ast.walk(t):
+                if isinstance(node, (ast.Assign, ast.AnnAssign)):
+                    for tg in (node.targets if isinstance(node, ast.Assign) else [node.target]):
+                        if isinstance(tg, ast.Name):
+                            names.add(tg.id)
+                elif isinstance(node, (ast.ImportFrom, ast.Import)):
+                    names.update(a.asname or a.name for a in node.names)
+                elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                    names.add(node.name)
+            if h.name not in names:
+                problems.append(f"{where}: module attribute missing")
+            continue
+        chain = mro(modname, h.cls)
+        if not chain:
+            problems.append(f"{where}: class {h.cls} missing")
+            continue
+        if h.kind == "attr":
+            ok = False
+            for _, node in chain:
+                for n in ast.walk(node):
+                    if isinstance(n, ast.Attribute) and n.attr == h.name and isinstance(n.value, ast.Name) \
+                            and n.value.id == "self" and isinstance(n.ctx, ast.Store):
+                        ok = True
+                    elif isinstance(n, (ast.AnnAssign, ast.Assign)):
+                        for tg in (n.targets if isinstance(n, ast.Assign) else [n.target]):
+                            if isinstance(tg, ast.Name) and tg.id == h.name:
+                                ok = True
+                    if ok:
+                        break
+                if ok:
+                    break
+            if not ok:
+                problems.append(f"{where}: attribute never assigned")
+            continue
+        fn = None
+        for _, node in chain:
+            for n in node.body:
+                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == h.name:
+                    fn = n
+                    break
+            if fn is not None:
+                break
+        if fn is None:
+            problems.append(f"{where}: method missing")
+            continue
+        params = tuple(a.arg for a in (fn.args.posonlyargs + fn.args.args))[1:]
+        if params[: len(h.params)] != h.params:
+            problems.append(f"{where}: parameters {params} do not start with {h.params}")
+    return problems

@@ -76,6 +76,10 @@ class TracedFacadeMixin:
         if step is not None:
             if not step[1]:
                 return
+            if len(step) > 4 and step[4] and not rids:
+                return  # idle step: nothing scheduled, no request served (see scheduler)
+            if len(step) > 4 and step[4]:
+                w._pdt_report_obj().busy = True
             a = {"vllm.method": method, "step.id": step[0]}
             parent = step[1]
         else:

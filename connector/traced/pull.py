@@ -78,11 +78,21 @@ class TracedNixlPullConnectorWorker(TracedWorkerMixin, NixlPullConnectorWorker):
             st.t_enter = t
         else:
             st.t_enter2 = t
-        if engine is not None and engine not in self._remote_agents and not st.hs_engine:
-            st.hs_engine = engine
-            st.t_hs_wait = t
-            st.first_contact = 1
         self._pdt_tls.ctx = Ctx(req_id, engine)
+
+    def _background_nixl_handshake(self, req_id, remote_engine_id, meta):
+        # The request waits for a handshake (first contact, or a re-handshake in 0.33
+        # after the peer re-registered): mark it here rather than guessing from state.
+        if tracer.on:
+            safe(self._pdt_hs_wait, req_id, remote_engine_id)
+        return super()._background_nixl_handshake(req_id, remote_engine_id, meta)
+
+    def _pdt_hs_wait(self, req_id, engine) -> None:
+        st = self._pdt_state(req_id)
+        if not st.hs_engine:
+            st.hs_engine = engine
+            st.t_hs_wait = st.t_enter or tracer.now()
+            st.first_contact = 1
 
     def _pdt_on_post(self, info) -> None:
         rid = info.rid

@@ -71,7 +71,7 @@ class SReq:
 
 
 class PendingStep:
-    __slots__ = ("step", "sid", "t0", "batch", "chunks", "promoted", "attrs")
+    __slots__ = ("step", "sid", "t0", "batch", "chunks", "promoted", "attrs", "empty")
 
     def __init__(self, step, sid, t0):
         self.step, self.sid, self.t0 = step, sid, t0
@@ -79,6 +79,7 @@ class PendingStep:
         self.chunks = []      # (SReq, tokens, chunk_index, last)
         self.promoted = []    # SReq
         self.attrs = None
+        self.empty = False
 
 
 class TracedSchedulerMixin:
@@ -94,6 +95,7 @@ class TracedSchedulerMixin:
         self._pdt_pending: deque[PendingStep] = deque()
         self._pdt_step_id = 0
         self._pdt_holds: dict[str, tuple[int, SReq]] = {}
+        self._pdt_idle = 0
 
     # ------------------------------------------------------------ arrivals
     def on_new_request(self, request):
@@ -170,7 +172,7 @@ class TracedSchedulerMixin:
             h = self._pdt_holds.get(rid)
             if h is not None:
                 kv_ready[rid] = h[0]
-        meta._pdtrace = (step, sid, recv_alloc, kv_ready)
+        meta._pdtrace = (step, sid, recv_alloc, kv_ready, not so.num_scheduled_tokens)
 
         for rid in so.preempted_req_ids or ():
             st = self._pdt_reqs.get(rid)
@@ -192,7 +194,21 @@ class TracedSchedulerMixin:
                 n_d += n
                 continue
             req = st.req
-            if req.num_computed_tokens < req.num_prompt_tokens and not (st.awaiting and st.promoted):
+            if st.awaiting and not st.promoted:
+                st.promoted = True
+                st.t_promoted = t0
+                if st.sampled:
+                    self._pdt_promote(st, t0)
+                    ps.promoted.append(st)
+                first_step = True
+            else:
+                first_step = False
+            if first_step:
+                # D's first forward after the KV arrived (it recomputes the last prompt token):
+                # charged to decode.first_step, not prefill.compute
+                kind = "p"
+                n_p += n
+            elif req.num_computed_tokens < req.num_prompt_tokens and not st.awaiting:
                 kind = "r" if st.attempt > 0 else "p"
                 if kind == "r":
                     n_r += n
@@ -206,13 +222,8 @@ class TracedSchedulerMixin:
             else:
                 kind = "d"
                 n_d += n
-            if st.awaiting and not st.promoted:
-                st.promoted = True
-                st.t_promoted = t0
-                if st.sampled:
-                    self._pdt_promote(st, t0)
-                    ps.promoted.append(st)
             parts.append(f"{st.x}:{kind}{n}")
+        ps.empty = not parts
         if keep_step:
             ps.batch = ";".join(parts)
             ps.attrs = {"step.id": step, "step.num_reqs": len(parts), "step.prefill_tokens": n_p,
@@ -267,7 +278,12 @@ class TracedSchedulerMixin:
         elif self._pdt_pending:
             ps = self._pdt_pending.popleft()
         if ps is not None:
-            self._pdt_close_step(ps, t1)
+            if ps.empty and not getattr(rep, "busy", False) and not out.finished_recving \
+                    and not out.finished_sending:
+                # an idle step (nothing scheduled, no connector work): counted, not recorded
+                self._pdt_idle += 1
+            else:
+                self._pdt_close_step(ps, t1)
         # per-rank completion times of receives (D)
         recv = getattr(rep, "recv", None) or {}
         for rid in out.finished_recving or ():
@@ -301,6 +317,8 @@ class TracedSchedulerMixin:
         if ps.sid:
             a = dict(ps.attrs or {})
             a["step.batch"] = ps.batch or ""
+            a["step.idle_before"] = self._pdt_idle
+            self._pdt_idle = 0
             tracer.record(self._pdt_step_name, None, ps.t0, t1, a, span_id=ps.sid)
         for st, n, idx, last in ps.chunks:
             end = t1

@@ -9,7 +9,9 @@ the scheduler needs to close per-request stages:
 - ``step``: the scheduler's step id the report belongs to (pairs the step),
 - ``recv``: {internal request id: {tp_rank: (transfer_end_ns, seen_ns)}} for
   receives this rank reported finished (times: monotonic ns, same host),
-- ``expired``: P request ids whose lease expired on some rank (release cause).
+- ``expired``: P request ids whose lease expired on some rank (release cause),
+- ``busy``: a worker did connector work for some request in a step that had
+  no scheduled tokens (the scheduler then records that step's span).
 
 Only sent while tracing is on. Pickled across processes with TP > 1.
 """
@@ -25,6 +27,7 @@ class StepReport(KVConnectorWorkerMetadata):
         self.step = step
         self.recv: dict[str, dict[int, tuple[int, int]]] = {}
         self.expired: set[str] = set()
+        self.busy = False
 
     def aggregate(self, other: "KVConnectorWorkerMetadata") -> "KVConnectorWorkerMetadata":
         if not isinstance(other, StepReport):
@@ -34,6 +37,7 @@ class StepReport(KVConnectorWorkerMetadata):
         for rid, ranks in other.recv.items():
             self.recv.setdefault(rid, {}).update(ranks)
         self.expired |= other.expired
+        self.busy = self.busy or getattr(other, "busy", False)
         return self
 
     def __repr__(self) -> str:

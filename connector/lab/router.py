@@ -1,0 +1,534 @@
+"""P/D router (proxy): OpenAI ``/v1/completions`` and ``/v1/chat/completions`` over P and D engines.
+
+aiohttp server and client. For each client request the router makes one id X
+(``<prefix><16 hex>``), sends it as ``X-Request-Id`` on both legs and a W3C
+``traceparent`` whose trace id is derived from X (``pdtrace.instrument.ids``).
+
+- **pull**: P gets the request with ``max_tokens=1`` and
+  ``kv_transfer_params.do_remote_decode``; D then gets the client's request with
+  the ``kv_transfer_params`` P returned (D READs the KV).
+- **push**: P and D legs are dispatched concurrently; D gets
+  ``do_remote_prefill`` plus P's engine id, side-channel host/port and TP size
+  (known in advance: the lab fixes P's ``engine_id``); P WRITEs into D's blocks.
+  P matches D's registration by the request id, so both legs **must** carry
+  the same X-Request-Id. Guards: the router refuses to dispatch push legs whose
+  ids differ (HTTP 500), and a join watchdog fails the request with HTTP 504
+  (or an in-stream error) when D has produced no token ``push_join_timeout_s``
+  seconds after P answered — instead of hanging until vLLM's registration
+  timeout (480 s by default).
+
+D's stream is relayed chunk by chunk. Errors from a leg keep their HTTP status;
+a failure after the stream started becomes an in-stream ``{"error": ...}``
+event. A per-request timeout (``timeout_s``) applies; when one leg fails or the
+client disconnects, the other leg is cancelled (closing its connection makes
+vLLM abort it). Engines are picked round-robin.
+
+Spans (through ``pdtrace.instrument.tracer``, when ``PDTRACE_DIR`` is set):
+``router.request`` (root), ``router.dispatch`` (one per leg: router work
+before the leg is sent), ``router.wait`` (one per leg: sent → P's response /
+D's first token chunk received), the event ``router.first_token`` on the root
+when the first chunk carrying a generated token is written (TTFT end, DESIGN.md
+§3), ``router.last_token`` and ``router.leg_failed``. No prompt or completion
+text is recorded or logged.
+
+The router also keeps its own added latency per request (``GET /_lab/stats``):
+TTFT on its clock minus the time it spent waiting on engines on the TTFT path
+(pull: P's round trip + D's time to first token chunk; push: D's).
+
+Test hooks (only with ``test_hooks: true`` in the config): request header
+``X-Pdtrace-Lab-Hold: 1`` parks D's leg after P answered until ``POST
+/_lab/release``; ``GET /_lab/held`` lists parked ids; header
+``X-Pdtrace-Lab-Fault: split-id`` gives D a different request id *after* the
+guard (simulates an intermediary rewriting ids).
+
+Run: ``python -m pdtrace.connector.lab.router --config router.json`` (written by
+:class:`pdtrace.connector.lab.launcher.Lab`).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import itertools
+import json
+import logging
+import os
+import secrets
+import signal
+import time
+
+from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
+
+try:  # the recorder (issue 2); the router works without it
+    from pdtrace.instrument import ids as _ids
+    from pdtrace.instrument import tracer as _tracer
+except ImportError:  # pragma: no cover
+    _tracer, _ids = None, None
+
+log = logging.getLogger("pdtrace.router")
+
+HOLD_HEADER = "X-Pdtrace-Lab-Hold"
+FAULT_HEADER = "X-Pdtrace-Lab-Fault"
+INDEX_HEADER = "X-Pdtrace-Prompt-Index"
+STATUS_ERROR = 2
+
+
+class LegError(Exception):
+    """A leg failed: ``status`` is the HTTP status to give the client, ``body`` a JSON-able error."""
+
+    def __init__(self, status: int, message: str, leg: str, kind: str, upstream_body: bytes | None = None):
+        super().__init__(message)
+        self.status, self.message, self.leg, self.kind = status, message, leg, kind
+        self.upstream_body = upstream_body
+
+    def payload(self) -> dict:
+        err = {"message": self.message, "type": self.kind, "code": self.status, "leg": self.leg}
+        if self.upstream_body:
+            try:
+                err["upstream"] = json.loads(self.upstream_body)
+            except ValueError:
+                pass
+        return {"error": err}
+
+
+def check_shared_id(p_headers: dict, d_headers: dict) -> None:
+    """Push guard: raise :class:`LegError` (500) unless both legs carry the same X-Request-Id."""
+    a, b = p_headers.get("X-Request-Id"), d_headers.get("X-Request-Id")
+    if not a or a != b:
+        raise LegError(500, "push mode needs the same X-Request-Id on the prefill and decode legs "
+                            "(P matches D's registration by it); refusing to dispatch", "router", "push_id_mismatch")
+
+
+def _chunk_has_token(obj: dict) -> bool:
+    for ch in obj.get("choices") or ():
+        if ch.get("text"):
+            return True
+        d = ch.get("delta") or {}
+        if d.get("content") or d.get("reasoning_content") or d.get("reasoning"):
+            return True
+        lp = ch.get("logprobs")
+        if lp and (lp.get("tokens") or lp.get("content")):
+            return True
+    return False
+
+
+class _Spans:
+    """Thin guard over the tracer: every method is a no-op when tracing is off."""
+
+    def __init__(self):
+        self.t = _tracer if (_tracer is not None and getattr(_tracer, "on", False)) else None
+
+    def start(self, name, rid, parent=None, attrs=None, start_ns=None, pidx=0):
+        return self.t.start(name, rid, start_ns=start_ns, parent=parent, attrs=attrs, prompt_index=pidx) if self.t else 0
+
+    def end(self, sid, attrs=None, status=0, error=None, end_ns=None):
+        if self.t and sid:
+            self.t.end(sid, end_ns=end_ns, attrs=attrs, status=status, error=error)
+
+    def record(self, name, rid, t0, t1, attrs=None, parent=None, pidx=0):
+        return self.t.record(name, rid, t0, t1, attrs=attrs, parent=parent, prompt_index=pidx) if self.t else 0
+
+    def event(self, name, rid, sid, t=None, attrs=None, pidx=0):
+        if self.t:
+            self.t.event(name, rid, span_id=sid, time_ns=t, attrs=attrs, prompt_index=pidx)
+
+
+def _now() -> int:
+    return time.monotonic_ns()
+
+
+class Router:
+    """The router application. ``cfg`` keys: mode, host, port, prefill, decode,
+    timeout_s, push_join_timeout_s, test_hooks, id_prefix."""
+
+    def __init__(self, cfg: dict):
+        self.cfg = cfg
+        self.mode = cfg["mode"]
+        if self.mode not in ("pull", "push"):
+            raise ValueError(f"mode must be 'pull' or 'push', not {self.mode!r}")
+        if not cfg.get("prefill") or not cfg.get("decode"):
+            raise ValueError("the router needs at least one prefill and one decode engine")
+        self.prefill = list(cfg["prefill"])
+        self.decode = list(cfg["decode"])
+        self._p_rr = itertools.cycle(range(len(self.prefill)))
+        self._d_rr = itertools.cycle(range(len(self.decode)))
+        self.timeout_s = float(cfg.get("timeout_s", 120))
+        self.join_timeout_s = float(cfg.get("push_join_timeout_s", 20))
+        self.hooks = bool(cfg.get("test_hooks", False))
+        self.prefix = cfg.get("id_prefix", "lab-")
+        self.session: ClientSession | None = None
+        self.held: dict[str, asyncio.Event] = {}
+        self.stats = collections.deque(maxlen=200_000)  # (id, status, ttft_ns, overhead_ns)
+        self.spans = _Spans()
+
+    # -- app -------------------------------------------------------------
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_post("/v1/completions", self.handle)
+        app.router.add_post("/v1/chat/completions", self.handle)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/_lab/stats", self.get_stats)
+        app.router.add_get("/_lab/held", self.get_held)
+        app.router.add_post("/_lab/release", self.release)
+        app.on_startup.append(self._startup)
+        app.on_cleanup.append(self._cleanup)
+        return app
+
+    async def _startup(self, app):
+        self.session = ClientSession(connector=TCPConnector(limit=0, force_close=False),
+                                     timeout=ClientTimeout(total=None, sock_connect=10))
+
+    async def _cleanup(self, app):
+        if self.session:
+            await self.session.close()
+
+    async def health(self, request):
+        return web.json_response({"status": "ok", "mode": self.mode,
+                                  "prefill": len(self.prefill), "decode": len(self.decode)})
+
+    async def models(self, request):
+        async with self.session.get(self.decode[0]["url"] + "/v1/models") as r:
+            return web.Response(status=r.status, body=await r.read(), content_type="application/json")
+
+    async def get_stats(self, request):
+        rows = list(self.stats)
+        return web.json_response({"requests": [
+            {"id": i, "status": s, "ttft_ns": t, "overhead_ns": o} for i, s, t, o in rows]})
+
+    async def get_held(self, request):
+        if not self.hooks:
+            raise web.HTTPNotFound()
+        return web.json_response({"held": sorted(self.held)})
+
+    async def release(self, request):
+        if not self.hooks:
+            raise web.HTTPNotFound()
+        body = await request.json() if request.can_read_body else {}
+        ids = [body["id"]] if body.get("id") else list(self.held)
+        for i in ids:
+            ev = self.held.get(i)
+            if ev:
+                ev.set()
+        return web.json_response({"released": ids})
+
+    # -- request handling ---------------------------------------------------
+    def _leg_headers(self, rid: str, parent_sid: int, sampled: bool) -> dict:
+        h = {"X-Request-Id": rid, "Content-Type": "application/json"}
+        if _ids is not None:
+            h["traceparent"] = _ids.traceparent(rid, parent_sid or secrets.randbits(63) | 1, sampled)
+        return h
+
+    async def handle(self, request: web.Request):
+        t_recv = _now()
+        path = request.path
+        x = self.prefix + secrets.token_hex(8)
+        try:
+            pidx = int(request.headers.get(INDEX_HEADER, "0"))
+        except ValueError:
+            pidx = 0
+        sp = self.spans
+        sampled = bool(sp.t and sp.t.sampled(x))
+        ctx = {"x": x, "pidx": pidx, "t_recv": t_recv, "engine_wait_ns": 0, "first_token_ns": None,
+               "status": 0, "first_chunk_rx_ns": None}
+        root = sp.start("router.request", x, start_ns=t_recv, pidx=pidx,
+                        attrs={"request.mode": self.mode, "router.policy": "round-robin",
+                               "request.client_id": request.headers.get("X-Request-Id", "")[:64]}) if sampled else 0
+        ctx["root"], ctx["sampled"] = root, sampled
+        resp = None
+        try:
+            try:
+                body = await request.json()
+                if not isinstance(body, dict):
+                    raise ValueError
+            except ValueError:
+                raise LegError(400, "request body must be a JSON object", "router", "invalid_request")
+            async with asyncio.timeout(self.timeout_s):
+                resp = await self._serve(request, path, body, ctx)
+            return resp
+        except TimeoutError:
+            ctx["status"] = 504
+            return await self._fail(request, ctx, LegError(
+                504, f"request timed out after {self.timeout_s:.0f} s in the router", "router", "timeout"))
+        except LegError as e:
+            ctx["status"] = e.status
+            return await self._fail(request, ctx, e)
+        except asyncio.CancelledError:
+            ctx["status"] = 499  # client went away
+            raise
+        finally:
+            t_end = _now()
+            ttft = (ctx["first_token_ns"] - t_recv) if ctx["first_token_ns"] else -1
+            overhead = (ttft - ctx["engine_wait_ns"]) if ctx["first_token_ns"] else -1
+            self.stats.append((x, ctx["status"], ttft, overhead))
+            if root:
+                sp.end(root, end_ns=t_end, attrs={"http.response.status_code": ctx["status"],
+                                                  "request.stream": int(bool(ctx.get("stream")))},
+                       status=STATUS_ERROR if ctx["status"] >= 400 or ctx["status"] == 0 else 0)
+
+    async def _fail(self, request, ctx, e: LegError):
+        self.spans.event("router.leg_failed", ctx["x"], ctx["root"], attrs={
+            "http.response.status_code": e.status, "error.type": e.kind, "router.leg": e.leg}, pidx=ctx["pidx"])
+        resp = ctx.get("resp")
+        if resp is not None and resp.prepared:
+            # The stream already started: report in-stream, the client's status stays 200.
+            try:
+                await resp.write(b"data: " + json.dumps(e.payload()).encode() + b"\n\n")
+                await resp.write_eof()
+            except (ConnectionError, RuntimeError):
+                pass
+            return resp
+        return web.json_response(e.payload(), status=e.status)
+
+    def _p_body(self, body: dict) -> dict:
+        b = dict(body)
+        b["max_tokens"] = 1
+        if "max_completion_tokens" in b:
+            b["max_completion_tokens"] = 1
+        b["stream"] = False
+        for k in ("stream_options", "min_tokens"):
+            b.pop(k, None)
+        b["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False,
+                                   "remote_engine_id": None, "remote_block_ids": None,
+                                   "remote_host": None, "remote_port": None}
+        return b
+
+    async def _post_json(self, url: str, body: dict, headers: dict, leg: str) -> tuple[dict, int]:
+        """POST and read a JSON response; returns (json, t_received_ns); raises LegError."""
+        try:
+            async with self.session.post(url, json=body, headers=headers) as r:
+                raw = await r.read()
+                t = _now()
+                if r.status != 200:
+                    raise LegError(r.status, f"{leg} engine answered HTTP {r.status}", leg, "upstream_error", raw)
+                return json.loads(raw), t
+        except (ClientError, ConnectionError) as exc:
+            raise LegError(502, f"{leg} engine unreachable or connection lost ({type(exc).__name__})",
+                           leg, "upstream_unreachable") from None
+
+    async def _serve(self, request: web.Request, path: str, body: dict, ctx: dict):
+        sp, x, root, pidx = self.spans, ctx["x"], ctx["root"], ctx["pidx"]
+        P = self.prefill[next(self._p_rr)]
+        D = self.decode[next(self._d_rr)]
+        stream = bool(body.get("stream"))
+        ctx["stream"] = stream
+        hooks = self.hooks
+        hold = hooks and request.headers.get(HOLD_HEADER) == "1"
+        split = hooks and request.headers.get(FAULT_HEADER) == "split-id"
+
+        t0 = _now()
+        p_dispatch = sp.start("router.dispatch", x, start_ns=ctx["t_recv"], parent=root, pidx=pidx,
+                              attrs={"router.leg": "prefill", "router.upstream": P["url"][7:]}) if root else 0
+        p_headers = self._leg_headers(x, p_dispatch, ctx["sampled"])
+        p_body = self._p_body(body)
+
+        if self.mode == "pull":
+            t_sent = _now()
+            sp.end(p_dispatch, end_ns=t_sent)
+            p_json, t_p = await self._post_json(P["url"] + path, p_body, p_headers, "prefill")
+            ctx["engine_wait_ns"] += t_p - t_sent
+            if root:
+                sp.record("router.wait", x, t_sent, t_p, {"router.leg": "prefill"}, parent=root, pidx=pidx)
+            params = p_json.get("kv_transfer_params")
+            if not params:
+                raise LegError(502, "prefill engine returned no kv_transfer_params "
+                                    "(is it started with kv_role=kv_producer and a NIXL connector?)",
+                               "prefill", "no_kv_transfer_params")
+            if hold:
+                ev = self.held.setdefault(x, asyncio.Event())
+                try:
+                    await ev.wait()
+                finally:
+                    self.held.pop(x, None)
+            t_d0 = _now() if not hold else _now()
+            d_dispatch = sp.start("router.dispatch", x, start_ns=t_p if not hold else t_d0, parent=root, pidx=pidx,
+                                  attrs={"router.leg": "decode", "router.upstream": D["url"][7:]}) if root else 0
+            d_body = dict(body)
+            d_body["kv_transfer_params"] = params
+            d_headers = self._leg_headers(x, d_dispatch, ctx["sampled"])
+            return await self._relay_decode(request, path, D, d_body, d_headers, d_dispatch, ctx, None)
+
+        # push: both legs at once
+        d_dispatch = sp.start("router.dispatch", x, start_ns=ctx["t_recv"], parent=root, pidx=pidx,
+                              attrs={"router.leg": "decode", "router.upstream": D["url"][7:],
+                                     "router.concurrent_legs": 1}) if root else 0
+        d_headers = self._leg_headers(x, d_dispatch, ctx["sampled"])
+        check_shared_id(p_headers, d_headers)
+        if split:
+            d_headers["X-Request-Id"] = x + "-split"
+        d_body = dict(body)
+        d_body["kv_transfer_params"] = {"do_remote_prefill": True, "do_remote_decode": False,
+                                        "remote_engine_id": P["engine_id"], "remote_host": P["host"],
+                                        "remote_port": P["side_port"], "tp_size": P.get("tp_size", 1),
+                                        "remote_block_ids": None, "remote_request_id": None}
+        p_done = asyncio.Event()
+
+        async def p_leg():
+            t_sent = _now()
+            sp.end(p_dispatch, end_ns=t_sent)
+            try:
+                _, t_p = await self._post_json(P["url"] + path, p_body, p_headers, "prefill")
+            finally:
+                p_done.set()
+            if root:
+                sp.record("router.wait", x, t_sent, t_p, {"router.leg": "prefill"}, parent=root, pidx=pidx)
+            return t_p
+
+        p_task = asyncio.create_task(p_leg())
+        try:
+            return await self._relay_decode(request, path, D, d_body, d_headers, d_dispatch, ctx, p_task)
+        finally:
+            if not p_task.done():
+                p_task.cancel()
+            await asyncio.gather(p_task, return_exceptions=True)
+
+    async def _relay_decode(self, request, path, D, d_body, d_headers, d_dispatch, ctx, p_task):
+        """Send D's leg and relay its response; in push, watch P's leg and the join deadline."""
+        sp, x, root, pidx = self.spans, ctx["x"], ctx["root"], ctx["pidx"]
+        stream = ctx["stream"]
+        t_sent = _now()
+        sp.end(d_dispatch, end_ns=t_sent)
+        first_rx = None
+
+        async def watch_p():
+            """Push: fail fast if P fails, or if D shows no token long after P answered."""
+            try:
+                await p_task
+            except LegError:
+                raise
+            await asyncio.sleep(self.join_timeout_s)
+            raise LegError(504, f"push handoff did not complete: prefill answered but decode produced no token "
+                                f"within {self.join_timeout_s:.0f} s; check that both legs carry the same "
+                                f"X-Request-Id (P matches D's registration by it)", "decode", "push_join_timeout")
+
+        async def run_d():
+            nonlocal first_rx
+            try:
+                async with self.session.post(D["url"] + path, json=d_body, headers=d_headers) as r:
+                    if r.status != 200:
+                        raw = await r.read()
+                        raise LegError(r.status, f"decode engine answered HTTP {r.status}", "decode",
+                                       "upstream_error", raw)
+                    if not stream:
+                        raw = await r.read()
+                        first_rx = _now()
+                        obj = json.loads(raw)
+                        if any(c.get("finish_reason") == "error" for c in obj.get("choices") or ()):
+                            raise LegError(502, "decode engine finished the request with an error "
+                                                "(e.g. KV load from the prefill engine failed)", "decode",
+                                           "decode_failed", raw)
+                        resp = web.Response(status=200, body=raw, content_type="application/json")
+                        await resp.prepare(request)
+                        await resp.write_eof()
+                        ctx["first_token_ns"] = _now()
+                        ctx["status"] = 200
+                        return resp
+                    resp = web.StreamResponse(status=200, headers={
+                        "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": x})
+                    ctx["resp"] = resp
+                    await resp.prepare(request)
+                    ctx["status"] = 200
+                    buf = b""
+                    last_token_t = None
+                    async for data in r.content.iter_any():
+                        t_rx = _now()
+                        has_tok, failed = False, False
+                        buf += data
+                        while b"\n\n" in buf:
+                            ev, buf = buf.split(b"\n\n", 1)
+                            for line in ev.split(b"\n"):
+                                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                                    continue
+                                try:
+                                    obj = json.loads(line[6:])
+                                except ValueError:
+                                    continue
+                                if "error" in obj:
+                                    failed = True
+                                elif _chunk_has_token(obj):
+                                    has_tok = True
+                                if any(c.get("finish_reason") == "error" for c in obj.get("choices") or ()):
+                                    failed = True
+                        if failed:
+                            raise LegError(502, "decode engine finished the request with an error "
+                                                "(e.g. KV load from the prefill engine failed)",
+                                           "decode", "decode_failed")
+                        await resp.write(data)
+                        if has_tok:
+                            t_w = _now()
+                            last_token_t = t_w
+                            if ctx["first_token_ns"] is None:
+                                first_rx = t_rx
+                                ctx["first_token_ns"] = t_w
+                                sp.event("router.first_token", x, root, t=t_w, pidx=pidx)
+                    if last_token_t:
+                        sp.event("router.last_token", x, root, t=last_token_t, pidx=pidx)
+                    await resp.write_eof()
+                    return resp
+            except (ClientError, ConnectionError) as exc:
+                if isinstance(exc, ConnectionResetError) and ctx.get("resp") is not None and request.transport is None:
+                    raise asyncio.CancelledError()  # client went away
+                raise LegError(502, f"decode engine unreachable or connection lost ({type(exc).__name__})",
+                               "decode", "upstream_unreachable") from None
+
+        d_task = asyncio.create_task(run_d())
+        w_task = asyncio.create_task(watch_p()) if p_task is not None else None
+        try:
+            if w_task is None:
+                resp = await d_task
+            else:
+                while True:
+                    done, _ = await asyncio.wait({d_task, w_task}, return_when=asyncio.FIRST_COMPLETED)
+                    if d_task in done:
+                        resp = d_task.result()
+                        break
+                    exc = w_task.exception()
+                    if isinstance(exc, LegError) and exc.kind == "push_join_timeout" and ctx["first_token_ns"]:
+                        # D is already streaming: the handoff joined, nothing to watch any more.
+                        resp = await d_task
+                        break
+                    raise exc
+        finally:
+            for t in (d_task, w_task):
+                if t is not None and not t.done():
+                    t.cancel()
+            await asyncio.gather(*(t for t in (d_task, w_task) if t is not None), return_exceptions=True)
+        if first_rx is not None:
+            ctx["engine_wait_ns"] += first_rx - t_sent
+            if root:
+                sp.record("router.wait", x, t_sent, first_rx, {"router.leg": "decode"}, parent=root, pidx=pidx)
+        return resp
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description="pdtrace lab P/D router")
+    ap.add_argument("--config", required=True, help="JSON file written by the lab launcher")
+    args = ap.parse_args(argv)
+    with open(args.config) as f:
+        cfg = json.load(f)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s router %(levelname)s %(message)s")
+    if _tracer is not None and getattr(_tracer, "on", False):
+        _tracer.set_resource(role="router", service_name="pdtrace-router")
+    router = Router(cfg)
+
+    async def run():
+        runner = web.AppRunner(router.app(), handler_cancellation=True, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, cfg["host"], cfg["port"], backlog=1024, reuse_address=True)
+        await site.start()
+        log.info("router listening on %s:%s mode=%s P=%d D=%d", cfg["host"], cfg["port"], router.mode,
+                 len(router.prefill), len(router.decode))
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await runner.cleanup()
+
+    asyncio.run(run())
+    if _tracer is not None and getattr(_tracer, "on", False):
+        _tracer.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""Version guard: fails, naming the hook, when the installed vLLM lacks a name the traced connectors use."""
+import pytest
+
+vllm = pytest.importorskip("vllm")
+
+from pdtrace.connector import vllm_compat  # noqa: E402
+
+
+def test_every_hook_present_in_installed_vllm():
+    missing = vllm_compat.missing_hooks()
+    assert not missing, (
+        f"vLLM {vllm_compat.vllm_version()} lacks hooks the traced connectors rely on "
+        f"(supported: run {vllm_compat.SUPPORTED_RUN}, static {vllm_compat.SUPPORTED_STATIC}):\n  "
+        + "\n  ".join(missing))
+
+
+def test_guard_names_a_missing_hook(monkeypatch):
+    fake = vllm_compat.Hook("pull_worker", "NixlPullConnectorWorker", "_no_such_method_xyz", ("a",))
+    monkeypatch.setattr(vllm_compat, "HOOKS", vllm_compat.HOOKS + (fake,))
+    missing = vllm_compat.missing_hooks()
+    assert any("NixlPullConnectorWorker._no_such_method_xyz" in m and "method missing" in m for m in missing)
+
+
+def test_guard_names_a_changed_signature(monkeypatch):
+    fake = vllm_compat.Hook("pull_worker", "NixlPullConnectorWorker", "_read_blocks_for_req", ("request", "meta"))
+    monkeypatch.setattr(vllm_compat, "HOOKS", (fake,))
+    (m,) = vllm_compat.missing_hooks()
+    assert "_read_blocks_for_req" in m and "parameters" in m
+
+
+def test_traced_classes_import_and_override_what_they_hook():
+    from pdtrace.connector import TracedNixlPullConnector, TracedNixlPushConnector
+    from pdtrace.connector.traced import pull, push
+
+    for cls in (TracedNixlPullConnector, TracedNixlPushConnector):
+        for name in ("start_load_kv", "wait_for_save", "get_transfer_results", "bind_connector_metadata",
+                     "build_connector_worker_meta"):
+            assert name in vars(cls.__mro__[1]), name  # the facade mixin defines it
+    for name in ("_read_blocks_for_req", "_background_nixl_handshake"):
+        assert name in vars(pull.TracedNixlPullConnectorWorker)
+    for name in ("_do_send_reg_notif", "_handle_push_reg_notif", "_xfer_blocks_for_req", "_do_start_push_kv"):
+        assert name in vars(push.TracedNixlPushConnectorWorker)
