@@ -20,7 +20,8 @@ PCT_COLORS = {"p50": "#0072B2", "p90": "#E69F00", "p99": "#D55E00"}
 
 
 def _layout(fig: go.Figure, height: int = 320, **kw) -> go.Figure:
-    opts = dict(height=height, margin=dict(l=10, r=10, t=40, b=10), legend=dict(orientation="h", y=-0.18),
+    opts = dict(height=height, margin=dict(l=10, r=10, t=64, b=10), legend=dict(orientation="h", yanchor="bottom", y=1.0, xanchor="right", x=1.0,
+                                                      traceorder="normal"),
                 hovermode="x unified")
     opts.update(kw)
     fig.update_layout(**opts)
@@ -162,8 +163,11 @@ def waterfall(spans: pd.DataFrame, segments: pd.DataFrame, events: pd.DataFrame,
         fig.add_vline(x=(first_token_ns - arrival_ns) / 1e6, line=dict(color="black", dash="dot"),
                       annotation_text="first token", annotation_position="top")
     fig.update_layout(barmode="overlay", bargap=0.35)
+    if first_token_ns is not None:  # the TTFT interval fills the view; double-click zooms out to the whole request
+        ttft = (first_token_ns - arrival_ns) / 1e6
+        fig.update_xaxes(range=[-0.02 * ttft, 1.12 * ttft])
     fig.update_yaxes(categoryorder="array", categoryarray=list(reversed(lanes)), title=None)
-    fig.update_xaxes(title="ms since arrival at the router (router clock)", rangemode="tozero")
+    fig.update_xaxes(title="ms since arrival at the router (router clock); double-click to see the whole request")
     return _layout(fig, height=max(260, 60 + 44 * len(lanes)), hovermode="closest",
                    title="Waterfall (critical path outlined; grey hatched = hidden behind the critical path)")
 
@@ -190,7 +194,7 @@ def growth_bars(df: pd.DataFrame, label_col: str, title: str, color_col: str | N
     d = df.head(15).iloc[::-1]
     colors = [CATEGORY_COLORS.get(c, "#666666") for c in d[color_col]] if color_col else "#D55E00"
     fig = go.Figure(go.Bar(y=d[label_col], x=d["growth_pp"], orientation="h", marker_color=colors,
-                           text=[f"{v:+.1f} pp" for v in d["growth_pp"]], textposition="outside",
+                           text=[f"{v:+.1f} pp" for v in d["growth_pp"]], textposition="outside", cliponaxis=False,
                            hovertemplate="%{y}: %{x:+.1f} percentage points<extra></extra>"))
     fig.update_xaxes(title="change of share of TTFT (percentage points)", zeroline=True)
     return _layout(fig, height=max(240, 40 + 28 * len(d)), title=title, hovermode="closest")

@@ -76,43 +76,6 @@ class Window:
 ALL = Window()
 
 
-#: Stand-ins for analysis views that have not landed yet, created in the analysis database only when the
-#: view is missing (``Trace._shim``); derived from the public views ``spans`` and ``events``. Remove each
-#: entry when the analysis ships the view.
-_SHIMS: dict[str, str] = {
-    "requests": """
-        CREATE VIEW requests AS
-        WITH root AS (
-            SELECT rkey, any_value(run_id) AS run_id, any_value(request_id) AS request_id,
-                   any_value(prompt_index) AS prompt_index, min(start_ns) AS arrival_ns, max(end_ns) AS end_ns,
-                   any_value(attr_str['request.mode']) AS mode,
-                   max(attr_int['gen_ai.usage.input_tokens']) AS prompt_tokens,
-                   max(attr_int['gen_ai.usage.output_tokens']) AS output_tokens
-            FROM spans WHERE stage = 'router.request' GROUP BY rkey),
-        ev AS (
-            SELECT rkey, min(time_ns) FILTER (WHERE event = 'router.first_token') AS first_token_ns,
-                   max(time_ns) FILTER (WHERE event = 'router.last_token') AS last_token_ns,
-                   min(event) FILTER (WHERE event NOT IN ('router.first_token', 'router.last_token', 'token',
-                       'registration.sent', 'registration.received', 'notification.sent',
-                       'notification.received', 'clock.sample')) AS failure_event
-            FROM events GROUP BY rkey)
-        SELECT root.run_id, root.request_id, root.prompt_index, root.mode, root.prompt_tokens, root.output_tokens,
-               root.arrival_ns, ev.first_token_ns,
-               (ev.first_token_ns - root.arrival_ns) / 1e6 AS ttft_ms,
-               CASE WHEN root.output_tokens > 1 THEN (ev.last_token_ns - ev.first_token_ns) / 1e6
-                    / (root.output_tokens - 1) END AS tpot_ms,
-               CASE WHEN ev.first_token_ns IS NULL THEN 'incomplete' ELSE 'complete' END AS status,
-               CASE WHEN ev.first_token_ns IS NULL THEN coalesce(ev.failure_event, 'no first token') END AS cause,
-               root.end_ns, root.rkey
-        FROM root LEFT JOIN ev USING (rkey)""",
-    "incomplete_requests": """
-        CREATE VIEW incomplete_requests AS
-        SELECT request_id, run_id, mode, cause, NULL::VARCHAR AS detail,
-               (end_ns - arrival_ns) / 1e6 AS time_to_failure_ms, arrival_ns, rkey
-        FROM requests WHERE status = 'incomplete'""",
-}
-
-
 class ConsoleError(ValueError):
     """A console query was refused (not a single read-only statement)."""
 
@@ -160,15 +123,8 @@ class Trace:
             self._tr = self._db.Trace(self.directory, cache=None)
         self.cache_path = self._tr.cache
         con = self._tr.con
-        self._shim(con)
         con.execute("SET allowed_directories = ?", [[str(self.directory.resolve()) + os.sep]])
         con.execute("SET enable_external_access = false")
-
-    def _shim(self, con) -> None:
-        have = {r[0] for r in con.execute("SELECT view_name FROM duckdb_views() WHERE NOT internal").fetchall()}
-        self.shimmed = [name for name in _SHIMS if name not in have]
-        for name in self.shimmed:
-            con.execute(_SHIMS[name])
 
     @property
     def exists(self) -> bool:
@@ -472,33 +428,70 @@ def percentiles_by_bucket(t: Trace, w: Window = ALL) -> pd.DataFrame:
 # ---------------------------------------------------------------------------
 
 def decode_engines(t: Trace) -> list[str]:
-    """Engines with decode steps, sorted."""
+    """Decode engines with steps, sorted."""
     return t.query("SELECT DISTINCT engine_id FROM decode_stalls WHERE engine_id IS NOT NULL ORDER BY 1")[
         "engine_id"].tolist()
 
 
-def decode_steps(t: Trace, w: Window, engine_id: str | None = None, limit: int = 20000) -> pd.DataFrame:
-    """D's steps in the window (by step start): see the ``decode_stalls`` view for the columns."""
+def decode_steps(t: Trace, w: Window, engine_id: str | None = None, limit: int = 20_000) -> pd.DataFrame:
+    """One decode engine's steps starting in the window (``decode_stalls`` rows, first ``limit`` by time).
+
+    Columns: step_id, start_ns (ns since the Unix epoch), dur_ms, baseline_ms, excess_ms,
+    connector_ms (connector work on the forward thread, ms), prefill_tokens, recompute_tokens,
+    culprit_request_id, culprit_kind.
+    """
     ef = "TRUE" if engine_id is None else "engine_id = $1"
     return t.query(f"""
-        SELECT * FROM decode_stalls WHERE {w.sql('start_ns')} AND {ef}
+        SELECT step_id, start_ns, dur_ms, baseline_ms, excess_ms, connector_ms, prefill_tokens, recompute_tokens,
+               culprit_request_id, culprit_kind
+        FROM decode_stalls WHERE {w.sql('start_ns')} AND {ef}
         ORDER BY start_ns LIMIT {int(limit)}""", [engine_id] if engine_id else [])
 
 
+def stall_totals(t: Trace, w: Window, engine_id: str | None = None) -> dict:
+    """Totals over the window's decode steps: steps, stalled (count with excess > 0), excess_ms,
+    connector_ms (forward-thread connector time, ms)."""
+    ef = "TRUE" if engine_id is None else "engine_id = $1"
+    r = t.query(f"""
+        SELECT count(*) AS steps, count(*) FILTER (WHERE excess_ns > 0) AS stalled,
+               coalesce(sum(excess_ms), 0) AS excess_ms, coalesce(sum(connector_ms), 0) AS connector_ms
+        FROM decode_stalls WHERE {w.sql('start_ns')} AND {ef}""", [engine_id] if engine_id else [])
+    return {k: (int(v) if k in ("steps", "stalled") else float(v)) for k, v in r.iloc[0].to_dict().items()}
+
+
 def worst_tpot(t: Trace, w: Window, limit: int = 20) -> pd.DataFrame:
-    """Requests with the most TPOT due to other requests' handoffs or recomputes (``request_stalls``)."""
+    """Requests whose TPOT other requests' work inflated most (``request_stalls``, arrival in the window).
+
+    Columns: request_id, run_id, mode, tpot_ms, stall_tpot_ms, tpot_without_stalls_ms (ms per token),
+    stall_ms (ms), top_culprit_request_id, top_culprit_kind, top_culprit_ms (ms), rkey.
+    """
     return t.query(f"""
-        SELECT s.* FROM request_stalls s JOIN requests r USING (rkey)
+        SELECT s.request_id, s.run_id, s.mode, s.tpot_ms, s.stall_tpot_ms, s.tpot_without_stalls_ms, s.stall_ms,
+               s.top_culprit_request_id, s.top_culprit_kind, s.top_culprit_ms, s.rkey
+        FROM request_stalls s JOIN requests r USING (rkey)
         WHERE {w.sql('r.arrival_ns')}
         ORDER BY s.stall_ms DESC NULLS LAST, s.request_id LIMIT {int(limit)}""")
 
 
 def stall_culprits(t: Trace, rkey: int) -> pd.DataFrame:
-    """For one victim request, the steps that stalled it and whose handoff caused each: see ``decode_stalls``."""
+    """Which other requests' work stalled the decode steps a request decoded in, largest first.
+
+    A victim's steps are the ``decode.step`` spans whose batch (``step.batch``) names
+    it between its first and last token; their causes come from
+    ``decode_stall_causes``. Columns: culprit_request_id, kind, steps (count),
+    share_ms (summed share of those steps' excess, ms).
+    """
     return t.query("""
-        SELECT d.* FROM decode_stalls d
-        WHERE d.excess_ms > 0 AND list_contains(d.batch_rkeys, $1)
-        ORDER BY d.start_ns""", [rkey])
+        WITH v AS (SELECT request_id, first_token_ns, last_token_ns FROM requests WHERE rkey = $1),
+             st AS (SELECT s.span_id FROM spans s, v
+                    WHERE s.stage = 'decode.step' AND s.start_ns >= v.first_token_ns - 1000000000
+                      AND s.start_ns <= coalesce(v.last_token_ns, v.first_token_ns)
+                      AND list_contains(list_transform(string_split(s.attr_str['step.batch'], ';'),
+                                                       lambda x: split_part(x, ':', 1)), v.request_id))
+        SELECT c.culprit_request_id, c.kind, count(DISTINCT c.step_span_id) AS steps, sum(c.share_ms) AS share_ms
+        FROM decode_stall_causes c JOIN st ON st.span_id = c.step_span_id, v
+        WHERE c.culprit_request_id IS DISTINCT FROM v.request_id
+        GROUP BY ALL ORDER BY share_ms DESC, c.culprit_request_id NULLS LAST""", [rkey])
 
 
 # ---------------------------------------------------------------------------
@@ -617,7 +610,12 @@ def view_docs(t: Trace) -> pd.DataFrame:
 
 
 def fmt_ms(v: float | None) -> str:
-    """A duration in ms for display: '—' for missing, 1 decimal under 100 ms, else whole ms."""
+    """A duration (given in ms) for display: '—' when missing; 1 decimal under 100 ms, whole ms under 1 s,
+    else seconds with 2 decimals."""
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "—"
-    return f"{v:,.1f} ms" if abs(v) < 100 else f"{v:,.0f} ms"
+    if abs(v) < 100:
+        return f"{v:,.1f} ms"
+    if abs(v) < 1000:
+        return f"{v:,.0f} ms"
+    return f"{v / 1000:,.2f} s"

@@ -15,7 +15,12 @@ from typing import Any, Callable
 
 import streamlit as st
 
+from pdtrace.instrument.stages import CATEGORIES
+
 from . import data
+
+#: Streamlit markdown colour per category (closest to the charts' colours).
+CATEGORY_MD = {"queue": "orange", "compute": "blue", "transfer": "green", "coordination": "red"}
 
 ENV_DIR = "PDTRACE_DASHBOARD_DIR"
 ENV_COMPARE_DIR = "PDTRACE_DASHBOARD_COMPARE_DIR"

@@ -14,7 +14,9 @@ st.title("Where TTFT went")
 st.plotly_chart(charts.split_bar({c: h[f"share_{c}"] for c in ("queue", "compute", "transfer", "coordination")},
                                  title=f"Share of TTFT over {h['complete']:,} complete requests in the window"),
                 width="stretch", key="split")
-cols = st.columns(8)
+st.markdown(" · ".join(f":{ui.CATEGORY_MD[c]}[**{c}** {ui.pct(h[f'share_{c}'])}]" for c in ui.CATEGORIES)
+            + f" · unattributed (in coordination) {ui.pct(h['unattributed_share'])}")
+cols = st.columns(7)
 cols[0].metric("Requests", f"{h['requests']:,}")
 cols[1].metric("Incomplete", f"{h['incomplete']:,}")
 cols[2].metric("TTFT p50", data.fmt_ms(h["ttft_p50_ms"]))
@@ -22,8 +24,6 @@ cols[3].metric("TTFT p90", data.fmt_ms(h["ttft_p90_ms"]))
 cols[4].metric("TTFT p99", data.fmt_ms(h["ttft_p99_ms"]))
 cols[5].metric("TPOT p50", data.fmt_ms(h["tpot_p50_ms"]))
 cols[6].metric("TPOT p99", data.fmt_ms(h["tpot_p99_ms"]))
-cols[7].metric("Unattributed", ui.pct(h["unattributed_share"]),
-               help="Part of TTFT no stage covers (counted in coordination).")
 
 rng = ui.q(t, data.time_range)
 lo = w.start_ns if w.start_ns is not None else rng[0]
