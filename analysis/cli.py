@@ -1,0 +1,155 @@
+"""``pdtrace report`` and ``pdtrace sql``: the analysis from the command line (no vLLM needed).
+
+Both keep an incremental cache per trace directory (``--cache``, default
+under ``$PDTRACE_CACHE_DIR`` or the temp dir), so a growing directory is not
+re-analysed from scratch. Queries run on the cache opened read-only with file
+access disabled (:func:`pdtrace.analysis.db.connect_readonly`).
+"""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import click
+import duckdb
+
+from . import db, report as _report
+
+
+def _open(directory: str, cache: str | None, no_cache: bool):
+    """Refresh the directory's cache and return a locked-down read-only connection."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", db.SkippedFileWarning)
+        if no_cache:
+            tr = db.open_trace(directory)
+            con = tr.readonly()
+        else:
+            path = Path(cache) if cache else db.default_cache_path(directory)
+            try:
+                tr = db.open_trace(directory, cache=path)
+                con = tr.readonly()
+            except duckdb.IOException:  # cache locked by another process: work in memory
+                tr = db.open_trace(directory)
+                con = tr.readonly()
+    for w in caught:
+        if issubclass(w.category, db.SkippedFileWarning):
+            click.echo(f"warning: {w.message}", err=True)
+    return con
+
+
+def _result(con, query: str):
+    cur = con.execute(query)
+    if cur.description is None:
+        return [], []
+    cols = [d[0] for d in cur.description]
+    return cols, cur.fetchall()
+
+
+def _print(cols, rows, fmt: str) -> None:
+    if fmt == "csv":
+        buf = io.StringIO()
+        w = csv.writer(buf)
+        w.writerow(cols)
+        w.writerows(rows)
+        click.echo(buf.getvalue(), nl=False)
+    elif fmt == "json":
+        click.echo(json.dumps([dict(zip(cols, r)) for r in rows], default=str, indent=1))
+    else:
+        click.echo(_report.table([dict(zip(cols, r)) for r in rows], cols))
+
+
+_cache_opts = [
+    click.option("--cache", type=click.Path(dir_okay=False), default=None,
+                 help="Cache database file (default: one per directory under $PDTRACE_CACHE_DIR or the temp dir)."),
+    click.option("--no-cache", is_flag=True, help="Analyse in memory; keep nothing."),
+]
+
+
+def _with_cache(f):
+    for opt in reversed(_cache_opts):
+        f = opt(f)
+    return f
+
+
+@click.command("report")
+@click.argument("directory", type=click.Path(exists=True, file_okay=False))
+@click.option("--compare", "compare_dir", type=click.Path(exists=True, file_okay=False), default=None,
+              help="A second trace directory (e.g. push vs pull on the same workload), shown side by side.")
+@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
+@_with_cache
+def report(directory, compare_dir, fmt, cache, no_cache):
+    """Print the TTFT breakdown summary of a trace directory (DIRECTORY)."""
+    con = _open(directory, cache, no_cache)
+    data = _report.collect(con)
+    con.close()
+    if compare_dir is None:
+        click.echo(json.dumps(data, default=str, indent=1) if fmt == "json" else _report.render(data, directory))
+        return
+    con2 = _open(compare_dir, None, no_cache)
+    data2 = _report.collect(con2)
+    con2.close()
+    if fmt == "json":
+        click.echo(json.dumps({directory: data, compare_dir: data2}, default=str, indent=1))
+    else:
+        click.echo(_report.render_compare(data, data2, directory, compare_dir))
+
+
+_HELP = """Enter SQL ending with ';'. Commands: .views (public views), .schema VIEW (its columns and units), .quit"""
+
+
+def _shell(con, fmt: str) -> None:
+    click.echo(_HELP)
+    buf = ""
+    while True:
+        try:
+            line = input("pdtrace> " if not buf else "     ...> ")
+        except EOFError:
+            break
+        s = line.strip()
+        if not buf and s in (".quit", ".exit"):
+            break
+        if not buf and s == ".views":
+            _print(*_result(con, "SELECT view_name, comment FROM duckdb_views() WHERE NOT internal "
+                                 "AND NOT starts_with(view_name, '_') ORDER BY view_name"), fmt)
+            continue
+        if not buf and s.startswith(".schema"):
+            name = s.split(maxsplit=1)[1] if len(s.split()) > 1 else ""
+            cur = con.execute("SELECT column_name, data_type, comment FROM duckdb_columns() "
+                              "WHERE table_name = ? ORDER BY column_index", [name])
+            _print(["column_name", "data_type", "comment"], cur.fetchall(), fmt)
+            continue
+        buf += line + "\n"
+        if s.endswith(";"):
+            try:
+                _print(*_result(con, buf), fmt)
+            except duckdb.Error as exc:
+                click.echo(f"error: {exc}", err=True)
+            buf = ""
+
+
+@click.command("sql")
+@click.argument("directory", type=click.Path(exists=True, file_okay=False))
+@click.argument("query", required=False)
+@click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True)
+@_with_cache
+def sql(directory, query, fmt, cache, no_cache):
+    """Run read-only SQL over DIRECTORY's views (interactive shell without QUERY).
+
+    Queries cannot write files, attach databases or change settings.
+    """
+    con = _open(directory, cache, no_cache)
+    try:
+        if query is None:
+            _shell(con, fmt)
+            return
+        try:
+            cols, rows = _result(con, query)
+        except duckdb.Error as exc:
+            raise click.ClickException(str(exc)) from exc
+        _print(cols, rows, fmt)
+    finally:
+        con.close()

@@ -1,0 +1,104 @@
+"""The report: numbers from the analysis views (collect) and their text rendering (render).
+
+``collect(con)`` returns a plain dict (JSON-ready; times in ms); ``render`` and
+``render_compare`` turn one or two of them into text tables.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+_MODE_COLS = ["mode", "requests", "complete", "incomplete", "ttft_mean_ms", "ttft_p50_ms", "ttft_p90_ms",
+              "ttft_p99_ms", "tpot_mean_ms", "tpot_p50_ms", "tpot_p99_ms", "queue_share", "compute_share",
+              "transfer_share", "coordination_share", "unattributed_share", "unattributed_p50_share"]
+_BUCKET_COLS = ["mode", "prompt_bucket_lo", "requests", "ttft_mean_ms", "ttft_p99_ms", "tpot_mean_ms", "tpot_p99_ms",
+                "compute_share", "coordination_share"]
+
+
+def _rows(con, sql: str) -> list[dict[str, Any]]:
+    cur = con.execute(sql)
+    cols = [d[0] for d in cur.description]
+    return [dict(zip(cols, r)) for r in cur.fetchall()]
+
+
+def collect(con) -> dict[str, Any]:
+    """Report data from a connection with the analysis views loaded.
+
+    Keys: ``by_mode``, ``by_prompt_bucket`` (lists of summary rows),
+    ``dominant_stages`` ([{mode, dominant_stage, requests}]), ``incomplete``
+    ([{cause, requests}]), ``clock`` (worst offset bound per clock pair),
+    ``skipped_files`` ([{path, reason}]), ``transfers`` (count, descriptor-bound count).
+    """
+    return {
+        "by_mode": _rows(con, f"SELECT {', '.join(_MODE_COLS)} FROM summary_by_mode ORDER BY mode"),
+        "by_prompt_bucket": _rows(con, f"SELECT {', '.join(_BUCKET_COLS)} FROM summary_by_prompt_bucket "
+                                       "ORDER BY mode, prompt_bucket_lo"),
+        "dominant_stages": _rows(con, "SELECT mode, dominant_stage, count(*) AS requests, "
+                                      "round(avg(dominant_ms), 3) AS mean_ms FROM ttft_breakdown "
+                                      "GROUP BY ALL ORDER BY mode, requests DESC"),
+        "incomplete": _rows(con, "SELECT cause, count(*) AS requests, round(avg(time_to_failure_ms), 3) "
+                                 "AS mean_time_to_failure_ms FROM incomplete_requests GROUP BY cause ORDER BY requests DESC"),
+        "clock": _rows(con, "SELECT clock_a, clock_b, offset_ms, bound_ms, messages, samples, consistent "
+                            "FROM clock_offsets WHERE window_start_ns IS NULL ORDER BY clock_a, clock_b"),
+        "transfers": _rows(con, "SELECT count(*) AS transfers, count(*) FILTER (WHERE descriptor_bound) "
+                                "AS descriptor_bound FROM transfers")[0],
+        "skipped_files": _rows(con, "SELECT path, reason FROM store_files WHERE NOT ok ORDER BY path"),
+    }
+
+
+def fmt_value(v: Any) -> str:
+    """One cell: floats to 3 significant decimals, None as '-'."""
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "-"
+        return f"{v:.3f}" if abs(v) < 1e6 else f"{v:.0f}"
+    return str(v)
+
+
+def table(rows: list[dict[str, Any]], cols: list[str] | None = None) -> str:
+    """Fixed-width text table of ``rows`` (list of dicts) over ``cols`` (default: the first row's keys)."""
+    if not rows:
+        return "(none)"
+    cols = cols or list(rows[0])
+    cells = [[fmt_value(r.get(c)) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+    line = lambda vals: "  ".join(v.rjust(w) if i else v.ljust(w) for i, (v, w) in enumerate(zip(vals, widths)))
+    return "\n".join([line(cols), line(["-" * w for w in widths])] + [line(r) for r in cells])
+
+
+def render(data: dict[str, Any], title: str = "") -> str:
+    """Text report of one trace (``collect``'s dict)."""
+    out = []
+    if title:
+        out += [f"# {title}", ""]
+    out += ["TTFT and TPOT by mode (ms; shares of TTFT)", table(data["by_mode"]), ""]
+    out += ["By prompt-length bucket [lo, 2*lo) tokens", table(data["by_prompt_bucket"]), ""]
+    out += ["Dominant stage on the critical path", table(data["dominant_stages"]), ""]
+    out += ["Incomplete requests", table(data["incomplete"]), ""]
+    t = data["transfers"]
+    out += [f"Transfers: {t['transfers']} ({t['descriptor_bound']} descriptor-bound)", ""]
+    out += ["Clock offsets (whole trace)", table(data["clock"]), ""]
+    if data["skipped_files"]:
+        out += ["Skipped files", table(data["skipped_files"]), ""]
+    return "\n".join(out)
+
+
+def render_compare(a: dict[str, Any], b: dict[str, Any], label_a: str, label_b: str) -> str:
+    """Two traces side by side: the by-mode and by-bucket summaries, rows labelled by trace."""
+    def tag(rows, label):
+        return [{"trace": label, **r} for r in rows]
+    out = [f"# {label_a} vs {label_b}", ""]
+    out += ["TTFT and TPOT by mode (ms; shares of TTFT)",
+            table(tag(a["by_mode"], label_a) + tag(b["by_mode"], label_b)), ""]
+    keyed: dict[tuple, dict] = {}
+    for label, data in ((label_a, a), (label_b, b)):
+        for r in data["by_prompt_bucket"]:
+            row = keyed.setdefault((r["prompt_bucket_lo"] if r["prompt_bucket_lo"] is not None else -1,),
+                                   {"prompt_bucket_lo": r["prompt_bucket_lo"]})
+            for k in ("ttft_mean_ms", "ttft_p99_ms", "tpot_mean_ms", "tpot_p99_ms"):
+                row[f"{k}[{label}]"] = r[k]
+    out += ["By prompt-length bucket (both traces)", table([keyed[k] for k in sorted(keyed)]), ""]
+    out += [f"Incomplete: {label_a}", table(a["incomplete"]), "", f"Incomplete: {label_b}", table(b["incomplete"]), ""]
+    return "\n".join(out)
