@@ -242,7 +242,7 @@ class Trace:
                 SELECT coalesce(n.domain, o.domain) AS domain, coalesce(n.window_idx, o.window_idx) AS window_idx
                 FROM _mat_domain_offsets n FULL OUTER JOIN {old_offsets} o
                   ON n.domain = o.domain AND n.window_idx IS NOT DISTINCT FROM o.window_idx
-                WHERE n.offset_ns IS DISTINCT FROM o.offset_ns OR n.bound_ns IS DISTINCT FROM o.bound_ns""")
+                WHERE n.offset_ns IS DISTINCT FROM o.offset_ns""")
             con.execute("""
                 INSERT INTO _scope_keys
                 SELECT rkey FROM _chg WHERE rkey IS NOT NULL

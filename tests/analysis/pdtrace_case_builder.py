@@ -70,11 +70,11 @@ class Case:
             self.event("router", "router.last_token", last_token_ms, rid=rid, span=root)
         return root
 
-    def write(self, directory):
+    def write(self, directory, prefix=""):
         paths = []
         for (role, engine), rows in sorted(self.rows.items(), key=lambda kv: (kv[0][0], kv[0][1] or "")):
             res = {"run_id": RUN, "role": role, "engine_id": engine, "host": "h", "pid": hash((role, engine)) % 30000,
                    "service_name": f"pdtrace-{role}"}
-            name = f"{role}-{engine or 'router'}.parquet"
+            name = f"{prefix}{role}-{engine or 'router'}.parquet"
             paths.append(store.write_rows(directory, rows, resource=res, name=name))
         return paths

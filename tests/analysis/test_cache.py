@@ -1,0 +1,42 @@
+"""The incremental cache: absorbing a new file recomputes only what it touches and equals a cold build."""
+from pdtrace.analysis import db
+from test_ttft_cases import _case_a, _case_g, _case_h
+
+_Q = "SELECT * EXCLUDE (rkey) FROM ttft_breakdown ORDER BY request_id"
+
+
+def test_new_file_recomputes_only_its_requests(tmp_path):
+    d = tmp_path / "s"
+    _case_a().write(d, prefix="a-")
+    cache = tmp_path / "c.duckdb"
+    with db.Trace(d, cache=cache) as tr:
+        r = tr.refresh()
+        assert r.rebuilt and r.dirty_requests == 3
+        assert tr.refresh().new == []                       # nothing changed: no work
+    _case_h().write(d, prefix="h-")
+    with db.Trace(d, cache=cache) as tr:                    # reopened: the cache persists
+        r = tr.refresh()
+        assert not r.rebuilt and len(r.new) == 3 and r.dirty_requests == 1
+        warm = tr.query(_Q)
+    with db.open_trace(d) as cold:
+        assert cold.query(_Q) == warm
+    assert [w["request_id"] for w in warm] == ["h1", "r1", "r2", "r3"]
+
+
+def test_late_clock_evidence_recomputes_affected_requests(tmp_path):
+    d = tmp_path / "s"
+    c = _case_g()
+    sample = [r for r in c.rows[("decode", "d0")] if r["name"] == "clock.sample"]
+    c.rows[("decode", "d0")] = [r for r in c.rows[("decode", "d0")] if r["name"] != "clock.sample"]
+    c.write(d)
+    with db.Trace(d) as tr:
+        tr.refresh()
+        before = tr.query("SELECT clock_offset_ns FROM spans WHERE stage = 'prefill.compute'")[0]["clock_offset_ns"]
+        from pdtrace.instrument import store
+        store.write_rows(d, sample, resource={"run_id": "run-test", "role": "decode", "engine_id": "d0"},
+                         name="late-decode.parquet")
+        r = tr.refresh()
+        assert r.dirty_requests == 1
+        after = tr.query("SELECT clock_offset_ns FROM spans WHERE stage = 'prefill.compute'")[0]["clock_offset_ns"]
+        assert before == 249_000_000 and after == 250_000_000     # least correction, then the sample
+        assert tr.query("SELECT compute_ms FROM ttft_breakdown")[0]["compute_ms"] == 127
