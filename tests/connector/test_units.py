@@ -1,0 +1,91 @@
+"""Engine-free checks of the traced connectors' parts: safety, per-step report, middleware, compat switch."""
+import asyncio
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from pdtrace.connector import vllm_compat  # noqa: E402
+from pdtrace.connector.traced import safety  # noqa: E402
+from pdtrace.connector.traced.common import notif_kind, split_id  # noqa: E402
+from pdtrace.connector.traced.wmeta import StepReport  # noqa: E402
+
+
+def test_safe_swallows_and_counts():
+    safety.reset()
+
+    def boom():
+        raise RuntimeError("prompt text must not leak")
+
+    assert safety.safe(boom) is None
+    assert safety.error_count() == 1
+    assert safety.safe(lambda: 3) == 3
+
+
+def test_step_report_aggregates_ranks():
+    a, b = StepReport(7), StepReport(7)
+    a.recv["r"] = {0: (1, 2)}
+    b.recv["r"] = {1: (3, 4)}
+    b.expired.add("p")
+    b.busy = True
+    out = a.aggregate(b)
+    assert out.step == 7 and out.recv["r"] == {0: (1, 2), 1: (3, 4)} and out.expired == {"p"} and out.busy
+
+
+def test_ids_and_notification_kinds():
+    assert split_id("cmpl-X1-0-0123abcd") == ("X1", 0)
+    assert split_id("chatcmpl-X2-deadbeef") == ("X2", 0)
+    assert notif_kind(b"cmpl-X-0-0123abcd:1", "prefill") == ("read_done", "cmpl-X-0-0123abcd")
+    assert notif_kind(b"cmpl-X-0-0123abcd:2", "decode") == ("write_done", "cmpl-X-0-0123abcd")
+    assert notif_kind(b"HB:a,b", "prefill")[0] == "heartbeat"
+    assert notif_kind(b"PUSH_REG:\x80", "prefill")[0] == "push_reg"
+
+
+class _Cfg:
+    def __init__(self, v):
+        self.v = v
+
+    def get_from_extra_config(self, key, default):
+        return self.v if key == vllm_compat.PROG_THREAD_KEY else default
+
+
+def test_prog_thread_switch_parsing_and_override():
+    assert vllm_compat.prog_thread_setting(_Cfg(None)) is None
+    assert vllm_compat.prog_thread_setting(_Cfg(False)) is False
+    assert vllm_compat.prog_thread_setting(_Cfg("on")) is True
+    with pytest.raises(ValueError):
+        vllm_compat.prog_thread_setting(_Cfg("maybe"))
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker as bw
+
+    orig = bw.nixl_agent_config
+    with vllm_compat.agent_config_override(False):
+        cfg = bw.nixl_agent_config(num_threads=4, capture_telemetry=True)
+        assert cfg.enable_pthread is False
+    assert bw.nixl_agent_config is orig
+    assert orig(num_threads=4).enable_pthread is True  # NIXL's (and vLLM's) default
+
+
+def test_middleware_records_frontend_span(tmp_path, child):
+    r = child(f"""
+        import asyncio, glob, pyarrow.parquet as pq
+        from pdtrace.instrument import tracer
+        from pdtrace.connector.traced.middleware import FrontendMiddleware
+        async def app(scope, receive, send):
+            await send({{"type": "http.response.start", "status": 200, "headers": []}})
+            await send({{"type": "http.response.body", "body": b"a", "more_body": True}})
+            await send({{"type": "http.response.body", "body": b"b"}})
+        mw = FrontendMiddleware(app, role="prefill")
+        sent = []
+        async def send(m): sent.append(m)
+        async def receive(): return {{"type": "http.request", "body": b"{{}}"}}
+        scope = {{"type": "http", "method": "POST", "path": "/v1/completions",
+                 "headers": [(b"x-request-id", b"X42")]}}
+        asyncio.run(mw(scope, receive, send))
+        assert len(sent) == 3
+        tracer.shutdown()
+        rows = [r for f in glob.glob("{tmp_path}/*.parquet") for r in pq.read_table(f).to_pylist()]
+        names = sorted((r["record"], r["name"], r["request_id"]) for r in rows if r["record"] in ("span", "event"))
+        print(names)
+        assert ("span", "prefill.frontend", "X42") in names and ("event", "token", "X42") in names
+    """, env={"PDTRACE_DIR": str(tmp_path)})
+    assert r.returncode == 0, r.stderr[-2000:]
