@@ -1,9 +1,10 @@
 """Connections to a trace directory's analysis database (the one module that owns them).
 
 A :class:`Trace` keeps a DuckDB database -- in memory, or a cache file that
-survives between runs -- holding every record of the directory's store files
-(table ``_raw``), the SQL library's views (:mod:`pdtrace.analysis.loader`) and
-the materialized ``_mat_*`` tables behind the heavy views. :meth:`Trace.refresh`
+survives between runs -- holding the SQL library's views
+(:mod:`pdtrace.analysis.loader`) over the directory's store files (read in
+place: ``_records`` is redefined over the current file list on each refresh)
+and the materialized ``_mat_*`` tables behind the heavy views. :meth:`Trace.refresh`
 absorbs what changed since the last refresh: new or rewritten files are read,
 vanished files (the recorder compacts its per-flush parts into a segment)
 are dropped, duplicates of a record (same ``record_id`` in two files) are
@@ -60,20 +61,72 @@ class RefreshResult:
     rebuilt: bool = False
 
 
-def lock_down(con: duckdb.DuckDBPyConnection) -> duckdb.DuckDBPyConnection:
-    """Forbid file system access, extension loading and configuration changes on ``con``; return it.
+class ReadOnlyError(duckdb.PermissionException):
+    """A statement other than a query was refused by a read-only connection."""
 
-    After this, COPY TO, EXPORT, ATTACH, read_*() of files and INSTALL/LOAD
-    raise PermissionException, and SET of any option raises.
+
+_QUERY_TYPES = {duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN}
+
+
+class ReadOnlyConnection:
+    """A DuckDB connection that runs only queries (SELECT, EXPLAIN), on locked-down settings.
+
+    Two fences: every statement is parsed first and anything but a query
+    raises :class:`ReadOnlyError` (COPY, ATTACH, EXPORT, CREATE, SET, PRAGMA,
+    INSTALL...); and the connection itself has file system access disabled
+    except for reading the store's own files, extension autoloading off and
+    its configuration locked (see :func:`lock_down`).
     """
+
+    def __init__(self, con: duckdb.DuckDBPyConnection):
+        self._con = con
+
+    def execute(self, sql: str, params: list | None = None) -> duckdb.DuckDBPyConnection:
+        """Run one or more queries; return the connection positioned on the last result.
+
+        Raises ReadOnlyError for a non-query statement, duckdb.Error for a bad query.
+        """
+        stmts = self._con.extract_statements(sql)
+        bad = [s.type.name for s in stmts if s.type not in _QUERY_TYPES]
+        if bad:
+            raise ReadOnlyError(f"read-only: only queries are allowed, not {', '.join(bad)}")
+        if params:
+            return self._con.execute(sql, params)
+        return self._con.execute(sql)
+
+    @property
+    def description(self):
+        return self._con.description
+
+    def fetchall(self):
+        return self._con.fetchall()
+
+    def close(self) -> None:
+        """Close the underlying connection (safe to call twice)."""
+        try:
+            self._con.close()
+        except Exception:
+            pass
+
+
+def lock_down(con: duckdb.DuckDBPyConnection) -> ReadOnlyConnection:
+    """Forbid writes and file access beyond the store's files on ``con``; return a ReadOnlyConnection.
+
+    The store files absorbed in ``_files`` stay readable (``allowed_paths``);
+    COPY TO, EXPORT, ATTACH, reading other files and INSTALL/LOAD raise, and
+    SET of any option raises.
+    """
+    files = [r[0] for r in con.execute("SELECT path FROM _files WHERE ok").fetchall()]
     con.execute("SET autoinstall_known_extensions = false")
     con.execute("SET autoload_known_extensions = false")
+    if files:
+        con.execute("SET allowed_paths = ?", [files])
     con.execute("SET enable_external_access = false")
     con.execute("SET lock_configuration = true")
-    return con
+    return ReadOnlyConnection(con)
 
 
-def connect_readonly(cache: str | os.PathLike) -> duckdb.DuckDBPyConnection:
+def connect_readonly(cache: str | os.PathLike) -> ReadOnlyConnection:
     """Open a cache database built by :class:`Trace` read-only and locked down (see :func:`lock_down`).
 
     Raises duckdb.IOException when the file is missing or locked by a writer.
@@ -196,61 +249,86 @@ class Trace:
         res.seconds = time.perf_counter() - t0
         return res
 
+    def _set_records(self, files: list[str]) -> None:
+        """Point ``_records`` at ``files`` (read in place), hiding the copies listed in ``_dup_drop``."""
+        con = self.con
+        if not files:
+            con.execute("CREATE OR REPLACE VIEW _records AS SELECT * FROM _records_empty")
+            return
+        lit = "[" + ", ".join("'" + f.replace("'", "''") + "'" for f in files) + "]"
+        has_dups = con.execute("SELECT count(*) FROM _dup_drop").fetchone()[0] > 0
+        anti = (" WHERE NOT EXISTS (SELECT 1 FROM _dup_drop d WHERE d.record_id = r.record_id AND d._file = r._file)"
+                if has_dups else "")
+        con.execute(f"CREATE OR REPLACE VIEW _records AS SELECT * FROM _read_store({lit}) r{anti}")
+
     def _absorb(self, new: list[str], gone: list[str], good: dict[str, tuple[int, int]]) -> int:
         con = self.con
-        cold = self._fresh or con.execute("SELECT count(*) FROM _raw").fetchone()[0] == 0
-        con.execute("CREATE OR REPLACE TEMP TABLE _chg (record_id UBIGINT, rkey UBIGINT, linked VARCHAR, run_id VARCHAR, prompt_index INTEGER)")
+        files = sorted(good)
+        cold = self._fresh or con.execute("SELECT count(*) FROM _file_keys").fetchone()[0] == 0
+        con.execute("CREATE OR REPLACE TEMP TABLE _chg (rkey UBIGINT)")
         if gone:
             con.execute("CREATE OR REPLACE TEMP TABLE _gone AS SELECT unnest(?::VARCHAR[]) AS path", [gone])
-            if not cold:
-                con.execute("""INSERT INTO _chg SELECT record_id, rkey, attr_str['router.linked_request_id'], run_id, prompt_index
-                               FROM _raw WHERE _file IN (SELECT path FROM _gone)""")
-            con.execute("DELETE FROM _raw WHERE _file IN (SELECT path FROM _gone)")
+            con.execute("INSERT INTO _chg SELECT rkey FROM _file_keys WHERE _file IN (SELECT path FROM _gone)")
+            con.execute("DELETE FROM _file_keys WHERE _file IN (SELECT path FROM _gone)")
             con.execute("DELETE FROM _files WHERE path IN (SELECT path FROM _gone)")
         if new:
-            con.execute("INSERT INTO _raw SELECT *, true FROM _read_store(?)", [new])
+            # what each new file touches: its request keys and the keys its router rows link to
+            con.execute("""
+                CREATE OR REPLACE TEMP TABLE _new_keys AS
+                SELECT DISTINCT _file, k AS rkey FROM (
+                    SELECT _file, rkey AS k FROM _read_store(?) WHERE rkey IS NOT NULL
+                    UNION ALL
+                    SELECT _file, _request_key(run_id, attr_str['router.linked_request_id'], prompt_index)
+                    FROM _read_store(?) WHERE role = 'router' AND attr_str['router.linked_request_id'] IS NOT NULL)""",
+                        [new, new])
+            con.execute("INSERT INTO _file_keys SELECT * FROM _new_keys")
             if not cold:
-                con.execute("""INSERT INTO _chg SELECT record_id, rkey, attr_str['router.linked_request_id'], run_id, prompt_index
-                               FROM _raw WHERE _file IN (SELECT unnest(?::VARCHAR[]))""", [new])
+                con.execute("INSERT INTO _chg SELECT rkey FROM _new_keys")
             con.execute("""INSERT OR REPLACE INTO _files
-                           SELECT f.path, f.size, f.mtime_ns, coalesce(c.n, 0), true, '', now()
+                           SELECT f.path, f.size, f.mtime_ns, c.n, true, '', now()
                            FROM (SELECT unnest(?::VARCHAR[]) AS path, unnest(?::BIGINT[]) AS size,
                                         unnest(?::BIGINT[]) AS mtime_ns) f
-                           LEFT JOIN (SELECT _file, count(*) AS n FROM _raw GROUP BY _file) c ON c._file = f.path""",
-                        [new, [good[p][0] for p in new], [good[p][1] for p in new]])
+                           LEFT JOIN (SELECT file_name, sum(num_rows) AS n FROM parquet_file_metadata(?)
+                                      GROUP BY file_name) c ON c.file_name = f.path""",
+                        [new, [good[p][0] for p in new], [good[p][1] for p in new], new])
         # one visible copy per record_id: the copy in the first file by name
-        dup_src = "_raw" if cold else "_raw WHERE record_id IN (SELECT record_id FROM _chg)"
-        con.execute(f"""
-            UPDATE _raw SET _keep = d.keep
-            FROM (SELECT rowid AS rid, row_number() OVER (PARTITION BY record_id ORDER BY _file) = 1 AS keep
-                  FROM _raw WHERE record_id IN (
-                      SELECT record_id FROM {dup_src} GROUP BY record_id HAVING count(*) > 1 OR bool_or(NOT _keep))) d
-            WHERE _raw.rowid = d.rid AND _raw._keep <> d.keep""")
+        con.execute("DELETE FROM _dup_drop")
+        if files:
+            con.execute("""
+                INSERT INTO _dup_drop
+                SELECT record_id, filename FROM (
+                    SELECT record_id, filename, row_number() OVER (PARTITION BY record_id ORDER BY filename) AS rn
+                    FROM read_parquet(?, filename = true)
+                    WHERE record_id IN (SELECT record_id FROM read_parquet(?) GROUP BY record_id HAVING count(*) > 1))
+                WHERE rn > 1""", [files, files])
+        self._set_records(files)
         # clock offsets: recompute; requests on clocks whose offset moved are dirty too
-        old_offsets = "_old_offsets"
-        con.execute(f"CREATE OR REPLACE TEMP TABLE {old_offsets} AS SELECT * FROM _mat_domain_offsets")
+        con.execute("CREATE OR REPLACE TEMP TABLE _old_offsets AS SELECT * FROM _mat_domain_offsets")
         for name, kind in loader.materializations():
             if kind == "full":
                 con.execute(f"DELETE FROM _mat_{name.lstrip('_')}")
                 con.execute(f"INSERT INTO _mat_{name.lstrip('_')} SELECT * FROM _calc_{name.lstrip('_')}")
         con.execute("DELETE FROM _scope_keys")
         if cold:
-            con.execute("INSERT INTO _scope_keys SELECT DISTINCT rkey FROM _raw WHERE rkey IS NOT NULL")
+            con.execute("INSERT INTO _scope_keys SELECT DISTINCT rkey FROM _file_keys")
         else:
-            con.execute(f"""
+            con.execute("""
                 CREATE OR REPLACE TEMP TABLE _moved AS
                 SELECT coalesce(n.domain, o.domain) AS domain, coalesce(n.window_idx, o.window_idx) AS window_idx
-                FROM _mat_domain_offsets n FULL OUTER JOIN {old_offsets} o
+                FROM _mat_domain_offsets n FULL OUTER JOIN _old_offsets o
                   ON n.domain = o.domain AND n.window_idx IS NOT DISTINCT FROM o.window_idx
                 WHERE n.offset_ns IS DISTINCT FROM o.offset_ns""")
+            moved = con.execute("SELECT count(*) FROM _moved").fetchone()[0] > 0
             con.execute("""
                 INSERT INTO _scope_keys
                 SELECT rkey FROM _chg WHERE rkey IS NOT NULL
-                UNION SELECT _request_key(run_id, linked, prompt_index) FROM _chg WHERE linked IS NOT NULL
-                UNION SELECT by_rkey FROM _req_links WHERE rkey IN (SELECT rkey FROM _chg)
-                UNION SELECT r.rkey FROM _raw r JOIN _moved m ON r.domain = m.domain
+                UNION SELECT by_rkey FROM _req_links WHERE rkey IN (SELECT rkey FROM _chg)""")
+            if moved:
+                con.execute("""
+                    INSERT INTO _scope_keys
+                    SELECT DISTINCT r.rkey FROM _records r JOIN _moved m ON r.domain = m.domain
                       AND (m.window_idx IS NULL OR r.start_ns // _clock_window_ns() = m.window_idx)
-                      WHERE r.rkey IS NOT NULL""")
+                    WHERE r.rkey IS NOT NULL AND r.rkey NOT IN (SELECT rkey FROM _scope_keys)""")
         for name, kind in loader.materializations():
             mat, calc = f"_mat_{name.lstrip('_')}", f"_calc_{name.lstrip('_')}"
             if kind == "request":
@@ -265,7 +343,7 @@ class Trace:
         return con.execute("SELECT count(*) FROM _scope_keys").fetchone()[0]
 
     # -- queries ----------------------------------------------------------------
-    def readonly(self) -> duckdb.DuckDBPyConnection:
+    def readonly(self) -> ReadOnlyConnection:
         """A locked-down connection for queries (see :func:`lock_down`).
 
         With a cache file: this Trace's connection is closed and the file

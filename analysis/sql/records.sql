@@ -1,6 +1,6 @@
 -- module: records
 -- requires: settings
--- Reading store files into _raw, and the deduplicated record view every other
+-- Reading store files in place, and the deduplicated record view every other
 -- module starts from.
 
 -- X from any vLLM id form (cmpl-X-i / chatcmpl-X, optional -xxxxxxxx internal
@@ -17,7 +17,7 @@ CREATE OR REPLACE MACRO _request_key(run_id, request_id, prompt_index) AS
     CASE WHEN request_id IS NULL THEN NULL
          ELSE hash(coalesce(run_id, ''), request_id, coalesce(prompt_index, 0)) END;
 
--- Rows of _raw (minus _file/_keep) from a list of checked store files.
+-- Rows of _records from a list of checked store files.
 CREATE OR REPLACE MACRO _read_store(files) AS TABLE
 SELECT record, record_id, trace_id, span_id, parent_span_id, name, kind, start_ns, end_ns,
        status_code, status_message,
@@ -30,8 +30,23 @@ SELECT record, record_id, trace_id, span_id, parent_span_id, name, kind, start_n
        filename AS _file
 FROM read_parquet(files, union_by_name = true, filename = true);
 
-CREATE OR REPLACE VIEW _records AS
-SELECT * EXCLUDE (_keep) FROM _raw WHERE _keep;
+-- _records: every record once. Defined here over no files; the connection
+-- module redefines it on each refresh over the current readable files:
+--   SELECT * FROM _read_store([files]) anti-joined with _dup_drop
+-- (the store's Parquet files are read in place, never copied).
+CREATE OR REPLACE VIEW _records_empty AS
+SELECT NULL::VARCHAR AS record, NULL::UBIGINT AS record_id, NULL::VARCHAR AS trace_id, NULL::UBIGINT AS span_id,
+       NULL::UBIGINT AS parent_span_id, NULL::VARCHAR AS name, NULL::TINYINT AS kind, NULL::BIGINT AS start_ns,
+       NULL::BIGINT AS end_ns, NULL::TINYINT AS status_code, NULL::VARCHAR AS status_message,
+       NULL::VARCHAR AS request_id, NULL::VARCHAR AS request_id_raw, NULL::INTEGER AS prompt_index,
+       NULL::INTEGER AS attempt, NULL::SMALLINT AS tp_rank, NULL::VARCHAR AS thread,
+       NULL::MAP(VARCHAR, BIGINT) AS attr_int, NULL::MAP(VARCHAR, DOUBLE) AS attr_float,
+       NULL::MAP(VARCHAR, VARCHAR) AS attr_str, NULL::VARCHAR AS run_id, NULL::VARCHAR AS service_name,
+       NULL::VARCHAR AS role, NULL::VARCHAR AS engine_id, NULL::VARCHAR AS host, NULL::INTEGER AS pid,
+       NULL::VARCHAR AS vllm_version, NULL::VARCHAR AS connector, NULL::VARCHAR AS schema_version,
+       NULL::UBIGINT AS rkey, NULL::VARCHAR AS domain, NULL::VARCHAR AS _file
+WHERE false;
+CREATE OR REPLACE VIEW _records AS SELECT * FROM _records_empty;
 
 CREATE OR REPLACE VIEW store_files AS
 SELECT path, ok, reason, size AS size_bytes, rows, mtime_ns FROM _files;
