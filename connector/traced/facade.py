@@ -138,3 +138,11 @@ class TracedFacadeMixin:
             if r is not None:
                 return r
         return super().build_connector_worker_meta()
+
+    def shutdown(self):
+        try:
+            super().shutdown()
+        finally:
+            if self._pdt_traced and tracer.on:
+                # vLLM's engine shutdown handles SIGTERM itself: flush what this process recorded
+                safe(tracer.force_flush, 2.0)
