@@ -14,12 +14,12 @@ from pdtrace.dashboard import ui
 st.set_page_config(page_title="pdtrace — where waiting happens", page_icon=":material/timer:", layout="wide")
 
 PAGES = [
-    st.Page("pages/overview.py", title="Overview", icon=":material/monitoring:", default=True),
-    st.Page("pages/request.py", title="Request explorer", icon=":material/waterfall_chart:"),
-    st.Page("pages/compare.py", title="Push vs pull", icon=":material/compare_arrows:"),
-    st.Page("pages/stalls.py", title="Decode stalls", icon=":material/pause_circle:"),
-    st.Page("pages/changed.py", title="What changed", icon=":material/difference:"),
-    st.Page("pages/sql.py", title="SQL", icon=":material/terminal:"),
+    st.Page("app_pages/overview.py", title="Overview", icon=":material/monitoring:", default=True),
+    st.Page("app_pages/request.py", title="Request explorer", icon=":material/waterfall_chart:"),
+    st.Page("app_pages/compare.py", title="Push vs pull", icon=":material/compare_arrows:"),
+    st.Page("app_pages/stalls.py", title="Decode stalls", icon=":material/pause_circle:"),
+    st.Page("app_pages/changed.py", title="What changed", icon=":material/difference:"),
+    st.Page("app_pages/sql.py", title="SQL", icon=":material/terminal:"),
 ]
 
 page = st.navigation(PAGES)

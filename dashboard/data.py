@@ -123,8 +123,9 @@ class Trace:
             self._tr = self._db.Trace(self.directory, cache=None)
         self.cache_path = self._tr.cache
         con = self._tr.con
-        con.execute("SET allowed_directories = ?", [[str(self.directory.resolve()) + os.sep]])
-        con.execute("SET enable_external_access = false")
+        if con.execute("SELECT current_setting('enable_external_access')").fetchone()[0]:
+            con.execute("SET allowed_directories = ?", [[str(self.directory.resolve()) + os.sep]])
+            con.execute("SET enable_external_access = false")
 
     @property
     def exists(self) -> bool:
@@ -170,6 +171,20 @@ class Trace:
             if self._tr is not None:
                 self._tr.close()
                 self._tr = None
+
+
+_TRACES: dict[str, Trace] = {}
+_TRACES_LOCK = threading.Lock()
+
+
+def get_trace(directory: str | os.PathLike) -> Trace:
+    """The process-wide :class:`Trace` of ``directory`` (opened on first use; one per resolved path)."""
+    key = str(Path(directory).expanduser().resolve())
+    with _TRACES_LOCK:
+        t = _TRACES.get(key)
+        if t is None:
+            t = _TRACES[key] = Trace(key)
+        return t
 
 
 # ---------------------------------------------------------------------------

@@ -31,7 +31,7 @@ FOLLOW_EVERY_S = 5
 @st.cache_resource(show_spinner=False, max_entries=8)
 def open_trace(directory: str) -> data.Trace:
     """The trace of ``directory`` (absolute path), opened once per process."""
-    return data.Trace(directory)
+    return data.get_trace(directory)
 
 
 @st.cache_data(show_spinner=False, max_entries=512, ttl=3600)
@@ -51,15 +51,18 @@ def _abs(p: str) -> str:
 
 def current_dir() -> str:
     """The trace directory chosen in the sidebar (absolute path, '' when none)."""
-    return st.session_state.get("trace_dir", "")
+    return st.session_state.get("_trace_dir", "")
 
 
 def sidebar() -> None:
     """Render the shared sidebar (trace directory, follow toggle, time window) into session state."""
-    if "trace_dir" not in st.session_state:
-        st.session_state["trace_dir"] = _abs(os.environ.get(ENV_DIR, ""))
+    # The chosen directory lives under a plain key: widget state is dropped on some page switches.
+    if "_trace_dir" not in st.session_state:
+        st.session_state["_trace_dir"] = _abs(os.environ.get(ENV_DIR, ""))
     with st.sidebar:
-        st.text_input("Trace directory", key="trace_dir", help="A pdtrace span store: a directory of Parquet files.")
+        v = st.text_input("Trace directory", value=st.session_state["_trace_dir"], key="trace_dir",
+                          help="A pdtrace span store: a directory of Parquet files.")
+        st.session_state["_trace_dir"] = _abs(v) if v else ""
         st.toggle("Follow new files", key="follow", value=True,
                   help=f"Check the directory every {FOLLOW_EVERY_S} s and absorb new files (live incidents).")
 
@@ -169,9 +172,6 @@ def trace() -> data.Trace:
     return open_trace(_abs(current_dir()))
 
 
-def open_request(request_id: str, run_id: str | None = None) -> None:
+def open_request(request_id: str) -> None:
     """Switch to the request explorer on ``request_id`` (kept in the URL, so the link can be shared)."""
-    params = {"request": request_id}
-    if run_id:
-        params["run"] = run_id
-    st.switch_page("pages/request.py", query_params=params)
+    st.switch_page("app_pages/request.py", query_params={"request": request_id})

@@ -58,7 +58,7 @@ else:
     top = slow.iloc[0]
     if st.button(f"Open the slowest request: {top.request_id} — TTFT {data.fmt_ms(top.ttft_ms)}, "
                  f"dominant stage {top.dominant_stage}", type="primary", key="open_slowest"):
-        ui.open_request(top.request_id, top.run_id)
+        ui.open_request(top.request_id)
     ev = st.dataframe(
         slow.drop(columns=["run_id", "arrival_ns"]), hide_index=True, width="stretch",
         on_select="rerun", selection_mode="single-row", key="slow_table",
@@ -66,7 +66,7 @@ else:
     sel = ev.selection.rows if ev is not None else []
     if sel:
         r = slow.iloc[sel[0]]
-        ui.open_request(r.request_id, r.run_id)
+        ui.open_request(r.request_id)
     st.caption("Select a row to open its waterfall.")
 
 st.subheader("Incomplete requests")

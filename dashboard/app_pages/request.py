@@ -27,7 +27,7 @@ if not rid:
     st.stop()
 if rid != qp.get("request"):
     st.query_params["request"] = rid
-row = ui.q(t, data.request_row, rid, qp.get("run") if rid == default_id else None)
+row = ui.q(t, data.request_row, rid)
 if row is None:
     near = ui.q(t, data.find_requests, rid)
     st.warning(f"No request `{rid}` in this trace." + (" Did you mean one of these?" if len(near) else ""))
