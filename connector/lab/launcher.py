@@ -10,8 +10,8 @@ server) with:
 - a ``--kv-transfer-config`` naming the connector class (and module path, so
   the traced subclasses plug in unchanged) with a fixed ``engine_id``, so the
   router knows P's id before P answers (needed for concurrent push);
-- NIXL's progress thread off (see :mod:`pdtrace.connector.lab.progthread`)
-  unless ``prog_thread=True``;
+- NIXL's progress thread not busy-polling (sleeps ``prog_thread`` µs between
+  polls; see :mod:`pdtrace.connector.lab.progthread`);
 - its log streamed to ``<run>/logs/<name>.log``.
 
 :class:`Lab` starts everything, waits for health with a timeout and stops every
@@ -74,7 +74,8 @@ class LabConfig:
     kv_cache_gib: int = 1                       # VLLM_CPU_KVCACHE_SPACE (GiB) per engine
     max_model_len: int = 8192
     max_num_seqs: int = 64
-    prog_thread: bool = False                   # NIXL progress thread (off in the lab)
+    prog_thread: str = "100"                    # PDTRACE_NIXL_PROG_THREAD: µs between polls, 'busy', 'off'
+
     health_timeout_s: float = 420.0             # per start; two engines share 2 cores
     trace_dir: Path | None = None               # PDTRACE_DIR for engines and router
     router: bool = True
@@ -100,7 +101,7 @@ def _engine_env(cfg: LabConfig, eng: EngineConfig, bootstrap: Path) -> dict[str,
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
         "UCX_RCACHE_MAX_UNRELEASED": env.get("UCX_RCACHE_MAX_UNRELEASED", "1024"),
-        ENV_SWITCH: "1" if cfg.prog_thread else "0",
+        ENV_SWITCH: str(cfg.prog_thread),
     })
     if eng.core is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = str(eng.core)

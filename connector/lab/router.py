@@ -254,7 +254,8 @@ class Router:
             ctx["status"] = e.status
             return await self._fail(request, ctx, e)
         except asyncio.CancelledError:
-            ctx["status"] = 499  # client went away
+            if not ctx.get("done"):
+                ctx["status"] = 499  # client went away before the response was complete
             raise
         finally:
             t_end = _now()
@@ -340,8 +341,7 @@ class Router:
                     await ev.wait()
                 finally:
                     self.held.pop(x, None)
-            t_d0 = _now() if not hold else _now()
-            d_dispatch = sp.start("router.dispatch", x, start_ns=t_p if not hold else t_d0, parent=root, pidx=pidx,
+            d_dispatch = sp.start("router.dispatch", x, start_ns=t_p if not hold else _now(), parent=root, pidx=pidx,
                                   attrs={"router.leg": "decode", "router.upstream": D["url"][7:]}) if root else 0
             d_body = dict(body)
             d_body["kv_transfer_params"] = params
@@ -401,6 +401,12 @@ class Router:
                                 f"within {self.join_timeout_s:.0f} s; check that both legs carry the same "
                                 f"X-Request-Id (P matches D's registration by it)", "decode", "push_join_timeout")
 
+        def note_first(t_rx):
+            """D's first token chunk arrived at ``t_rx`` (ns): close the engine wait on the TTFT path."""
+            ctx["engine_wait_ns"] += t_rx - t_sent
+            if root:
+                sp.record("router.wait", x, t_sent, t_rx, {"router.leg": "decode"}, parent=root, pidx=pidx)
+
         async def run_d():
             nonlocal first_rx
             try:
@@ -417,11 +423,14 @@ class Router:
                             raise LegError(502, "decode engine finished the request with an error "
                                                 "(e.g. KV load from the prefill engine failed)", "decode",
                                            "decode_failed", raw)
+                        note_first(first_rx)
                         resp = web.Response(status=200, body=raw, content_type="application/json")
+                        ctx["status"] = 200
                         await resp.prepare(request)
                         await resp.write_eof()
                         ctx["first_token_ns"] = _now()
-                        ctx["status"] = 200
+                        sp.event("router.first_token", x, root, t=ctx["first_token_ns"], pidx=pidx)
+                        ctx["done"] = True
                         return resp
                     resp = web.StreamResponse(status=200, headers={
                         "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": x})
@@ -460,10 +469,12 @@ class Router:
                             if ctx["first_token_ns"] is None:
                                 first_rx = t_rx
                                 ctx["first_token_ns"] = t_w
+                                note_first(t_rx)
                                 sp.event("router.first_token", x, root, t=t_w, pidx=pidx)
                     if last_token_t:
                         sp.event("router.last_token", x, root, t=last_token_t, pidx=pidx)
                     await resp.write_eof()
+                    ctx["done"] = True
                     return resp
             except (ClientError, ConnectionError) as exc:
                 if isinstance(exc, ConnectionResetError) and ctx.get("resp") is not None and request.transport is None:
@@ -493,10 +504,6 @@ class Router:
                 if t is not None and not t.done():
                     t.cancel()
             await asyncio.gather(*(t for t in (d_task, w_task) if t is not None), return_exceptions=True)
-        if first_rx is not None:
-            ctx["engine_wait_ns"] += first_rx - t_sent
-            if root:
-                sp.record("router.wait", x, t_sent, first_rx, {"router.leg": "decode"}, parent=root, pidx=pidx)
         return resp
 
 
