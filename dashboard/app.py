@@ -11,15 +11,16 @@ import streamlit as st
 
 from pdtrace.dashboard import ui
 
-st.set_page_config(page_title="pdtrace — where waiting happens", page_icon=":material/timer:", layout="wide")
+# No page_icon: a Material icon favicon is fetched from fonts.gstatic.com, and incidents may be offline.
+st.set_page_config(page_title="pdtrace — where waiting happens", layout="wide")
 
 PAGES = [
-    st.Page("app_pages/overview.py", title="Overview", icon=":material/monitoring:", default=True),
-    st.Page("app_pages/request.py", title="Request explorer", icon=":material/waterfall_chart:"),
-    st.Page("app_pages/compare.py", title="Push vs pull", icon=":material/compare_arrows:"),
-    st.Page("app_pages/stalls.py", title="Decode stalls", icon=":material/pause_circle:"),
-    st.Page("app_pages/changed.py", title="What changed", icon=":material/difference:"),
-    st.Page("app_pages/sql.py", title="SQL", icon=":material/terminal:"),
+    st.Page("app_pages/overview.py", title="Overview", default=True),
+    st.Page("app_pages/request.py", title="Request explorer"),
+    st.Page("app_pages/compare.py", title="Push vs pull"),
+    st.Page("app_pages/stalls.py", title="Decode stalls"),
+    st.Page("app_pages/changed.py", title="What changed"),
+    st.Page("app_pages/sql.py", title="SQL"),
 ]
 
 page = st.navigation(PAGES)

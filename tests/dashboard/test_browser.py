@@ -97,6 +97,13 @@ def settle(page, timeout: float = 90.0) -> float:
     raise TimeoutError("the page kept running")
 
 
+def _benign(msg) -> bool:
+    """Streamlit's frontend probes ``<page path>/_stcore/health|host-config`` on a deep link before it finds the
+    app's base path; those 404s are not page errors."""
+    url = (msg.location or {}).get("url", "")
+    return "/_stcore/" in url and "404" in msg.text
+
+
 def _check(page, errors: list, name: str) -> None:
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
@@ -110,7 +117,9 @@ def test_every_page_and_click_into_waterfall(serve, browser, hand_stores):
     page = browser.new_page(viewport={"width": 1600, "height": 1000})
     errors: list[str] = []
     page.on("pageerror", lambda e: errors.append(str(e)))
-    page.on("console", lambda m: errors.append(m.text) if m.type == "error" and "favicon" not in m.text else None)
+    page.on("console", lambda m: errors.append(f"{m.text} {m.location.get('url')}")
+            if m.type == "error" and not _benign(m) else None)
+    page.on("requestfailed", lambda r: errors.append(f"request failed: {r.url}"))
     for name, path in PAGES.items():
         page.goto(url + path)
         page.wait_for_selector('[data-testid="stAppViewContainer"]', timeout=30_000)
