@@ -1,5 +1,6 @@
 -- module: clock
 -- requires: records
+-- materialize: _clock_pair_est full
 -- materialize: _domain_offsets full
 --
 -- Clock skew from causal pairs (DESIGN.md §3). A message sent at true time s
@@ -50,7 +51,7 @@ GROUP BY rkey, domain, role;
 
 -- One row per causal message or sample: sent on src's clock, received on dst's.
 CREATE OR REPLACE VIEW _clock_msgs AS
-WITH pairs AS (
+WITH pairs AS MATERIALIZED (
     SELECT * FROM _clock_router_marks r JOIN _clock_engine_marks e USING (rkey)
 )
 -- router -> engine: an engine cannot start a request before the router sent it
@@ -104,7 +105,7 @@ SELECT CASE WHEN flip THEN dst ELSE src END AS clock_a,
 FROM m;
 
 -- Per clock pair: one row per window, plus one (window_idx NULL) for the whole trace.
-CREATE OR REPLACE VIEW _clock_pair_est AS
+CREATE OR REPLACE VIEW _calc_clock_pair_est AS
 WITH agg AS (
     SELECT clock_a, clock_b, window_idx,
            max(lower_ns) AS lo, min(upper_ns) AS hi,
@@ -118,6 +119,9 @@ WITH agg AS (
 SELECT *, _clock_estimate(lo, hi, point) AS est,
        _clock_bound(lo, hi, _clock_estimate(lo, hi, point)) AS bound
 FROM agg;
+
+CREATE TABLE IF NOT EXISTS _mat_clock_pair_est AS SELECT * FROM _calc_clock_pair_est LIMIT 0;
+CREATE OR REPLACE VIEW _clock_pair_est AS SELECT * FROM _mat_clock_pair_est;
 
 CREATE OR REPLACE VIEW clock_offsets AS
 SELECT clock_a, clock_b,

@@ -61,16 +61,18 @@ WHERE t.record = 'span' AND s.owns_ttft
 
 -- Candidates after the rank and branch rules; `kept` = may own time.
 CREATE OR REPLACE VIEW _calc_tt_cand AS
-WITH ranks AS (
+WITH allc AS MATERIALIZED (
+    SELECT * FROM _tt_all
+), ranks AS (
     SELECT rkey, engine_id, arg_max(tp_rank, (end_c, -tp_rank)) AS crit_rank
-    FROM _tt_all WHERE tp_rank IS NOT NULL
+    FROM allc WHERE tp_rank IS NOT NULL
     GROUP BY rkey, engine_id
-), ranked AS (
-    SELECT a.* FROM _tt_all a LEFT JOIN ranks r ON r.rkey = a.rkey AND r.engine_id IS NOT DISTINCT FROM a.engine_id
+), ranked AS MATERIALIZED (
+    SELECT a.* FROM allc a LEFT JOIN ranks r ON r.rkey = a.rkey AND r.engine_id IS NOT DISTINCT FROM a.engine_id
     WHERE a.tp_rank IS NULL OR a.tp_rank = r.crit_rank
 ), j AS (
     SELECT rkey, min(s0) AS join_ns FROM ranked WHERE _post_join_stage(stage_group) GROUP BY rkey
-), pre AS (
+), pre AS MATERIALIZED (
     SELECT ranked.*, j.join_ns,
            coalesce(ranked.role IN ('prefill', 'decode') AND NOT _post_join_stage(ranked.stage_group)
                     AND ranked.e0 <= j.join_ns, false) AS is_pre
