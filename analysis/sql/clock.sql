@@ -49,6 +49,14 @@ FROM _records
 WHERE record = 'span' AND role IN ('prefill', 'decode') AND rkey IS NOT NULL
 GROUP BY rkey, domain, role;
 
+-- Per clock domain: wall minus monotonic from its processes' (wall, monotonic)
+-- anchor rows (record 'clock'), the median over all anchors (ns).
+CREATE OR REPLACE VIEW _clock_anchors AS
+SELECT domain, median(start_ns - attr_int['clock.mono_ns'])::BIGINT AS wall_minus_mono, count(*) AS anchors
+FROM _records
+WHERE record = 'clock' AND attr_int['clock.mono_ns'] IS NOT NULL
+GROUP BY domain;
+
 -- One row per causal message or sample: sent on src's clock, received on dst's.
 CREATE OR REPLACE VIEW _clock_msgs AS
 WITH pairs AS MATERIALIZED (
@@ -78,11 +86,21 @@ FROM _records
 WHERE record = 'event' AND name IN ('registration.received', 'notification.received')
   AND attr_int['clock.send_ns'] IS NOT NULL
 UNION ALL
--- samples (e.g. the NIXL handshake's lowest-RTT estimate): peer clock minus own clock
-SELECT domain, attr_str['clock.peer_engine_id'], NULL, start_ns, 'clock.sample',
-       attr_int['clock.offset_ns'], coalesce(attr_int['clock.rtt_ns'], 0)
-FROM _records
-WHERE record = 'event' AND name = 'clock.sample' AND attr_int['clock.offset_ns'] IS NOT NULL;
+-- samples (e.g. the NIXL handshake's lowest-RTT estimate): peer clock minus own
+-- clock, +- rtt/2. A sample between monotonic clocks (clock.domain =
+-- 'monotonic') is converted through both domains' anchors:
+--     wall offset = mono offset + (wall - mono)(peer) - (wall - mono)(own)
+SELECT s.domain, s.peer, NULL, s.start_ns, 'clock.sample',
+       CASE WHEN s.cdomain = 'monotonic' THEN s.off + pa.wall_minus_mono - sa.wall_minus_mono ELSE s.off END,
+       s.rtt
+FROM (SELECT domain, attr_str['clock.peer_engine_id'] AS peer, start_ns, attr_int['clock.offset_ns'] AS off,
+             coalesce(attr_int['clock.rtt_ns'], attr_int['clock.rtt_bound_ns'], 0) AS rtt,
+             coalesce(attr_str['clock.domain'], 'wall') AS cdomain
+      FROM _records
+      WHERE record = 'event' AND name = 'clock.sample' AND attr_int['clock.offset_ns'] IS NOT NULL) s
+LEFT JOIN _clock_anchors sa ON sa.domain = s.domain
+LEFT JOIN _clock_anchors pa ON pa.domain = s.peer
+WHERE s.cdomain <> 'monotonic' OR (sa.wall_minus_mono IS NOT NULL AND pa.wall_minus_mono IS NOT NULL);
 
 -- Bounds on off(clock_b) - off(clock_a); the router always sorts first.
 CREATE OR REPLACE VIEW _clock_bounds AS

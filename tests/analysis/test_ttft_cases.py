@@ -251,3 +251,22 @@ def test_g_uncorrected_store_keeps_every_request(analyse):
     tr = analyse(c)
     b = _tiles(tr, "g1")
     assert b["ttft_ms"] == 150
+
+
+def test_g_monotonic_handshake_sample_converted_through_anchors(analyse):
+    """The connectors record the handshake's offset between monotonic clocks; anchors convert it."""
+    c = _case_g()
+    rows = c.rows[("decode", "d0")]
+    for r in rows:
+        if r["name"] == "clock.sample":
+            r["attrs"] = {"clock.offset_ns": 3_000_000, "clock.rtt_bound_ns": 10_000_000,
+                          "clock.peer_engine_id": "p0", "clock.domain": "monotonic"}
+    # monotonic clocks: D's reads wall - 1000 s, P's wall (already +250 ms) - 1000 s - 3 ms
+    from pdtrace_case_builder import ns
+    rows.append({"record": "clock", "name": "clock.anchor", "start_ns": ns(0),
+                 "attrs": {"clock.mono_ns": ns(0) - 1_000_000_000_000}})
+    c.rows[("prefill", "p0")].append({"record": "clock", "name": "clock.anchor", "start_ns": ns(250),
+                                      "attrs": {"clock.mono_ns": ns(0) - 1_000_000_000_000 + 3_000_000}})
+    tr = analyse(c)
+    pair = tr.query("SELECT * FROM clock_offsets WHERE clock_a = 'd0' AND clock_b = 'p0' AND window_start_ns IS NULL")
+    assert pair[0]["offset_ms"] == 250 and pair[0]["bound_ms"] == 5
