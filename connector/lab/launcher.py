@@ -83,6 +83,7 @@ class LabConfig:
     router_test_hooks: bool = False
     push_join_timeout_s: float = 20.0
     extra_env: dict = dataclasses.field(default_factory=dict)
+    extra_args: list = dataclasses.field(default_factory=list)  # appended to P/D engine command lines
     cores: tuple[int, ...] | None = None        # default: 0..ncpu-1, round-robin
 
     def connector(self) -> str:
@@ -130,7 +131,7 @@ def engine_command(cfg: LabConfig, eng: EngineConfig) -> list[str]:
             kv["kv_connector_module_path"] = cfg.connector_module
         if cfg.connector_extra:
             kv["kv_connector_extra_config"] = cfg.connector_extra
-        cmd += ["--kv-transfer-config", json.dumps(kv)]
+        cmd += ["--kv-transfer-config", json.dumps(kv)] + [str(a) for a in cfg.extra_args]
     return cmd
 
 

@@ -1,0 +1,184 @@
+"""``pdtrace lab``: model → engines → router → replay → records and percentiles, in one call.
+
+:func:`run_lab` does it all and stops every process it started (also on
+errors and Ctrl-C). The run directory (default ``runs/<UTC timestamp>-<mode>/``)
+holds ``run.json`` (configuration, scale factors, engine start times, summary),
+``logs/`` (one log per engine and the router), ``client/requests.parquet``
+(what the client saw) and, with tracing on, the router's and engines' span
+files written by ``pdtrace.instrument``.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import statistics
+import sys
+import time
+import urllib.request
+from datetime import datetime, timezone
+from pathlib import Path
+
+from . import env as lab_env
+from . import metrics, replay, workload
+from .launcher import Lab, LabConfig
+from .model import PROFILES, make_model, model_info
+
+WORKLOADS = {"azure-conv": "AZURE_CONV", "mooncake-conv": "MOONCAKE_CONV"}
+# Default length scale per trace format: CPU cannot serve 12k-token prompts quickly.
+DEFAULT_LENGTH_SCALE = {"azure-csv": 0.25, "mooncake-jsonl": 0.05}
+TRACED = {"pull": "TracedNixlPullConnector", "push": "TracedNixlPushConnector"}
+
+
+@dataclasses.dataclass
+class LabOptions:
+    mode: str = "pull"
+    workload: str | None = "azure-conv"
+    workload_file: Path | None = None
+    max_requests: int = 20
+    max_duration_s: float | None = None
+    length_scale: float | None = None       # None: DEFAULT_LENGTH_SCALE[format]
+    rate_scale: float = 1.0
+    out: Path | None = None
+    profile: str = "default"
+    connector: str = "stock"                # stock | traced
+    trace: bool = True                      # PDTRACE_DIR=<out> for router and engines
+    seed: int = 0
+    max_model_len: int = 8192
+    warmup: bool = True
+    request_timeout_s: float = 300.0
+    progress: bool = True
+    model_cache: Path | None = None
+    check_env: bool = True
+
+
+def default_out(mode: str) -> Path:
+    return Path("runs") / f"{datetime.now(timezone.utc).strftime('%Y%m%dT%H%M%SZ')}-{mode}"
+
+
+def resolve_workload(o: LabOptions) -> tuple[str, Path]:
+    """(name, path) of the trace to replay; raises WorkloadError for an unknown name or missing file."""
+    if o.workload_file is not None:
+        p = Path(o.workload_file)
+        if not p.is_file():
+            raise workload.WorkloadError(f"--workload-file {p}: no such file")
+        return p.stem, p
+    from pdtrace.connector import data
+    if o.workload not in WORKLOADS:
+        raise workload.WorkloadError(f"unknown workload {o.workload!r}; choose from {sorted(WORKLOADS)}")
+    return o.workload, getattr(data, WORKLOADS[o.workload])
+
+
+def _warmup(router_url: str, vocab: int, n: int) -> float:
+    """One short request per P/D pair through the router (pays first-contact handshakes); seconds taken."""
+    t = time.monotonic()
+    for i in range(n):
+        body = {"model": "lab", "prompt": [16 + (i * 7 + k) % (vocab - 16) for k in range(32)],
+                "max_tokens": 2, "ignore_eos": True}
+        req = urllib.request.Request(router_url + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=300) as r:
+            r.read()
+    return time.monotonic() - t
+
+
+def router_overhead(rows: list[dict], ids: set[str]) -> dict:
+    """p50/p99 (ms) of the router's own added latency over the given request ids (successful ones)."""
+    xs = sorted(r["overhead_ns"] / 1e6 for r in rows if r["id"] in ids and r["overhead_ns"] >= 0 and r["status"] == 200)
+    if not xs:
+        return {"n": 0, "p50": None, "p99": None}
+    return {"n": len(xs), "p50": replay._pct(xs, 0.5), "p99": replay._pct(xs, 0.99),
+            "mean": statistics.fmean(xs)}
+
+
+def run_lab(o: LabOptions, echo=print) -> dict:
+    """Run one lab end to end; returns the summary written to ``run.json``.
+
+    Raises :class:`~pdtrace.connector.lab.env.LabEnvironmentError` (environment),
+    :class:`~pdtrace.connector.lab.workload.WorkloadError` (trace or scale) or
+    :class:`~pdtrace.connector.lab.launcher.LabStartError` (an engine did not
+    start); every process started is stopped before this returns or raises.
+    """
+    if o.mode not in ("pull", "push"):
+        raise ValueError(f"mode must be pull or push, not {o.mode!r}")
+    if o.profile not in PROFILES:
+        raise ValueError(f"profile must be one of {sorted(PROFILES)}, not {o.profile!r}")
+    if o.check_env:
+        lab_env.check(import_check=False)
+    name, path = resolve_workload(o)
+    fmt = workload.detect_format(path)
+    length_scale = o.length_scale if o.length_scale is not None else DEFAULT_LENGTH_SCALE[fmt]
+    model_dir = make_model(o.profile, o.model_cache)
+    info = model_info(model_dir)
+    wl = workload.build(name, path, vocab_size=info["vocab_size"], length_scale=length_scale,
+                        rate_scale=o.rate_scale, max_requests=o.max_requests, max_duration_s=o.max_duration_s,
+                        seed=o.seed, max_model_len=o.max_model_len)
+    out = Path(o.out) if o.out else default_out(o.mode)
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"output directory {out} is not empty; pick a new --out (a run never overwrites)")
+    out.mkdir(parents=True, exist_ok=True)
+    run_id = out.name
+    echo(f"pdtrace lab: mode={o.mode} workload={name} ({wl.fmt}) requests={len(wl.requests)} "
+         f"length_scale={length_scale} rate_scale={o.rate_scale} profile={o.profile} "
+         f"(KV {info['kv_bytes_per_token']} B/token) connector={o.connector} out={out}")
+    cfg = LabConfig(model=model_dir, mode=o.mode, run_dir=out, profile=o.profile,
+                    max_model_len=o.max_model_len, trace_dir=(out.resolve() if o.trace else None),
+                    router_timeout_s=o.request_timeout_s)
+    if o.connector == "traced":
+        cfg.connector_class, cfg.connector_module = TRACED[o.mode], "pdtrace.connector.traced"
+        cfg.extra_args = ["--middleware", "pdtrace.connector.traced.middleware.FrontendMiddleware"]
+    summary: dict = {"run_id": run_id, "mode": o.mode, "profile": o.profile, "connector": cfg.connector(),
+                     "connector_module": cfg.connector_module, "model": str(model_dir), "model_info": info,
+                     "workload": wl.summary(), "vllm_build": f"{lab_env.VLLM_DIST}=={lab_env.VLLM_VERSION}",
+                     "nixl_progress_thread": cfg.prog_thread}
+    t_start = time.monotonic()
+    with Lab(cfg) as lab:
+        summary["engine_start_s"] = {k: round(v, 2) for k, v in lab.start_s.items()}
+        summary["lab_start_s"] = round(time.monotonic() - t_start, 2)
+        echo(f"engines healthy in {summary['lab_start_s']:.1f} s "
+             f"({', '.join(f'{k} {v:.1f} s' for k, v in summary['engine_start_s'].items())})")
+        if o.warmup:
+            summary["warmup_s"] = round(_warmup(lab.router_url, info["vocab_size"],
+                                                max(cfg.n_prefill, cfg.n_decode)), 3)
+            echo(f"warm-up (first-contact handshake) {summary['warmup_s']:.2f} s")
+        d_before = [metrics.prompt_tokens_by_source(e.url) for e in lab.decodes]
+        t_replay = time.monotonic()
+        recs = asyncio.run(replay.replay(wl, lab.router_url, timeout_s=o.request_timeout_s, progress=o.progress))
+        summary["replay_wall_s"] = round(time.monotonic() - t_replay, 3)
+        d_after = [metrics.prompt_tokens_by_source(e.url) for e in lab.decodes]
+        rows = metrics.router_stats(lab.router_url)
+    summary["decode_prompt_tokens_by_source"] = {
+        k: sum(a[k] - b[k] for a, b in zip(d_after, d_before)) for k in d_after[0]}
+    summary["client_records"] = replay.write_records(recs, out / "client", run_id)
+    summary["client"] = replay.latency_summary(recs)
+    ids = {r.router_request_id for r in recs if r.router_request_id}
+    summary["router_overhead_ms"] = router_overhead(rows, ids)
+    (out / "run.json").write_text(json.dumps(summary, indent=2, default=str))
+    echo("")
+    echo(replay.format_summary(summary["client"]))
+    ro = summary["router_overhead_ms"]
+    if ro["n"]:
+        echo(f"router's own added latency: p50 {ro['p50']:.2f} ms  p99 {ro['p99']:.2f} ms  (n={ro['n']})")
+    src = summary["decode_prompt_tokens_by_source"]
+    echo(f"decode prompt tokens: computed locally {src['local_compute']:.0f}, from KV transfer "
+         f"{src['external_kv_transfer']:.0f}, local prefix-cache hits {src['local_cache_hit']:.0f}")
+    echo(f"scale factors: length x{length_scale}, rate x{o.rate_scale}; run directory: {out}")
+    return summary
+
+
+def main_safe(o: LabOptions, echo=print) -> int:
+    """Run and turn the expected failures into one clear message and exit code 2 (Ctrl-C: 130)."""
+    from .launcher import LabStartError
+    try:
+        s = run_lab(o, echo)
+    except KeyboardInterrupt:
+        echo("interrupted; every lab process was stopped")
+        return 130
+    except (lab_env.LabEnvironmentError, workload.WorkloadError, LabStartError, FileExistsError, ValueError) as exc:
+        echo(f"pdtrace lab: error: {exc}")
+        return 2
+    return 0 if s["client"]["failed"] == 0 else 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main_safe(LabOptions()))
