@@ -30,6 +30,10 @@ if len(steps) >= 20_000:
 st.plotly_chart(charts.step_timeline(steps), width="stretch", key="steps")
 
 st.subheader("Whose TPOT paid, and for whom")
+n_req = ui.q(t, data.store_health)["requests"]
+if not st.toggle("Rank requests by TPOT lost to others' work", value=n_req < 200_000, key="stall_rank",
+                 help="Reads request_stalls over the window: several seconds on a store of a million requests."):
+    st.stop()
 worst = ui.q(t, data.worst_tpot, w)
 if worst.empty or not (worst["stall_ms"].fillna(0) > 0).any():
     st.success("No request's TPOT was inflated by other requests' work in this window.")
