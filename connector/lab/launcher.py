@@ -81,7 +81,7 @@ class LabConfig:
     router: bool = True
     router_timeout_s: float = 120.0             # per-request timeout in the router
     router_test_hooks: bool = False
-    push_join_timeout_s: float = 20.0
+    push_join_timeout_s: float = 60.0             # router: D must show a token this long after P answered (push)
     extra_env: dict = dataclasses.field(default_factory=dict)
     extra_args: list = dataclasses.field(default_factory=list)  # appended to P/D engine command lines
     cores: tuple[int, ...] | None = None        # default: 0..ncpu-1, round-robin

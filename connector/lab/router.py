@@ -153,7 +153,7 @@ class Router:
         self._p_rr = itertools.cycle(range(len(self.prefill)))
         self._d_rr = itertools.cycle(range(len(self.decode)))
         self.timeout_s = float(cfg.get("timeout_s", 120))
-        self.join_timeout_s = float(cfg.get("push_join_timeout_s", 20))
+        self.join_timeout_s = float(cfg.get("push_join_timeout_s", 60))
         self.hooks = bool(cfg.get("test_hooks", False))
         self.prefix = cfg.get("id_prefix", "lab-")
         self.session: ClientSession | None = None

@@ -1,0 +1,173 @@
+"""Fixtures for the lab tests: real vLLM engines (CPU build), one lab per mode per module.
+
+Engines are expensive on 2 cores (≈25–60 s to start, longer when other engines
+run), so each test module starts one lab and shares it; the reference engine
+(non-disaggregated) is started once per session, used, and stopped.
+
+Without the lab environment the lab tests are skipped with the reason, unless
+``PDTRACE_LAB_REQUIRED=1`` (CI), which turns that into a failure.
+"""
+from __future__ import annotations
+
+import json
+import os
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from pdtrace.connector.lab import env as lab_env
+from pdtrace.connector.lab import workload
+from pdtrace.connector.lab.launcher import Lab, LabConfig
+from pdtrace.connector.lab.model import make_model, model_info
+
+LOGPROB_TOL = 0.05  # nats: max |Δ logprob| over the reference's top-k tokens (bf16 on CPU)
+TOP_K = 5
+
+
+def post(url: str, body: dict, headers: dict | None = None, timeout: float = 300) -> tuple[int, dict]:
+    """POST JSON, return (status, JSON body) — also for HTTP errors."""
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        raw = e.read()
+        try:
+            return e.code, json.loads(raw)
+        except ValueError:
+            return e.code, {"raw": raw.decode(errors="replace")}
+
+
+def get_json(url: str, timeout: float = 30) -> dict:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def top_logprobs(resp: dict) -> dict[int, float]:
+    """{token id: logprob} of the first generated token's top-k (needs return_tokens_as_token_ids)."""
+    lp = resp["choices"][0]["logprobs"]["top_logprobs"][0]
+    return {int(k.split(":", 1)[1]): float(v) for k, v in lp.items()}
+
+
+def logprob_gap(ref: dict[int, float], got: dict[int, float]) -> float:
+    """Max |Δ logprob| over the reference's top-k tokens (inf if one is missing from ``got``)."""
+    return max((abs(v - got[k]) if k in got else float("inf")) for k, v in ref.items())
+
+
+def first_token_body(prompt: list[int]) -> dict:
+    return {"model": "lab", "prompt": prompt, "max_tokens": 1, "temperature": 0.0, "logprobs": TOP_K,
+            "return_tokens_as_token_ids": True}
+
+
+@pytest.fixture(scope="session")
+def lab_ready():
+    found = lab_env.problems(import_check=False)
+    if found:
+        msg = "lab environment not ready: " + "; ".join(p.what for p in found) + " (run `pdtrace lab setup`)"
+        if os.environ.get("PDTRACE_LAB_REQUIRED") == "1":
+            pytest.fail(msg)
+        pytest.skip(msg)
+
+
+@pytest.fixture(scope="session")
+def model_dir(lab_ready, tmp_path_factory):
+    return make_model("default", tmp_path_factory.mktemp("labmodel"))
+
+
+@pytest.fixture(scope="session")
+def vocab(model_dir):
+    return model_info(model_dir)["vocab_size"]
+
+
+@pytest.fixture(scope="session")
+def trace_requests(vocab):
+    """24 real Azure-conversation requests, lengths x0.25, rate x1 (the lab defaults)."""
+    from pdtrace.connector.data import AZURE_CONV
+    return workload.build("azure-conv", AZURE_CONV, vocab_size=vocab, length_scale=0.25, rate_scale=1.0,
+                          max_requests=24, max_model_len=8192)
+
+
+@pytest.fixture(scope="session")
+def check_prompts(trace_requests):
+    """Prompts for the logprob check: 4 from the trace, plus the negative-control pair (same length and last token)."""
+    ps = [r.prompt for r in trace_requests.requests[:4]]
+    a = trace_requests.requests[5].prompt
+    b = [(t * 7 + 3) % 2000 + 16 for t in a[:-1]] + [a[-1]]
+    return {"trace": ps, "neg_a": a, "neg_b": b}
+
+
+@pytest.fixture(scope="session")
+def reference(model_dir, check_prompts, tmp_path_factory):
+    """First-token top-k logprobs from one plain (non-disaggregated) engine; the engine is stopped after."""
+    cfg = LabConfig(model=model_dir, run_dir=tmp_path_factory.mktemp("ref"), router=False)
+    out = {}
+    with Lab(cfg, single=True) as lab:
+        url = lab.singles[0].url + "/v1/completions"
+        for key, prompts in (("trace", check_prompts["trace"]),
+                             ("neg_a", [check_prompts["neg_a"]]), ("neg_b", [check_prompts["neg_b"]])):
+            got = []
+            for p in prompts:
+                status, resp = post(url, first_token_body(p))
+                assert status == 200, resp
+                got.append(top_logprobs(resp))
+            out[key] = got
+    return out
+
+
+def start_lab(mode: str, model_dir: Path, run_dir: Path, **kw) -> Lab:
+    cfg = LabConfig(model=model_dir, mode=mode, run_dir=run_dir, router_test_hooks=True, **kw)
+    lab = Lab(cfg)
+    try:
+        lab.start()
+    except BaseException:
+        lab.stop()
+        raise
+    return lab
+
+
+def replay_through_router(lab: Lab, wl) -> tuple[list, dict]:
+    """Replay ``wl`` through the lab's router; return (client records, D's prompt-token deltas by source)."""
+    import asyncio
+
+    from pdtrace.connector.lab import metrics, replay
+
+    before = metrics.prompt_tokens_by_source(lab.decodes[0].url)
+    recs = asyncio.run(replay.replay(wl, lab.router_url, timeout_s=300, progress=False))
+    after = metrics.prompt_tokens_by_source(lab.decodes[0].url)
+    return recs, {k: after[k] - before[k] for k in after}
+
+
+def check_replay(lab: Lab, trace_requests) -> None:
+    """≥20 real-trace requests through the router: all complete with every token; D computed no prompt token."""
+    from pdtrace.connector.lab import metrics
+
+    recs, delta = replay_through_router(lab, trace_requests)
+    assert len(recs) >= 20
+    bad = [(r.request_index, r.status, r.http_status, r.error_type) for r in recs if not r.ok]
+    assert not bad, bad
+    for r, q in zip(recs, trace_requests.requests):
+        assert len(r.token_times_ns) == q.max_tokens, (r.request_index, len(r.token_times_ns), q.max_tokens)
+        assert r.send_ns < r.first_token_ns <= r.token_times_ns[-1] <= r.end_ns
+    assert delta["local_compute"] == 0, delta
+    assert delta["external_kv_transfer"] > 0, delta
+    # Every request's prompt reached D as transferred KV or a prefix-cache hit, none computed.
+    assert delta["external_kv_transfer"] + delta["local_cache_hit"] >= sum(len(q.prompt) for q in trace_requests.requests) - len(recs)
+    rows = {r["id"]: r for r in metrics.router_stats(lab.router_url)}
+    for r in recs:
+        row = rows[r.router_request_id]
+        assert row["status"] == 200 and 0 <= row["overhead_ns"] < row["ttft_ns"], row
+
+
+def check_logprobs(lab: Lab, check_prompts, reference) -> list[float]:
+    """First-token top-k logprobs through the router equal the single engine's within LOGPROB_TOL."""
+    gaps = []
+    for p, ref in zip(check_prompts["trace"], reference["trace"]):
+        status, resp = post(lab.router_url + "/v1/completions", first_token_body(p))
+        assert status == 200, resp
+        got = top_logprobs(resp)
+        assert max(ref, key=ref.get) == max(got, key=got.get), "top-1 token differs from the single engine"
+        gaps.append(logprob_gap(ref, got))
+    assert max(gaps) <= LOGPROB_TOL, gaps
+    return gaps

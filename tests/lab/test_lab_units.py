@@ -1,0 +1,124 @@
+"""Lab parts that need no engine: trace parsing and scaling, the model maker, the NIXL patch, process stop."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from pdtrace.connector.data import AZURE_CONV, MOONCAKE_CONV
+from pdtrace.connector.lab import procs, workload
+from pdtrace.connector.lab.model import ModelSpec, PROFILES
+
+
+def test_format_detected_from_contents(tmp_path):
+    a = tmp_path / "x.jsonl"  # misleading name: content decides
+    a.write_text(AZURE_CONV.read_text().splitlines()[0] + "\n" + AZURE_CONV.read_text().splitlines()[1] + "\n")
+    assert workload.detect_format(a) == "azure-csv"
+    m = tmp_path / "y.csv"
+    m.write_text(MOONCAKE_CONV.read_text().splitlines()[0] + "\n")
+    assert workload.detect_format(m) == "mooncake-jsonl"
+    bad = tmp_path / "z.txt"
+    bad.write_text("hello,world\n")
+    with pytest.raises(workload.WorkloadError):
+        workload.detect_format(bad)
+
+
+def test_azure_scaling_is_explicit_and_exact():
+    w = workload.build("azure-conv", AZURE_CONV, vocab_size=2048, length_scale=0.25, rate_scale=2.0, max_requests=20)
+    _, rows, n = workload.read_rows(AZURE_CONV)
+    assert n == 19366 and len(w.requests) == 20
+    for q, r in zip(w.requests, rows):
+        assert len(q.prompt) == max(1, round(r.input_len * 0.25))
+        assert q.max_tokens == max(1, round(r.output_len * 0.25))
+        assert q.arrival_s == pytest.approx(r.arrival_s / 2.0)
+        assert all(16 <= t < 2048 for t in q.prompt)
+    s = w.summary()
+    assert s["length_scale"] == 0.25 and s["rate_scale"] == 2.0
+
+
+def test_too_long_requests_raise_instead_of_trimming():
+    with pytest.raises(workload.WorkloadError, match="Nothing is trimmed"):
+        workload.build("mooncake-conv", MOONCAKE_CONV, vocab_size=2048, length_scale=1.0, rate_scale=1.0,
+                       max_requests=10, max_model_len=8192)
+
+
+def test_mooncake_jitter_deterministic_and_prefixes_shared():
+    kw = dict(vocab_size=2048, length_scale=0.05, rate_scale=1.0, max_requests=40)
+    w1 = workload.build("mooncake-conv", MOONCAKE_CONV, seed=1, **kw)
+    w2 = workload.build("mooncake-conv", MOONCAKE_CONV, seed=1, **kw)
+    w3 = workload.build("mooncake-conv", MOONCAKE_CONV, seed=2, **kw)
+    assert w1.requests == w2.requests and w1.jittered
+    assert [r.arrival_s for r in w1.requests] != [r.arrival_s for r in w3.requests]
+    arr = [r.arrival_s for r in w1.requests]
+    assert arr == sorted(arr) and len(set(arr)) == len(arr)  # buckets spread
+    # Hash id 0 (shared system prompt) starts almost every request: same leading block of tokens.
+    blk = round(512 * 0.05)
+    firsts = {tuple(r.prompt[:blk]) for r in w1.requests if len(r.prompt) >= blk}
+    assert len(firsts) <= 3
+    assert w1.summary()["shared_prefix_tokens_total"] > 0
+
+
+def test_duration_cap():
+    w = workload.build("azure-conv", AZURE_CONV, vocab_size=2048, length_scale=0.25, rate_scale=1.0,
+                       max_duration_s=10.0)
+    assert w.requests and all(r.arrival_s <= 10.0 for r in w.requests)
+
+
+def test_model_spec_guards_head_dim_and_kv_bytes():
+    with pytest.raises(ValueError, match="head_dim"):
+        ModelSpec(hidden=64, heads=4)  # head_dim 16 kills the CPU engine
+    assert PROFILES["default"].kv_bytes_per_token == 1024
+    assert PROFILES["transfer-heavy"].kv_bytes_per_token == 16 * 1024
+    assert PROFILES["default"].digest() == ModelSpec().digest() != ModelSpec(seed=1).digest()
+
+
+def test_model_maker_deterministic(tmp_path):
+    from pdtrace.connector.lab.model import make_model, model_info
+    a = make_model("default", tmp_path / "a")
+    b = make_model("default", tmp_path / "b")
+    assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
+    assert (a / "tokenizer.json").read_bytes() == (b / "tokenizer.json").read_bytes()
+    info = model_info(a)
+    cfg = json.loads((a / "config.json").read_text())
+    assert cfg["vocab_size"] == info["vocab_size"]
+    assert cfg["hidden_size"] // cfg["num_attention_heads"] in (64, 128)
+    assert "chat_template" in json.loads((a / "tokenizer_config.json").read_text()) or (a / "chat_template.jinja").exists()
+    assert make_model("default", tmp_path / "a") == a  # cached
+
+
+@pytest.mark.parametrize("setting,max_cpu", [("", 0.3), ("off", 0.3)])
+def test_nixl_progress_thread_patch_stops_busy_polling(setting, max_cpu):
+    pytest.importorskip("nixl")
+    code = (
+        "import time\n"
+        "from pdtrace.connector.lab import progthread; progthread.install()\n"
+        "from nixl._api import nixl_agent, nixl_agent_config\n"
+        "a = nixl_agent('t', nixl_agent_config(num_threads=4, capture_telemetry=True))\n"
+        "t0 = time.process_time(); time.sleep(2.0); print(time.process_time() - t0)\n")
+    env = {"PDTRACE_NIXL_PROG_THREAD": setting, "PATH": "/usr/bin:/bin"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    cpu = float(r.stdout.strip().splitlines()[-1])
+    assert cpu < max_cpu, f"agent used {cpu:.2f} CPU-s in 2 s with {setting or 'default'}"
+
+
+def test_stop_group_leaves_no_orphans(tmp_path):
+    code = ("import subprocess, sys, time\n"
+            "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+            "time.sleep(600)\n")
+    p = procs.spawn([sys.executable, "-c", code], {"PATH": "/usr/bin:/bin"}, tmp_path / "x.log")
+    time.sleep(1.0)
+    kids = procs.descendants(p.pid)
+    assert kids
+    procs.stop_group(p, term_timeout_s=2)
+    time.sleep(0.2)
+    assert p.poll() is not None
+    assert not any(k.is_running() and k.status() != "zombie" for k in kids)
+
+
+def test_free_ports_distinct_and_unbound():
+    ports = procs.free_ports(6)
+    assert len(set(ports)) == 6 and not any(procs.port_is_bound(p) for p in ports)

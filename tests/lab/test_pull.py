@@ -1,0 +1,82 @@
+"""Pull mode on real engines: replay, metrics, logprobs vs one engine, negative control, kill P before D's READ.
+
+One lab for the module; the destructive test (kill P) runs last.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from conftest import (LOGPROB_TOL, check_logprobs, check_replay, first_token_body, get_json, logprob_gap, post,
+                      start_lab, top_logprobs)
+
+pytestmark = [pytest.mark.lab, pytest.mark.timeout(1800)]
+
+
+@pytest.fixture(scope="module")
+def pull_lab(model_dir, reference, tmp_path_factory):
+    lab = start_lab("pull", model_dir, tmp_path_factory.mktemp("pull"))
+    yield lab
+    lab.stop()
+
+
+def test_replay_real_trace(pull_lab, trace_requests):
+    check_replay(pull_lab, trace_requests)
+
+
+def test_first_token_logprobs_match_single_engine(pull_lab, check_prompts, reference):
+    gaps = check_logprobs(pull_lab, check_prompts, reference)
+    print(f"pull: max |Δ logprob| over top-5 = {max(gaps):.4f} nats (tolerance {LOGPROB_TOL})")
+
+
+def test_negative_control_wrong_blocks_fail_the_check(pull_lab, check_prompts, reference):
+    """D handed prompt A's blocks while asked for prompt B (same length and last token): the check must fail."""
+    P, D = pull_lab.prefills[0], pull_lab.decodes[0]
+    a, b = check_prompts["neg_a"], check_prompts["neg_b"]
+    rid = {"X-Request-Id": "negctl-1"}
+    body = dict(first_token_body(a), kv_transfer_params={"do_remote_decode": True})
+    status, p_resp = post(P.url + "/v1/completions", body, rid)
+    assert status == 200, p_resp
+    status, d_resp = post(D.url + "/v1/completions",
+                          dict(first_token_body(b), kv_transfer_params=p_resp["kv_transfer_params"]), rid)
+    assert status == 200, d_resp
+    got = top_logprobs(d_resp)
+    gap_b = logprob_gap(reference["neg_b"][0], got)
+    gap_a = logprob_gap(reference["neg_a"][0], got)
+    print(f"negative control: gap to B's reference {gap_b:.3f}, to A's {gap_a:.4f} nats")
+    assert gap_b > LOGPROB_TOL, "the check did not notice D computing from another prompt's KV"
+    assert gap_a <= LOGPROB_TOL, "D's output should follow the KV it was given (A's)"
+
+
+def test_kill_prefill_after_response_before_read(pull_lab, trace_requests):
+    """Hold D's leg at the router, kill P, release: the request fails clearly; D keeps serving."""
+    lab = pull_lab
+    prompt = trace_requests.requests[10].prompt
+    result = {}
+
+    def client():
+        result["resp"] = post(lab.router_url + "/v1/completions",
+                              {"model": "lab", "prompt": prompt, "max_tokens": 8, "ignore_eos": True},
+                              {"X-Pdtrace-Lab-Hold": "1"}, timeout=600)
+
+    t = threading.Thread(target=client)
+    t.start()
+    deadline = time.monotonic() + 120
+    while not get_json(lab.router_url + "/_lab/held")["held"]:
+        assert time.monotonic() < deadline, "P's response never reached the hold point"
+        time.sleep(0.1)
+    lab.kill("prefill-0")
+    t0 = time.monotonic()
+    post(lab.router_url + "/_lab/release", {})
+    t.join(timeout=lab.cfg.router_timeout_s + 30)
+    assert not t.is_alive(), "request hung after P died"
+    status, body = result["resp"]
+    print(f"kill P: status {status} after {time.monotonic() - t0:.1f} s: {body.get('error', {}).get('type')}")
+    assert status >= 500 and body["error"]["leg"] == "decode", (status, body)
+    assert body["error"]["type"] in ("decode_failed", "upstream_error", "upstream_unreachable", "timeout"), body
+    # D keeps serving: a plain (non-disaggregated) request straight to D completes.
+    status, resp = post(lab.decodes[0].url + "/v1/completions",
+                        {"model": "lab", "prompt": prompt[:50], "max_tokens": 4, "ignore_eos": True})
+    assert status == 200 and resp["usage"]["completion_tokens"] == 4, resp
