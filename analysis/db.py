@@ -175,6 +175,11 @@ class Trace:
         if self._fresh:
             self._install(con)
             con.execute("INSERT OR REPLACE INTO _meta VALUES ('library', ?)", [stamp])
+        # scratch steps live in memory (temp tables shadow the empty main ones)
+        for name, kind in loader.materializations():
+            if kind == "scratch":
+                mat = f"_mat_{name.lstrip('_')}"
+                con.execute(f"CREATE OR REPLACE TEMP TABLE {mat} AS SELECT * FROM main.{mat} LIMIT 0")
         return con
 
     def _install(self, con: duckdb.DuckDBPyConnection) -> None:

@@ -39,6 +39,7 @@ def main() -> None:
     ap.add_argument("store", type=Path)
     ap.add_argument("--tail", type=Path, default=None, help="files to absorb as 'one new file' (default: <store>-tail)")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--no-cache", action="store_true", help="analyse in memory instead of a cache file")
     a = ap.parse_args()
     files = [str(p) for p in store.store_files(a.store)]
     tail = a.tail or a.store.parent / (a.store.name + "-tail")
@@ -50,6 +51,8 @@ def main() -> None:
         "FROM read_parquet(?) GROUP BY request_id)", [files]).fetchone()
     bare = time.perf_counter() - t
     con.close()
+    import os
+    print(f"load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     print(f"store: {len(files)} files, {n_rows:,} rows, {n_req - 1:,} request ids (+ step rows)")
     print(f"bare scan + group by request_id: {bare:.2f} s  (peak RSS so far {_peak_mib():.0f} MiB)")
 
@@ -57,7 +60,7 @@ def main() -> None:
     cache = cache_dir / "cache.duckdb"
     try:
         t = time.perf_counter()
-        tr = db.Trace(a.store, cache=cache, threads=a.threads)
+        tr = db.Trace(a.store, cache=None if a.no_cache else cache, threads=a.threads)
         r = tr.refresh()
         t_refresh = time.perf_counter() - t
         t2 = time.perf_counter()
@@ -90,7 +93,8 @@ def main() -> None:
                 for p in added:
                     p.unlink()
         tr.close()
-        print(f"cache file: {cache.stat().st_size / 2**20:.0f} MiB")
+        if cache.exists():
+            print(f"cache file: {cache.stat().st_size / 2**20:.0f} MiB")
         print(f"peak RSS: {_peak_mib():.0f} MiB")
     finally:
         shutil.rmtree(cache_dir, ignore_errors=True)
