@@ -81,17 +81,21 @@ def browser():
 
 
 def settle(page, timeout: float = 90.0) -> float:
-    """Wait until Streamlit has finished running the script (no status widget, no skeleton) for 1 s."""
+    """Wait until the page shows content (a title or a message) and Streamlit has stopped running for 1.5 s.
+
+    The status widget appears only some time after a run starts, so an empty main area counts as busy.
+    """
     t0 = time.monotonic()
     calm = None
     while time.monotonic() - t0 < timeout:
-        busy = (page.locator('[data-testid="stStatusWidget"]').count() > 0
+        content = page.locator('[data-testid="stMain"] h1, [data-testid="stMain"] [data-testid="stAlert"]').count()
+        busy = (not content or page.locator('[data-testid="stStatusWidget"]').count() > 0
                 or page.locator('[data-testid="stSkeleton"]').count() > 0)
         if busy:
             calm = None
         elif calm is None:
             calm = time.monotonic()
-        elif time.monotonic() - calm > 1.0:
+        elif time.monotonic() - calm > 1.5:
             return time.monotonic() - t0
         time.sleep(0.1)
     raise TimeoutError("the page kept running")
