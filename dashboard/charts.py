@@ -91,7 +91,8 @@ def percentiles_over_time(df: pd.DataFrame, metric: str, title: str) -> go.Figur
                             name=f"{mode} {p}", line=dict(color=PCT_COLORS[p], dash=MODE_DASH.get(mode, "dot")),
                             marker=dict(size=4), hovertemplate=f"{mode} {p}: %{{y:,.1f}} ms<extra></extra>")
     fig.update_yaxes(title="ms", rangemode="tozero")
-    return _layout(fig, title=title)
+    return _layout(fig, height=360, title=title, margin=dict(l=10, r=10, t=40, b=10),
+                   legend=dict(orientation="h", yanchor="top", y=-0.15, xanchor="left", x=0.0))
 
 
 def waterfall(spans: pd.DataFrame, segments: pd.DataFrame, events: pd.DataFrame,
