@@ -50,6 +50,9 @@ WHERE first_token_ns IS NOT NULL AND arrival_ns IS NOT NULL AND first_token_ns >
 CREATE OR REPLACE VIEW _tt_all AS
 SELECT t.rkey, t.span_id, t.parent_span_id, t.name AS stage, s.category, s.stage_group, s.is_filler,
        t.role, t.engine_id, t.tp_rank, t.attempt, t.c_end_ns AS end_c,
+       -- the branch of a pre-join stage: its engine's role, but dest.register
+       -- is D's branch whoever records it (its end is the match on P)
+       CASE WHEN t.name = 'dest.register' THEN 'decode' ELSE t.role END AS branch,
        greatest(t.c_start_ns, q.arrival_ns) AS s0,
        least(t.c_end_ns, q.first_token_ns) AS e0,
        q.arrival_ns, q.first_token_ns
@@ -74,17 +77,17 @@ WITH allc AS MATERIALIZED (
     SELECT rkey, min(s0) AS join_ns FROM ranked WHERE _post_join_stage(stage_group) GROUP BY rkey
 ), pre AS MATERIALIZED (
     SELECT ranked.*, j.join_ns,
-           coalesce(ranked.role IN ('prefill', 'decode') AND NOT _post_join_stage(ranked.stage_group)
+           coalesce(ranked.branch IN ('prefill', 'decode') AND NOT _post_join_stage(ranked.stage_group)
                     AND ranked.e0 <= j.join_ns, false) AS is_pre
     FROM ranked LEFT JOIN j ON j.rkey = ranked.rkey
 ), br AS (
-    SELECT rkey, arg_max(role, (e0, role = 'prefill')) AS crit_role FROM pre WHERE is_pre GROUP BY rkey
+    SELECT rkey, arg_max(branch, (e0, branch = 'prefill')) AS crit_role FROM pre WHERE is_pre GROUP BY rkey
 ), b0 AS (
-    SELECT p.rkey, min(p.s0) AS b0 FROM pre p JOIN br ON br.rkey = p.rkey AND p.role = br.crit_role
+    SELECT p.rkey, min(p.s0) AS b0 FROM pre p JOIN br ON br.rkey = p.rkey AND p.branch = br.crit_role
     WHERE p.is_pre GROUP BY p.rkey
 )
 SELECT pre.*,
-       NOT coalesce(pre.is_pre AND pre.role <> br.crit_role AND pre.e0 > b0.b0, false) AS kept
+       NOT coalesce(pre.is_pre AND pre.branch <> br.crit_role AND pre.e0 > b0.b0, false) AS kept
 FROM pre LEFT JOIN br ON br.rkey = pre.rkey LEFT JOIN b0 ON b0.rkey = pre.rkey;
 CREATE TABLE IF NOT EXISTS _mat_tt_cand AS SELECT * FROM _calc_tt_cand LIMIT 0;
 CREATE OR REPLACE VIEW _tt_cand AS SELECT * FROM _mat_tt_cand;

@@ -270,3 +270,16 @@ def test_g_monotonic_handshake_sample_converted_through_anchors(analyse):
     tr = analyse(c)
     pair = tr.query("SELECT * FROM clock_offsets WHERE clock_a = 'd0' AND clock_b = 'p0' AND window_start_ns IS NULL")
     assert pair[0]["offset_ms"] == 250 and pair[0]["bound_ms"] == 5
+
+
+def test_h_registration_recorded_by_prefill_is_still_the_decode_branch(analyse):
+    """dest.register ends when P matches the registration; P may record it. It stays D's branch."""
+    c = _case_h()
+    d_rows = c.rows[("decode", "d0")]
+    reg = [r for r in d_rows if r["name"] == "dest.register"]
+    c.rows[("decode", "d0")] = [r for r in d_rows if r["name"] != "dest.register"]
+    c.rows[("prefill", "p0")] += reg
+    tr = analyse(c)
+    b = _tiles(tr, "h1")
+    assert (b["coordination_ms"], b["transfer_ms"], b["compute_ms"]) == (4000, 30, 40)
+    assert b["dominant_stage"] == "dest.register"
