@@ -18,8 +18,10 @@ pytestmark = [pytest.mark.lab, pytest.mark.timeout(1800)]
 @pytest.fixture(scope="module")
 def pull_lab(model_dir, reference, tmp_path_factory):
     lab = start_lab("pull", model_dir, tmp_path_factory.mktemp("pull"))
-    yield lab
-    lab.stop()
+    try:
+        yield lab
+    finally:
+        lab.stop()
 
 
 def test_replay_real_trace(pull_lab, trace_requests):
