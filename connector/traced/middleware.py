@@ -12,11 +12,21 @@ by the engine's role (``prefill.frontend`` on a ``kv_producer``,
 ``--kv-transfer-config`` on the command line or ``PDTRACE_ROLE``) from the
 moment the HTTP request reaches the app to the moment the last response body
 chunk has been handed to the server, with a ``token`` event at the first body
-chunk (the first output chunk written, for a stream). The engine's own stages
-(queue, compute, handoff, first step), recorded in EngineCore, lie inside this
-interval on the same host's monotonic clock: the frontend owns only the parts
-no engine stage covers (parsing/tokenizing before the request is queued, and
-detokenizing/writing after the output) — the analysis clips it.
+chunk (the first output chunk written, for a stream).
+
+The frontend is recorded as **two spans of the same name** (DESIGN.md §2):
+``frontend.part = "in"``: HTTP received → the request handed to EngineCore
+(parse, tokenize, input processing; end = ``AsyncLLM._add_request`` returned),
+and ``frontend.part = "out"``: the first output for the request reached the
+API server (``RequestOutputCollector.put``) → the last body chunk written
+(detokenize, serialize, write; the analysis clips it at the first token). The
+engine's own stages (queue, compute, handoff, first step), recorded in
+EngineCore on the same host's monotonic clock, lie between the two parts, so
+one frontend span over the whole exchange would hide them all. The two vLLM
+methods are wrapped once per API-server process when the middleware is built
+(tracing on only; both listed in :mod:`pdtrace.connector.vllm_compat`). When a
+part's boundary is unknown (a hook missing), one span over the whole exchange
+is recorded with ``frontend.part = "whole"``.
 
 Request id: the ``X-Request-Id`` header (the router's X), else none (the span
 is then dropped). Never raises into the server: errors are counted in
@@ -28,11 +38,14 @@ import json
 import os
 import sys
 
+from pdtrace.instrument import attributes as _attrs
 from pdtrace.instrument import tracer
 
 from .safety import safe
 
 _PATHS = ("/v1/completions", "/v1/chat/completions")
+_attrs.register("frontend.part", str, "which part of a frontend span: 'in' (HTTP received -> handed to "
+                "EngineCore), 'out' (first output back -> last chunk written) or 'whole' (boundaries unknown)")
 
 
 def _role_from_argv(argv) -> str | None:
@@ -51,6 +64,53 @@ def _role_from_argv(argv) -> str | None:
     return None
 
 
+# X -> monotonic ns: request handed to EngineCore / first output back (this API-server process)
+_sent: dict[str, int] = {}
+_first_out: dict[str, int] = {}
+_installed = False
+
+
+def _x_of(request_id) -> str | None:
+    from .common import split_id
+    return split_id(str(request_id))[0]
+
+
+def _note(d: dict, request_id) -> None:
+    x = _x_of(request_id)
+    if x and x not in d:
+        if len(d) > 100_000:
+            d.clear()
+        d[x] = tracer.now()
+
+
+def install_engine_hooks() -> bool:
+    """Wrap ``AsyncLLM._add_request`` and ``RequestOutputCollector.put`` (once per process)."""
+    global _installed
+    if _installed:
+        return True
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.engine.output_processor import RequestOutputCollector
+
+    orig_add = AsyncLLM._add_request
+    orig_put = RequestOutputCollector.put
+
+    async def _add_request(self, request, *args, **kwargs):
+        r = await orig_add(self, request, *args, **kwargs)
+        if tracer.on:
+            safe(_note, _sent, request.request_id)
+        return r
+
+    def put(self, output):
+        if tracer.on and self.output is None:
+            safe(_note, _first_out, self.request_id)
+        return orig_put(self, output)
+
+    AsyncLLM._add_request = _add_request
+    RequestOutputCollector.put = put
+    _installed = True
+    return True
+
+
 class FrontendMiddleware:
     """Pure ASGI middleware recording the frontend span of each completion request."""
 
@@ -62,6 +122,7 @@ class FrontendMiddleware:
         self.name = f"{self.role}.frontend"
         if tracer.on:
             safe(tracer.set_resource, role=self.role, service_name=f"pdtrace-{self.role}-api")
+            safe(install_engine_hooks)
 
     async def __call__(self, scope, receive, send):
         if not tracer.on or scope.get("type") != "http" or scope.get("method") != "POST" \
@@ -102,9 +163,15 @@ class FrontendMiddleware:
 
     def _finish(self, st, t0) -> None:
         t1 = tracer.now()
+        x = st["x"]
+        t_in = _sent.pop(x, 0)
+        t_out = _first_out.pop(x, 0)
+        a = {"http.response.status_code": st["status"], "request.stream": int(st["chunks"] > 1)}
+        if t0 <= t_in <= t_out <= t1:
+            tracer.record(self.name, x, t0, t_in, {**a, "frontend.part": "in"})
+            tracer.record(self.name, x, t_out, t1, {**a, "frontend.part": "out"}, span_id=st["sid"])
+        else:
+            tracer.record(self.name, x, t0, t1, {**a, "frontend.part": "whole"}, span_id=st["sid"])
         if st["first"]:
-            tracer.event("token", st["x"], span_id=st["sid"], time_ns=st["first"],
+            tracer.event("token", x, span_id=st["sid"], time_ns=st["first"],
                          attrs={"request.stream": int(st["chunks"] > 1)})
-        tracer.record(self.name, st["x"], t0, t1,
-                      {"http.response.status_code": st["status"], "request.stream": int(st["chunks"] > 1)},
-                      span_id=st["sid"])

@@ -14,7 +14,8 @@ import pytest
 
 from pdtrace.connector import vllm_compat
 
-_PREFIXES = ("vllm/distributed/kv_transfer/kv_connector/v1/nixl/", "vllm/distributed/kv_transfer/kv_connector/v1/base.py")
+_PREFIXES = ("vllm/distributed/kv_transfer/kv_connector/v1/nixl/", "vllm/distributed/kv_transfer/kv_connector/v1/base.py",
+             "vllm/v1/engine/async_llm.py", "vllm/v1/engine/output_processor.py")
 
 
 def _wheel():
