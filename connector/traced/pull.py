@@ -74,6 +74,10 @@ class TracedNixlPullConnectorWorker(TracedWorkerMixin, NixlPullConnectorWorker):
         st = self._pdt_state(req_id)
         engine = meta.remote.engine_id if meta.remote is not None else None
         st.peer = engine
+        try:  # blocks this READ fills: the local blocks minus those the rank already holds
+            st.blocks = sum(len(g) for g in meta.local_block_ids) - sum(meta.local_num_computed_blocks or ())
+        except Exception:  # noqa: BLE001 - an attribute only
+            st.blocks = 0
         if not st.t_enter:
             st.t_enter = t
         else:

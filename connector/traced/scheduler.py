@@ -8,8 +8,8 @@ Side: EngineCore process, the engine-core thread (the one running
 ==============================  ==============================================================
 hook (vLLM contract)            records
 ==============================  ==============================================================
-``on_new_request``              request queued in EngineCore (start of ``*.queue``)
-(``add_request``)
+``on_new_request``              request queued in EngineCore (start of ``*.queue``: vLLM's
+(``add_request``)               ``arrival_time``, when the API server handed it over)
 ``get_num_new_matched_tokens``  ``num_cached_tokens`` (local prefix hit) on first call
 ``update_state_after_alloc``    D: blocks allocated → ``decode.queue`` ends, ``handoff.prep``
 (after block allocation)        (pull) / ``dest.register`` (push) start; the alloc time goes
@@ -32,6 +32,7 @@ only for sampled requests (``PDTRACE_SAMPLE``).
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from pdtrace.instrument import tracer
@@ -107,7 +108,17 @@ class TracedSchedulerMixin:
     def _pdt_new(self, request) -> None:
         if len(self._pdt_reqs) > 100_000:
             self._pdt_reqs.clear()
-        self._pdt_reqs[request.request_id] = SReq(request, self._pdt_role)
+        st = SReq(request, self._pdt_role)
+        # The queue starts when the API server handed the request over (vLLM's own arrival_time,
+        # wall clock of the same host): EngineCore's loop adds new requests only between steps,
+        # so a request that arrives during a long step waits in the input queue before
+        # on_new_request runs. That wait is queue time, not an unattributed gap.
+        arr = getattr(request, "arrival_time", None)
+        if arr:
+            a = int(arr * 1e9) - (time.time_ns() - time.monotonic_ns())
+            if st.t_queued - 60_000_000_000 < a < st.t_queued:
+                st.t_queued = a
+        self._pdt_reqs[request.request_id] = st
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         r = super().get_num_new_matched_tokens(request, num_computed_tokens)

@@ -65,7 +65,7 @@ class ReqState:
 
     __slots__ = ("x", "pidx", "t_alloc", "t_enter", "t_enter2", "t_hs_wait", "hs_engine", "prep_done",
                  "xfer_end", "first_contact", "t_kv_ready", "t_enq", "t_deq", "t_reg", "t_match",
-                 "t_hs_done", "peer")
+                 "t_hs_done", "peer", "blocks")
 
     def __init__(self, x, pidx):
         self.x, self.pidx = x, pidx
@@ -76,6 +76,7 @@ class ReqState:
         self.first_contact = 0
         self.t_kv_ready = self.t_enq = self.t_deq = self.t_reg = self.t_match = self.t_hs_done = 0
         self.peer = None
+        self.blocks = 0
 
 
 class TracedWorkerMixin:
@@ -243,6 +244,9 @@ class TracedWorkerMixin:
             attrs["peer.engine_id"] = str(info.peer)
         if info.rank is not None:
             attrs["peer.tp_rank"] = int(info.rank)
+        st0 = self._pdt_req.get(info.rid) if info.rid else None
+        if st0 is not None and st0.blocks:
+            attrs["kv.blocks"] = st0.blocks
         sampled = x is None or tracer.sampled(x)
         if sampled:
             tracer.record("kv.transfer", x, post_ns, end, attrs, prompt_index=pidx, tp_rank=self._pdt_rank)
