@@ -1,0 +1,124 @@
+"""Tracing overhead of the traced pull connector in the lab: tracing on vs off, interleaved rounds.
+
+Usage (repo root, lab environment installed)::
+
+    .venv/bin/python benchmarks/connector_overhead.py [--rounds 4] [--requests 20] [--out runs/overhead]
+
+Two labs run side by side for the whole benchmark, both with pdtrace's traced
+pull connector and frontend middleware: "on" has ``PDTRACE_DIR`` set (every
+request and step recorded), "off" has not (the traced classes then build the
+stock vLLM objects). Each round replays the same real trace (Azure
+conversations, lengths x0.25) through one lab, then the other; the order
+alternates every round, so slow drifts of the shared machine hit both. The idle
+lab's engines sleep (NIXL progress thread with ``pthrDelay``).
+
+Printed: per round and pooled, client-side TTFT and TPOT p50/p99 for each
+condition, and the on/off ratios of the pooled p50s (and p99s) with 95 %
+bootstrap confidence intervals (requests resampled within each condition,
+2000 resamples). Goal (issue 4): the upper bound of the p50 ratios ≤ 1.05.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import time
+from pathlib import Path
+
+from pdtrace.connector.lab import replay, workload
+from pdtrace.connector.lab.launcher import Lab, LabConfig
+from pdtrace.connector.lab.model import make_model, model_info
+
+MIDDLEWARE = "pdtrace.connector.traced.middleware.FrontendMiddleware"
+
+
+def pct(xs, q):
+    xs = sorted(xs)
+    if not xs:
+        return float("nan")
+    k = (len(xs) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def ratio_ci(on, off, q, n=2000, seed=0):
+    rng = random.Random(seed)
+    point = pct(on, q) / pct(off, q)
+    rs = []
+    for _ in range(n):
+        a = [rng.choice(on) for _ in on]
+        b = [rng.choice(off) for _ in off]
+        rs.append(pct(a, q) / pct(b, q))
+    rs.sort()
+    return point, rs[int(0.025 * n)], rs[int(0.975 * n) - 1]
+
+
+def metrics_of(recs):
+    ok = [r for r in recs if r.ok]
+    ttft = [(r.first_token_ns - r.send_ns) / 1e6 for r in ok]
+    tpot = [(r.token_times_ns[-1] - r.token_times_ns[0]) / 1e6 / (len(r.token_times_ns) - 1)
+            for r in ok if len(r.token_times_ns) > 1]
+    return {"ttft": ttft, "tpot": tpot, "failed": len(recs) - len(ok)}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--requests", type=int, default=20)
+    ap.add_argument("--rate-scale", type=float, default=1.0)
+    ap.add_argument("--out", type=Path, default=Path("runs") / f"overhead-{time.strftime('%Y%m%dT%H%M%S')}")
+    a = ap.parse_args()
+    from pdtrace.connector.data import AZURE_CONV
+
+    model = make_model("default")
+    wl = workload.build("azure-conv", AZURE_CONV, vocab_size=model_info(model)["vocab_size"], length_scale=0.25,
+                        rate_scale=a.rate_scale, max_requests=a.requests, max_model_len=8192)
+    cfgs = {}
+    for cond in ("on", "off"):
+        d = (a.out / cond).resolve()
+        d.mkdir(parents=True, exist_ok=True)
+        cfgs[cond] = LabConfig(model=model, mode="pull", run_dir=d, trace_dir=(d if cond == "on" else None),
+                               connector_class="TracedNixlPullConnector",
+                               connector_module="pdtrace.connector.traced", extra_args=["--middleware", MIDDLEWARE])
+    res = {"on": {"ttft": [], "tpot": [], "failed": 0}, "off": {"ttft": [], "tpot": [], "failed": 0}}
+    rounds = []
+    t0 = time.monotonic()
+    with Lab(cfgs["on"]) as lab_on, Lab(cfgs["off"]) as lab_off:
+        labs = {"on": lab_on, "off": lab_off}
+        print(f"labs up in {time.monotonic() - t0:.0f} s", flush=True)
+        warm = workload.Workload("warm", "-", "synthetic", 1.0, 1.0, 0, wl.requests[:2], 2, False)
+        for lab in labs.values():
+            asyncio.run(replay.replay(warm, lab.router_url, progress=False))
+        for r in range(a.rounds):
+            order = ("on", "off") if r % 2 == 0 else ("off", "on")
+            row = {"round": r, "order": order}
+            for cond in order:
+                m = metrics_of(asyncio.run(replay.replay(wl, labs[cond].router_url, timeout_s=300, progress=False)))
+                for k in ("ttft", "tpot"):
+                    res[cond][k] += m[k]
+                res[cond]["failed"] += m["failed"]
+                row[cond] = {"ttft_p50": pct(m["ttft"], 0.5), "tpot_p50": pct(m["tpot"], 0.5), "failed": m["failed"]}
+            rounds.append(row)
+            print(f"round {r} ({'/'.join(order)}): TTFT p50 on {row['on']['ttft_p50']:.1f} off "
+                  f"{row['off']['ttft_p50']:.1f} ms; TPOT p50 on {row['on']['tpot_p50']:.2f} off "
+                  f"{row['off']['tpot_p50']:.2f} ms", flush=True)
+    out = {"rounds": rounds, "requests_per_round": a.requests, "failed": {c: res[c]["failed"] for c in res}}
+    print(f"\n{a.rounds} rounds x {a.requests} requests per condition; failed: on {res['on']['failed']}, "
+          f"off {res['off']['failed']}")
+    print(f"{'metric':<10}{'on':>10}{'off':>10}{'ratio':>9}  95% CI")
+    for k in ("ttft", "tpot"):
+        for q, name in ((0.5, "p50"), (0.99, "p99")):
+            p, lo, hi = ratio_ci(res["on"][k], res["off"][k], q)
+            out[f"{k}_{name}"] = {"on": pct(res["on"][k], q), "off": pct(res["off"][k], q), "ratio": p,
+                                  "ci95": [lo, hi]}
+            print(f"{k.upper() + ' ' + name:<10}{pct(res['on'][k], q):>10.2f}{pct(res['off'][k], q):>10.2f}"
+                  f"{p:>9.3f}  [{lo:.3f}, {hi:.3f}]")
+    (a.out / "overhead.json").write_text(json.dumps(out, indent=2))
+    print(f"written {a.out / 'overhead.json'}; p50 goal: upper bound <= 1.05 "
+          f"(TTFT {'met' if out['ttft_p50']['ci95'][1] <= 1.05 else 'missed'}, "
+          f"TPOT {'met' if out['tpot_p50']['ci95'][1] <= 1.05 else 'missed'})")
+
+
+if __name__ == "__main__":
+    main()
