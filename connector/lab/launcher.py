@@ -30,6 +30,7 @@ import urllib.request
 from pathlib import Path
 
 from . import procs
+from .kvcore import ENV_SWITCH as KV_CORES_ENV
 from .progthread import ENV_SWITCH, SITECUSTOMIZE
 
 HOST = "127.0.0.1"
@@ -106,6 +107,9 @@ def _engine_env(cfg: LabConfig, eng: EngineConfig, bootstrap: Path) -> dict[str,
     })
     if eng.core is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = str(eng.core)
+        # vLLM's NIXL worker would move the forward thread to the machine's last core (both
+        # engines on one core); keep it on the engine's own core (see .kvcore).
+        env[KV_CORES_ENV] = str(eng.core)
     tls = PROFILE_UCX_TLS[cfg.profile]
     if tls:
         env["UCX_TLS"] = tls

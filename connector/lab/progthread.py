@@ -49,6 +49,13 @@ SITECUSTOMIZE = (
     "except Exception as _exc:  # never break the interpreter over a lab patch\n"
     "    import sys as _sys\n"
     "    print(f'pdtrace: NIXL progress-thread patch not installed: {type(_exc).__name__}', file=_sys.stderr)\n"
+    "# Keep the forward thread on the engine's own core (see pdtrace.connector.lab.kvcore).\n"
+    "try:\n"
+    "    from pdtrace.connector.lab import kvcore as _pdtrace_kvcore\n"
+    "    _pdtrace_kvcore.install()\n"
+    "except Exception as _exc:\n"
+    "    import sys as _sys\n"
+    "    print(f'pdtrace: forward-thread core patch not installed: {type(_exc).__name__}', file=_sys.stderr)\n"
 )
 
 
