@@ -127,9 +127,8 @@ HOOKS: tuple[Hook, ...] = (
     _H("vllm.distributed.kv_transfer.kv_connector.v1.base", "KVConnectorWorkerMetadata", "aggregate", ("other",)),
     # --- API server (the frontend middleware's in/out boundaries) ----------------
     _H("vllm.v1.engine.async_llm", "AsyncLLM", "_add_request", ("request",)),
-    _H("vllm.v1.engine.output_processor", "RequestOutputCollector", "put", ("output",)),
-    _H("vllm.v1.engine.output_processor", "RequestOutputCollector", "request_id", kind="attr"),
-    _H("vllm.v1.engine.output_processor", "RequestOutputCollector", "output", kind="attr"),
+    _H("vllm.v1.engine.output_processor", "OutputProcessor", "process_outputs",
+       ("engine_core_outputs", "engine_core_timestamp")),
 )
 
 #: Differences between 0.32.0 and 0.33.0 that affect the hooks: {hook name: what differs}.

@@ -16,9 +16,9 @@ chunk (the first output chunk written, for a stream).
 
 The frontend is recorded as **two spans of the same name** (DESIGN.md §2):
 ``frontend.part = "in"``: HTTP received → the request handed to EngineCore
-(parse, tokenize, input processing; end = ``AsyncLLM._add_request`` returned),
-and ``frontend.part = "out"``: the first output for the request reached the
-API server (``RequestOutputCollector.put``) → the last body chunk written
+(parse, tokenize, input processing; end = ``AsyncLLM._add_request`` entered),
+and ``frontend.part = "out"``: EngineCore emitted the request's first output
+(``OutputProcessor.process_outputs``, the outputs' own timestamp) → the last body chunk written
 (detokenize, serialize, write; the analysis clips it at the first token). The
 engine's own stages (queue, compute, handoff, first step), recorded in
 EngineCore on the same host's monotonic clock, lie between the two parts, so
@@ -83,30 +83,45 @@ def _note(d: dict, request_id) -> None:
         d[x] = tracer.now()
 
 
+def _note_outputs(outputs, ts) -> None:
+    t_now = tracer.now()
+    t = int(ts * 1e9) if ts and 0 < int(ts * 1e9) <= t_now else t_now
+    for o in outputs or ():
+        x = _x_of(o.request_id)
+        if x and x not in _first_out:
+            if len(_first_out) > 100_000:
+                _first_out.clear()
+            _first_out[x] = t
+
+
 def install_engine_hooks() -> bool:
-    """Wrap ``AsyncLLM._add_request`` and ``RequestOutputCollector.put`` (once per process)."""
+    """Wrap ``AsyncLLM._add_request`` and ``OutputProcessor.process_outputs`` (once per process)."""
     global _installed
     if _installed:
         return True
     from vllm.v1.engine.async_llm import AsyncLLM
-    from vllm.v1.engine.output_processor import RequestOutputCollector
+    from vllm.v1.engine.output_processor import OutputProcessor
 
     orig_add = AsyncLLM._add_request
-    orig_put = RequestOutputCollector.put
+    orig_process = OutputProcessor.process_outputs
 
     async def _add_request(self, request, *args, **kwargs):
-        r = await orig_add(self, request, *args, **kwargs)
+        # Noted on entry: input processing is done (``request`` is the EngineCoreRequest) and the
+        # send follows without another await before it; after the return would add however long
+        # the event loop takes to resume this coroutine (seen: 140 ms on a loaded decode server).
         if tracer.on:
             safe(_note, _sent, request.request_id)
-        return r
+        return await orig_add(self, request, *args, **kwargs)
 
-    def put(self, output):
-        if tracer.on and self.output is None:
-            safe(_note, _first_out, self.request_id)
-        return orig_put(self, output)
+    def process_outputs(self, engine_core_outputs, engine_core_timestamp=None, *args, **kwargs):
+        # The out part starts when EngineCore emitted the request's first output (the outputs'
+        # own monotonic timestamp, same host clock), not when this busy event loop got to it.
+        if tracer.on:
+            safe(_note_outputs, engine_core_outputs, engine_core_timestamp)
+        return orig_process(self, engine_core_outputs, engine_core_timestamp, *args, **kwargs)
 
     AsyncLLM._add_request = _add_request
-    RequestOutputCollector.put = put
+    OutputProcessor.process_outputs = process_outputs
     _installed = True
     return True
 
