@@ -12,6 +12,9 @@ server) with:
   router knows P's id before P answers (needed for concurrent push);
 - NIXL's progress thread not busy-polling (sleeps ``prog_thread`` µs between
   polls; see :mod:`pdtrace.connector.lab.progthread`);
+- its forward thread kept on its own core (vLLM's NIXL worker would move it to
+  the machine's last core, both engines on one core; see
+  :mod:`pdtrace.connector.lab.kvcore`);
 - its log streamed to ``<run>/logs/<name>.log``.
 
 :class:`Lab` starts everything, waits for health with a timeout and stops every

@@ -122,3 +122,22 @@ def test_stop_group_leaves_no_orphans(tmp_path):
 def test_free_ports_distinct_and_unbound():
     ports = procs.free_ports(6)
     assert len(set(ports)) == 6 and not any(procs.port_is_bound(p) for p in ports)
+
+
+def test_kv_core_patch_keeps_forward_thread_on_engine_core():
+    """With PDTRACE_LAB_KV_CORES set, vLLM's NIXL worker pins the forward thread to that core, not the last one."""
+    pytest.importorskip("vllm")
+    code = (
+        "import os\n"
+        "from pdtrace.connector.lab import kvcore; assert kvcore.install()\n"
+        "from vllm.platforms.cpu import CpuPlatform\n"
+        "print(CpuPlatform.discover_numa_topology())\n")
+    env = {"PDTRACE_LAB_KV_CORES": "0", "PATH": "/usr/bin:/bin"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == "[[0]]"
+    # Unset: nothing is patched.
+    env.pop("PDTRACE_LAB_KV_CORES")
+    r = subprocess.run([sys.executable, "-c", "from pdtrace.connector.lab import kvcore; print(kvcore.install())"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.stdout.strip() == "False", r.stderr[-2000:]
