@@ -20,8 +20,8 @@ def push_lab(model_dir, reference, tmp_path_factory):
     lab = start_lab("push", model_dir, tmp_path_factory.mktemp("push"), push_join_timeout_s=JOIN_TIMEOUT_S,
                     router_timeout_s=180.0)
     try:
-        # Pay the first-contact handshake once (can stall 18-25 s, or hang, on a loaded 2-core box;
-        # see BENCHMARKS.md "Lab"). The router's join watchdog turns a hang into a 504.
+        # Pay the first-contact handshake once (it stalled 18 s to forever while both engines' forward
+        # threads shared one core; see BENCHMARKS.md "Lab"). The router's join watchdog turns a hang into a 504.
         status, resp = post(lab.router_url + "/v1/completions",
                             {"model": "lab", "prompt": [20, 21, 22, 23], "max_tokens": 2}, timeout=300)
         if status != 200:  # a first-contact stall beyond the join timeout: one more try, now connected
@@ -71,7 +71,9 @@ def test_shared_id_guard_refuses_mismatch():
 def test_kill_decode_mid_run(push_lab):
     """Kill D while 4 long streams are in flight: each fails with a clear status in time; no orphans, no ports."""
     lab = push_lab
-    reqs = [ReplayRequest(i, i, 0.05 * i, [16 + (i * 13 + k) % 1500 for k in range(120)], 400) for i in range(4)]
+    # Streams long enough to still be running when D dies: 6,000 tokens each take >= 6 s at the
+    # lab's best ~1 ms per decode step (400 tokens finished in < 3 s once push stopped stalling).
+    reqs = [ReplayRequest(i, i, 0.05 * i, [16 + (i * 13 + k) % 1500 for k in range(120)], 6000) for i in range(4)]
     wl = Workload("kill-d", "-", "synthetic", 1.0, 1.0, 0, reqs, len(reqs), False)
     pids = lab.pids()
     all_pids = set(pids.values()) | {k.pid for p in pids.values() for k in procs.descendants(p)}
@@ -79,7 +81,7 @@ def test_kill_decode_mid_run(push_lab):
 
     async def run():
         task = asyncio.create_task(replay.replay(wl, lab.router_url, timeout_s=240, progress=False))
-        await asyncio.sleep(3.0)
+        await asyncio.sleep(2.0)
         await asyncio.to_thread(lab.kill, "decode-0")
         return await task, time.monotonic()
 
