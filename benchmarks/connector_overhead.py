@@ -16,6 +16,8 @@ Printed: per round and pooled, client-side TTFT and TPOT p50/p99 for each
 condition, and the on/off ratios of the pooled p50s (and p99s) with 95 %
 bootstrap confidence intervals (requests resampled within each condition,
 2000 resamples). Goal (issue 4): the upper bound of the p50 ratios ≤ 1.05.
+TPOT is the client's (last token − first token) / (tokens − 1); it is 0 when
+D's API server, lagging, sends all tokens of a request in one chunk.
 """
 from __future__ import annotations
 
@@ -44,12 +46,13 @@ def pct(xs, q):
 
 def ratio_ci(on, off, q, n=2000, seed=0):
     rng = random.Random(seed)
-    point = pct(on, q) / pct(off, q)
+    point = pct(on, q) / pct(off, q) if pct(off, q) > 0 else float("inf")
     rs = []
     for _ in range(n):
         a = [rng.choice(on) for _ in on]
         b = [rng.choice(off) for _ in off]
-        rs.append(pct(a, q) / pct(b, q))
+        d = pct(b, q)
+        rs.append(pct(a, q) / d if d > 0 else float("inf"))
     rs.sort()
     return point, rs[int(0.025 * n)], rs[int(0.975 * n) - 1]
 
