@@ -8,7 +8,7 @@ import pytest
 
 from conftest import LOGPROB_TOL, check_logprobs, check_replay, post, start_lab
 
-from pdtrace.connector.lab import procs, replay
+from pdtrace.connector.lab import metrics, procs, replay
 from pdtrace.connector.lab.workload import ReplayRequest, Workload
 
 pytestmark = [pytest.mark.lab, pytest.mark.timeout(1800)]
@@ -71,8 +71,8 @@ def test_shared_id_guard_refuses_mismatch():
 def test_kill_decode_mid_run(push_lab):
     """Kill D while 4 long streams are in flight: each fails with a clear status in time; no orphans, no ports."""
     lab = push_lab
-    # Streams long enough to still be running when D dies: 6,000 tokens each take >= 6 s at the
-    # lab's best ~1 ms per decode step (400 tokens finished in < 3 s once push stopped stalling).
+    # Long streams, and D is killed only once it reports all 4 running (a fixed sleep raced: once push
+    # stopped stalling, 400-token streams finished before a 3 s kill, and one 6,000-token stream before 2 s).
     reqs = [ReplayRequest(i, i, 0.05 * i, [16 + (i * 13 + k) % 1500 for k in range(120)], 6000) for i in range(4)]
     wl = Workload("kill-d", "-", "synthetic", 1.0, 1.0, 0, reqs, len(reqs), False)
     pids = lab.pids()
@@ -81,7 +81,13 @@ def test_kill_decode_mid_run(push_lab):
 
     async def run():
         task = asyncio.create_task(replay.replay(wl, lab.router_url, timeout_s=240, progress=False))
-        await asyncio.sleep(2.0)
+        d_url = lab.decodes[0].url
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            m = await asyncio.to_thread(metrics.scrape, d_url)
+            if metrics.total(m, "vllm:num_requests_running") >= len(reqs):
+                break
+            await asyncio.sleep(0.05)
         await asyncio.to_thread(lab.kill, "decode-0")
         return await task, time.monotonic()
 
