@@ -132,35 +132,3 @@ def error_attrs(exc: BaseException, code: object | None = None) -> dict[str, str
     if code is not None:
         out["error.code"] = str(code)[:64]
     return out
-
-
-def split_allowed(attrs: dict, out_int: list, out_float: list, out_str: list) -> int:
-    """Split ``attrs`` into typed (key, value) pairs appended to the three lists.
-
-    Keeps only allowlisted keys whose value has the key's type (int accepted
-    for a float key; bool for an int key); cuts strings to the key's max_len.
-    Returns the number of attributes dropped.
-    """
-    dropped = 0
-    allowed = _ALLOWED
-    for k, v in attrs.items():
-        a = allowed.get(k)
-        if a is None:
-            dropped += 1
-            continue
-        t = a.type
-        if t is int:
-            if type(v) is int or type(v) is bool:
-                out_int.append((k, int(v)))
-            else:
-                dropped += 1
-        elif t is float:
-            if type(v) is float or type(v) is int:
-                out_float.append((k, float(v)))
-            else:
-                dropped += 1
-        elif type(v) is str:
-            out_str.append((k, v if len(v) <= a.max_len else v[: a.max_len]))
-        else:
-            dropped += 1
-    return dropped
