@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from .sse import SSEDecoder
 from .workload import ReplayRequest, Workload
 
 
@@ -99,30 +100,21 @@ async def send_one(session: aiohttp.ClientSession, url: str, req: ReplayRequest,
                     except (ValueError, AttributeError):
                         pass
                     return rec
-                buf = b""
+                dec = SSEDecoder()
                 async for data in r.content.iter_any():
                     t = clock.now()
-                    buf += data
-                    while b"\n\n" in buf:
-                        ev, buf = buf.split(b"\n\n", 1)
-                        for line in ev.split(b"\n"):
-                            if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                                continue
-                            try:
-                                obj = json.loads(line[6:])
-                            except ValueError:
-                                continue
-                            if "error" in obj:
-                                rec.status = "stream_error"
-                                err = obj["error"] if isinstance(obj["error"], dict) else {}
-                                rec.error_type = str(err.get("type", ""))[:64]
-                                rec.http_status = int(err.get("code") or 0) if str(err.get("code", "")).isdigit() else rec.http_status
-                                continue
-                            new, total = _count_tokens(obj, total)
-                            if new:
-                                if rec.first_token_ns is None:
-                                    rec.first_token_ns = t
-                                rec.token_times_ns.extend([t] * new)
+                    for obj in dec.feed(data):
+                        if "error" in obj:
+                            rec.status = "stream_error"
+                            err = obj["error"] if isinstance(obj["error"], dict) else {}
+                            rec.error_type = str(err.get("type", ""))[:64]
+                            rec.http_status = int(err.get("code") or 0) if str(err.get("code", "")).isdigit() else rec.http_status
+                            continue
+                        new, total = _count_tokens(obj, total)
+                        if new:
+                            if rec.first_token_ns is None:
+                                rec.first_token_ns = t
+                            rec.token_times_ns.extend([t] * new)
                 if rec.status == "pending":
                     rec.status = "ok"
     except TimeoutError:

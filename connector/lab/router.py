@@ -59,6 +59,8 @@ import time
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
 
+from .sse import SSEDecoder
+
 try:  # the recorder (issue 2); the router works without it
     from pdtrace.instrument import ids as _ids
     from pdtrace.instrument import tracer as _tracer
@@ -437,27 +439,18 @@ class Router:
                     ctx["resp"] = resp
                     await resp.prepare(request)
                     ctx["status"] = 200
-                    buf = b""
+                    dec = SSEDecoder()
                     last_token_t = None
                     async for data in r.content.iter_any():
                         t_rx = _now()
                         has_tok, failed = False, False
-                        buf += data
-                        while b"\n\n" in buf:
-                            ev, buf = buf.split(b"\n\n", 1)
-                            for line in ev.split(b"\n"):
-                                if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                                    continue
-                                try:
-                                    obj = json.loads(line[6:])
-                                except ValueError:
-                                    continue
-                                if "error" in obj:
-                                    failed = True
-                                elif _chunk_has_token(obj):
-                                    has_tok = True
-                                if any(c.get("finish_reason") == "error" for c in obj.get("choices") or ()):
-                                    failed = True
+                        for obj in dec.feed(data):
+                            if "error" in obj:
+                                failed = True
+                            elif _chunk_has_token(obj):
+                                has_tok = True
+                            if any(c.get("finish_reason") == "error" for c in obj.get("choices") or ()):
+                                failed = True
                         if failed:
                             raise LegError(502, "decode engine finished the request with an error "
                                                 "(e.g. KV load from the prefill engine failed)",

@@ -141,3 +141,11 @@ def test_kv_core_patch_keeps_forward_thread_on_engine_core():
     r = subprocess.run([sys.executable, "-c", "from pdtrace.connector.lab import kvcore; print(kvcore.install())"],
                        capture_output=True, text=True, env=env, timeout=120)
     assert r.stdout.strip() == "False", r.stderr[-2000:]
+
+
+def test_sse_decoder_splits_events_across_chunks():
+    from pdtrace.connector.lab.sse import SSEDecoder
+    d = SSEDecoder()
+    assert d.feed(b'data: {"a": 1}\n\ndata: [DO') == [{"a": 1}]
+    assert d.feed(b'NE]\n\n: comment\n\ndata: {"b"') == []
+    assert d.feed(b': 2}\n\ndata: not json\n\n') == [{"b": 2}]

@@ -1,0 +1,34 @@
+"""Incremental decoding of an OpenAI-style server-sent-event stream (``data: {json}`` events).
+
+Used by the router (reading D's stream) and the replay client (reading the
+router's stream), so both parse the same way.
+"""
+from __future__ import annotations
+
+import json
+
+
+class SSEDecoder:
+    """Feed raw bytes as they arrive; get back the JSON objects of every complete event.
+
+    ``data: [DONE]``, non-``data:`` lines and payloads that are not JSON are
+    skipped; a partial event is kept until the bytes that complete it arrive.
+    """
+
+    def __init__(self) -> None:
+        self._buf = b""
+
+    def feed(self, data: bytes) -> list:
+        """Append ``data``; return the decoded payloads of the events it completed, in order."""
+        self._buf += data
+        out = []
+        while b"\n\n" in self._buf:
+            ev, self._buf = self._buf.split(b"\n\n", 1)
+            for line in ev.split(b"\n"):
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                try:
+                    out.append(json.loads(line[6:]))
+                except ValueError:
+                    continue
+        return out
