@@ -87,6 +87,9 @@ class LabConfig:
     router_test_hooks: bool = False
     push_join_timeout_s: float = 60.0             # router: D must show a token this long after P answered (push)
     extra_env: dict = dataclasses.field(default_factory=dict)
+    # per-role env on top of extra_env: {"prefill"|"decode"|"single"|"router": {VAR: value}}, e.g. a
+    # test clock skew on D only ({"decode": {"PDTRACE_TEST_WALL_OFFSET_NS": "250000000"}})
+    role_env: dict = dataclasses.field(default_factory=dict)
     extra_args: list = dataclasses.field(default_factory=list)  # appended to P/D engine command lines
     cores: tuple[int, ...] | None = None        # default: 0..ncpu-1, round-robin
 
@@ -120,6 +123,7 @@ def _engine_env(cfg: LabConfig, eng: EngineConfig, bootstrap: Path) -> dict[str,
     if cfg.trace_dir:
         env["PDTRACE_DIR"] = str(cfg.trace_dir)
     env.update({k: str(v) for k, v in cfg.extra_env.items()})
+    env.update({k: str(v) for k, v in cfg.role_env.get(eng.role, {}).items()})
     return env
 
 
@@ -269,6 +273,7 @@ class Lab:
         env = dict(os.environ)
         if self.cfg.trace_dir:
             env["PDTRACE_DIR"] = str(self.cfg.trace_dir)
+        env.update({k: str(v) for k, v in self.cfg.role_env.get("router", {}).items()})
         log = self.cfg.run_dir / "logs" / "router.log"
         t = time.monotonic()
         self.procs["router"] = procs.spawn(
