@@ -6,6 +6,12 @@ holds ``run.json`` (configuration, scale factors, engine start times, summary),
 ``logs/`` (one log per engine and the router), ``client/requests.parquet``
 (what the client saw) and, with tracing on, the router's and engines' span
 files written by ``pdtrace.instrument``.
+
+With tracing on and the traced connectors, the run ends by printing the
+``pdtrace report`` summary of its directory (TTFT/TPOT by mode and prompt
+bucket, the queue/compute/transfer/coordination shares, dominant stages,
+incomplete requests, clock offsets); with ``--connector stock`` or
+``--no-trace`` it says why there is no report instead.
 """
 from __future__ import annotations
 
@@ -51,6 +57,8 @@ class LabOptions:
     progress: bool = True
     model_cache: Path | None = None
     check_env: bool = True
+    role_env: dict = dataclasses.field(default_factory=dict)  # LabConfig.role_env: {role: {VAR: value}}
+    report: bool = True                     # print `pdtrace report` of the run directory at the end
 
 
 def default_out(mode: str) -> Path:
@@ -141,7 +149,7 @@ def run_lab(o: LabOptions, echo=print) -> dict:
          f"(KV {info['kv_bytes_per_token']} B/token) connector={o.connector} out={out}")
     cfg = LabConfig(model=model_dir, mode=o.mode, run_dir=out, profile=o.profile,
                     max_model_len=o.max_model_len, trace_dir=(out.resolve() if o.trace else None),
-                    router_timeout_s=o.request_timeout_s)
+                    router_timeout_s=o.request_timeout_s, role_env=dict(o.role_env))
     if o.connector == "traced":
         cfg.connector_class, cfg.connector_module = TRACED[o.mode], "pdtrace.connector.traced"
         cfg.extra_args = ["--middleware", "pdtrace.connector.traced.middleware.FrontendMiddleware"]
@@ -181,7 +189,55 @@ def run_lab(o: LabOptions, echo=print) -> dict:
     echo(f"decode prompt tokens: computed locally {src['local_compute']:.0f}, from KV transfer "
          f"{src['external_kv_transfer']:.0f}, local prefix-cache hits {src['local_cache_hit']:.0f}")
     echo(f"scale factors: length x{length_scale}, rate x{o.rate_scale}; run directory: {out}")
+    if o.report:
+        summary["report"] = print_report(out, o, echo)
+        (out / "run.json").write_text(json.dumps(summary, indent=2, default=str))
     return summary
+
+
+def no_report_reason(o: LabOptions) -> str | None:
+    """Why this run has no pdtrace report (None: it has one)."""
+    if not o.trace:
+        return "tracing was off (--no-trace)"
+    if o.connector != "traced":
+        return ("the stock connectors and vLLM's API servers record no engine spans (only the router's "
+                "are in the run directory); run with --connector traced for the TTFT breakdown")
+    return None
+
+
+def print_report(out: Path, o: LabOptions, echo=print) -> dict | None:
+    """Echo the ``pdtrace report`` text of run directory ``out``; return its data (``report.collect``).
+
+    Uses the same per-directory cache as ``pdtrace report DIR`` (so that command
+    is fast afterwards). A failing analysis is reported, never raised: the run
+    itself succeeded. Returns None when there is no report.
+    """
+    echo("")
+    why = no_report_reason(o)
+    if why is not None:
+        echo(f"no pdtrace report: {why}")
+        return None
+    try:
+        import warnings
+
+        from pdtrace.analysis import db, report
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", db.SkippedFileWarning)
+            with db.open_trace(out, cache=db.default_cache_path(out)) as tr:
+                con = tr.readonly()
+                try:
+                    data = report.collect(con)
+                finally:
+                    con.close()
+        for w in caught:
+            if issubclass(w.category, db.SkippedFileWarning):
+                echo(f"warning: {w.message}")
+    except Exception as exc:  # noqa: BLE001 - the run is done; say what failed and how to retry
+        echo(f"pdtrace report failed ({type(exc).__name__}: {exc}); retry with: pdtrace report {out}")
+        return None
+    echo(f"pdtrace report {out}")
+    echo(report.render(data, str(out)))
+    return data
 
 
 def main_safe(o: LabOptions, echo=print) -> int:
