@@ -86,6 +86,7 @@ class LabConfig:
     router_timeout_s: float = 120.0             # per-request timeout in the router
     router_test_hooks: bool = False
     push_join_timeout_s: float = 60.0             # router: D must show a token this long after P answered (push)
+    push_dispatch: str = "concurrent"           # router, push: "concurrent" (both legs at once) | "serial" (D after P answered)
     extra_env: dict = dataclasses.field(default_factory=dict)
     # per-role env on top of extra_env: {"prefill"|"decode"|"single"|"router": {VAR: value}}, e.g. a
     # test clock skew on D only ({"decode": {"PDTRACE_TEST_WALL_OFFSET_NS": "250000000"}})
@@ -200,12 +201,42 @@ class Lab:
         n = len(os.sched_getaffinity(0))
         return list(sorted(os.sched_getaffinity(0))) if n > 1 else [None]
 
+    #: Starts tried when a port the lab picked was taken before the engine bound it.
+    PORT_RETRIES = 3
+
     def start(self) -> None:
         """Spawn the engines (in parallel), wait for health, then start the router.
 
-        Raises :class:`LabStartError` (with the log tail) if an engine exits or
-        misses ``health_timeout_s``; the caller (or ``__exit__``) stops the rest.
+        If an engine or the router dies because one of its ports was taken in
+        the meantime ("Address already in use" in its log), everything started
+        so far is stopped and the lab starts again on new ports, up to
+        :attr:`PORT_RETRIES` times. Raises :class:`LabStartError` (with the log
+        tail) if an engine exits or misses ``health_timeout_s``; the caller (or
+        ``__exit__``) stops the rest.
         """
+        for attempt in range(1, self.PORT_RETRIES + 1):
+            try:
+                self._start_once()
+                return
+            except LabStartError:
+                if attempt == self.PORT_RETRIES or not self._port_clash(attempt):
+                    raise
+                self.stop()
+                self.prefills.clear(), self.decodes.clear(), self.singles.clear()
+                self.start_s.clear()
+                self.router_url = self.router_port = None
+
+    def _port_clash(self, attempt: int) -> bool:
+        """True if a log of this start says a port was taken; those logs are then kept as ``*.attempt<N>.log``."""
+        logs = [f for f in (Path(self.cfg.run_dir) / "logs").glob("*.log") if ".attempt" not in f.name]
+        clash = any("address already in use" in f.read_text(errors="replace").lower() for f in logs)
+        if clash:
+            for f in logs:
+                f.rename(f.with_suffix(f".attempt{attempt}.log"))
+        return clash
+
+    def _start_once(self) -> None:
+        """One start on freshly picked ports (see :meth:`start`)."""
         cfg = self.cfg
         cfg.run_dir = Path(cfg.run_dir)
         (cfg.run_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -263,7 +294,7 @@ class Lab:
                          "tp_size": 1} for e in self.prefills],
             "decode": [{"url": e.url, "engine_id": e.engine_id} for e in self.decodes],
             "timeout_s": c.router_timeout_s, "test_hooks": c.router_test_hooks,
-            "push_join_timeout_s": c.push_join_timeout_s,
+            "push_join_timeout_s": c.push_join_timeout_s, "push_dispatch": c.push_dispatch,
         }
 
     def _start_router(self, port: int) -> None:
@@ -285,6 +316,22 @@ class Lab:
                 raise LabStartError(f"router did not start; log:\n{log_tail(log)}")
             time.sleep(0.2)
         self.start_s["router"] = time.monotonic() - t
+
+    def restart_router(self, **overrides) -> None:
+        """Stop the router and start it again on the same port with ``LabConfig`` fields changed.
+
+        E.g. ``lab.restart_router(push_dispatch="serial")``: the engines keep running
+        (and keep their NIXL connections), only the router's policy changes. The new
+        router's ``/_lab/stats`` starts empty.
+        """
+        for k, v in overrides.items():
+            if not hasattr(self.cfg, k):
+                raise AttributeError(f"LabConfig has no field {k!r}")
+            setattr(self.cfg, k, v)
+        p = self.procs.pop("router", None)
+        if p is not None:
+            procs.stop_group(p)
+        self._start_router(self.router_port)
 
     def stop(self) -> None:
         """Stop every process this lab started (router first). Safe to call twice."""

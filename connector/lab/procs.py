@@ -8,6 +8,7 @@ descendant that escaped it (found with psutil before the stop).
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -17,26 +18,76 @@ from pathlib import Path
 import psutil
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on ``host`` a moment ago (the kernel picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+#: Lowest port the lab hands out. Ports below the kernel's ephemeral range are
+#: never given to a socket that binds port 0 or connects out, so a port picked
+#: here cannot be taken by another process's outgoing connection or by vLLM's own
+#: ``get_open_port`` (both draw from the ephemeral range) between the moment the
+#: lab picks it and the moment the engine binds it. That race bit CI on
+#: 2026-11-30: a side-channel port picked from the ephemeral range was already
+#: in use when D's handshake listener bound it.
+LAB_PORT_MIN = 20000
+_FALLBACK_EPHEMERAL = (32768, 60999)  # Linux's default net.ipv4.ip_local_port_range
+
+
+def ephemeral_range(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> tuple[int, int]:
+    """The kernel's ephemeral port range ``(low, high)`` (inclusive); Linux's default if unreadable."""
+    try:
+        low, high = (int(x) for x in Path(path).read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return _FALLBACK_EPHEMERAL
+
+
+def _lab_range() -> range:
+    """Ports the lab picks from: ``[LAB_PORT_MIN, ephemeral low)``, or above the range if that is empty."""
+    low, high = ephemeral_range()
+    if low - LAB_PORT_MIN >= 1000:
+        return range(LAB_PORT_MIN, low)
+    return range(high + 1, 65536)
+
+
+def _try_hold(port: int, host: str) -> socket.socket | None:
+    """A socket bound to ``host:port`` (no SO_REUSEADDR, so TIME_WAIT counts as taken), or None."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.bind((host, port))
+    except OSError:
+        s.close()
+        return None
+    return s
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """``n`` distinct free ports (held open together while picking)."""
+    """``n`` distinct ports free on ``host`` now, outside the kernel's ephemeral range.
+
+    Starts at a random offset in :func:`_lab_range` (so two labs started at the
+    same moment rarely try the same ports) and holds each candidate bound until
+    all ``n`` are found, so they are distinct. Raises ``RuntimeError`` if the
+    range has fewer than ``n`` free ports.
+    """
+    span = _lab_range()
+    start = random.SystemRandom().randrange(len(span))
     socks, ports = [], []
     try:
-        while len(ports) < n:
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((host, 0))
-            socks.append(s)
-            ports.append(s.getsockname()[1])
+        for k in range(len(span)):
+            if len(ports) == n:
+                break
+            port = span[(start + k) % len(span)]
+            s = _try_hold(port, host)
+            if s is not None:
+                socks.append(s)
+                ports.append(port)
     finally:
         for s in socks:
             s.close()
+    if len(ports) < n:
+        raise RuntimeError(f"only {len(ports)} of {n} ports free in {span.start}-{span.stop - 1} on {host}")
     return ports
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """One port free on ``host`` now, outside the ephemeral range (see :func:`free_ports`)."""
+    return free_ports(1, host)[0]
 
 
 def port_is_bound(port: int, host: str = "127.0.0.1") -> bool:
