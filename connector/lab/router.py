@@ -7,9 +7,12 @@ aiohttp server and client. For each client request the router makes one id X
 - **pull**: P gets the request with ``max_tokens=1`` and
   ``kv_transfer_params.do_remote_decode``; D then gets the client's request with
   the ``kv_transfer_params`` P returned (D READs the KV).
-- **push**: P and D legs are dispatched concurrently; D gets
-  ``do_remote_prefill`` plus P's engine id, side-channel host/port and TP size
-  (known in advance: the lab fixes P's ``engine_id``); P WRITEs into D's blocks.
+- **push**: P and D legs are dispatched concurrently (``push_dispatch:
+  "concurrent"``, the default) or D only after P answered (``"serial"``: a
+  router without the overlap, the perturbation that exposes D's registration on
+  the critical path); D gets ``do_remote_prefill`` plus P's engine id,
+  side-channel host/port and TP size (known in advance: the lab fixes P's
+  ``engine_id``); P WRITEs into D's blocks.
   P matches D's registration by the request id, so both legs **must** carry
   the same X-Request-Id. Guards: the router refuses to dispatch push legs whose
   ids differ (HTTP 500), and a join watchdog fails the request with HTTP 504
@@ -73,6 +76,8 @@ HOLD_HEADER = "X-Pdtrace-Lab-Hold"
 FAULT_HEADER = "X-Pdtrace-Lab-Fault"
 INDEX_HEADER = "X-Pdtrace-Prompt-Index"
 STATUS_ERROR = 2
+# push: "concurrent" sends both legs at once; "serial" sends D only after P answered.
+PUSH_DISPATCH = ("concurrent", "serial")
 
 
 class LegError(Exception):
@@ -141,7 +146,7 @@ def _now() -> int:
 
 class Router:
     """The router application. ``cfg`` keys: mode, host, port, prefill, decode,
-    timeout_s, push_join_timeout_s, test_hooks, id_prefix."""
+    timeout_s, push_join_timeout_s, push_dispatch, test_hooks, id_prefix."""
 
     def __init__(self, cfg: dict):
         self.cfg = cfg
@@ -156,6 +161,9 @@ class Router:
         self._d_rr = itertools.cycle(range(len(self.decode)))
         self.timeout_s = float(cfg.get("timeout_s", 120))
         self.join_timeout_s = float(cfg.get("push_join_timeout_s", 60))
+        self.push_dispatch = cfg.get("push_dispatch", "concurrent")
+        if self.push_dispatch not in PUSH_DISPATCH:
+            raise ValueError(f"push_dispatch must be one of {PUSH_DISPATCH}, not {self.push_dispatch!r}")
         self.hooks = bool(cfg.get("test_hooks", False))
         self.prefix = cfg.get("id_prefix", "lab-")
         self.session: ClientSession | None = None
@@ -186,7 +194,7 @@ class Router:
             await self.session.close()
 
     async def health(self, request):
-        return web.json_response({"status": "ok", "mode": self.mode,
+        return web.json_response({"status": "ok", "mode": self.mode, "push_dispatch": self.push_dispatch,
                                   "prefill": len(self.prefill), "decode": len(self.decode)})
 
     async def models(self, request):
@@ -235,6 +243,7 @@ class Router:
                "status": 0, "first_chunk_rx_ns": None}
         root = sp.start("router.request", x, start_ns=t_recv, pidx=pidx,
                         attrs={"request.mode": self.mode, "router.policy": "round-robin",
+                               **({"router.push_dispatch": self.push_dispatch} if self.mode == "push" else {}),
                                "request.client_id": request.headers.get("X-Request-Id", "")[:64]}) if sampled else 0
         ctx["root"], ctx["sampled"] = root, sampled
         resp = None
@@ -249,6 +258,8 @@ class Router:
                 resp = await self._serve(request, path, body, ctx)
             return resp
         except TimeoutError:
+            if ctx.get("done"):  # the client already has its full response (the push P leg was still open)
+                return ctx.get("final_resp")
             ctx["status"] = 504
             return await self._fail(request, ctx, LegError(
                 504, f"request timed out after {self.timeout_s:.0f} s in the router", "router", "timeout"))
@@ -260,7 +271,8 @@ class Router:
                 ctx["status"] = 499  # client went away before the response was complete
             raise
         finally:
-            t_end = _now()
+            # the root ends when the last byte was written (not after the push P leg's late answer)
+            t_end = ctx.get("t_done") or _now()
             ttft = (ctx["first_token_ns"] - t_recv) if ctx["first_token_ns"] else -1
             overhead = (ttft - ctx["engine_wait_ns"]) if ctx["first_token_ns"] else -1
             self.stats.append((x, ctx["status"], ttft, overhead))
@@ -350,10 +362,26 @@ class Router:
             d_headers = self._leg_headers(x, d_dispatch, ctx["sampled"])
             return await self._relay_decode(request, path, D, d_body, d_headers, d_dispatch, ctx, None)
 
-        # push: both legs at once
-        d_dispatch = sp.start("router.dispatch", x, start_ns=ctx["t_recv"], parent=root, pidx=pidx,
+        # push: both legs at once (concurrent), or D after P answered (serial)
+        serial = self.push_dispatch == "serial"
+
+        async def p_leg():
+            t_sent = _now()
+            sp.end(p_dispatch, end_ns=t_sent)
+            _, t_p = await self._post_json(P["url"] + path, p_body, p_headers, "prefill")
+            if serial:
+                ctx["engine_wait_ns"] += t_p - t_sent  # P's round trip is on the TTFT path
+            if root:
+                sp.record("router.wait", x, t_sent, t_p, {"router.leg": "prefill"}, parent=root, pidx=pidx)
+            return t_p
+
+        t_d0 = ctx["t_recv"]
+        if serial:
+            p_task = asyncio.create_task(p_leg())
+            t_d0 = await p_task  # raises the prefill leg's LegError
+        d_dispatch = sp.start("router.dispatch", x, start_ns=t_d0, parent=root, pidx=pidx,
                               attrs={"router.leg": "decode", "router.upstream": D["url"][7:],
-                                     "router.concurrent_legs": 1}) if root else 0
+                                     "router.concurrent_legs": 0 if serial else 1}) if root else 0
         d_headers = self._leg_headers(x, d_dispatch, ctx["sampled"])
         check_shared_id(p_headers, d_headers)
         if split:
@@ -363,22 +391,16 @@ class Router:
                                         "remote_engine_id": P["engine_id"], "remote_host": P["host"],
                                         "remote_port": P["side_port"], "tp_size": P.get("tp_size", 1),
                                         "remote_block_ids": None, "remote_request_id": None}
-        p_done = asyncio.Event()
-
-        async def p_leg():
-            t_sent = _now()
-            sp.end(p_dispatch, end_ns=t_sent)
-            try:
-                _, t_p = await self._post_json(P["url"] + path, p_body, p_headers, "prefill")
-            finally:
-                p_done.set()
-            if root:
-                sp.record("router.wait", x, t_sent, t_p, {"router.leg": "prefill"}, parent=root, pidx=pidx)
-            return t_p
-
-        p_task = asyncio.create_task(p_leg())
+        if not serial:
+            p_task = asyncio.create_task(p_leg())
         try:
-            return await self._relay_decode(request, path, D, d_body, d_headers, d_dispatch, ctx, p_task)
+            resp = await self._relay_decode(request, path, D, d_body, d_headers, d_dispatch, ctx, p_task)
+            ctx["final_resp"] = resp
+            if ctx.get("done") and not p_task.done():
+                # D finished before P's HTTP answer arrived (P's API server can lag): the client has
+                # its response; let P's leg end (bounded) so its router.wait is recorded, not cancelled.
+                await asyncio.wait({p_task}, timeout=min(self.join_timeout_s, 10.0))
+            return resp
         finally:
             if not p_task.done():
                 p_task.cancel()
@@ -426,13 +448,15 @@ class Router:
                                                 "(e.g. KV load from the prefill engine failed)", "decode",
                                            "decode_failed", raw)
                         note_first(first_rx)
-                        resp = web.Response(status=200, body=raw, content_type="application/json")
+                        resp = web.Response(status=200, body=raw, content_type="application/json",
+                                            headers={"X-Request-Id": x})
                         ctx["status"] = 200
                         await resp.prepare(request)
                         await resp.write_eof()
                         ctx["first_token_ns"] = _now()
                         sp.event("router.first_token", x, root, t=ctx["first_token_ns"], pidx=pidx)
                         ctx["done"] = True
+                        ctx["t_done"] = _now()
                         return resp
                     resp = web.StreamResponse(status=200, headers={
                         "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": x})
@@ -468,6 +492,7 @@ class Router:
                         sp.event("router.last_token", x, root, t=last_token_t, pidx=pidx)
                     await resp.write_eof()
                     ctx["done"] = True
+                    ctx["t_done"] = _now()
                     return resp
             except (ClientError, ConnectionError) as exc:
                 if isinstance(exc, ConnectionResetError) and ctx.get("resp") is not None and request.transport is None:
