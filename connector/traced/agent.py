@@ -30,7 +30,7 @@ from .safety import safe
 
 
 class HandleInfo:
-    __slots__ = ("rid", "op", "ndesc", "post_ns", "post_end_ns", "peer", "rank")
+    __slots__ = ("rid", "op", "ndesc", "post_ns", "post_end_ns", "peer", "rank", "blocks")
 
     def __init__(self, rid, op, ndesc, peer, rank):
         self.rid = rid
@@ -40,6 +40,7 @@ class HandleInfo:
         self.post_end_ns = 0
         self.peer = peer
         self.rank = rank
+        self.blocks = 0  # KV blocks the transfer fills, when the poster knows it (push: at the post)
 
 
 class TracedAgent:

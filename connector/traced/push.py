@@ -212,17 +212,31 @@ class TracedNixlPushConnectorWorker(TracedWorkerMixin, NixlPushConnectorWorker):
             return super()._xfer_blocks_for_req(req_id, meta)
         st = self._pdt_state(req_id)
         st.t_enter = tracer.now()
+        safe(self._pdt_blocks, st, meta)
         self._pdt_tls.ctx = Ctx(req_id, meta.remote.engine_id if meta.remote is not None else None)
         try:
             return super()._xfer_blocks_for_req(req_id, meta)
         finally:
             self._pdt_tls.ctx = None
 
+    @staticmethod
+    def _pdt_blocks(st, meta) -> None:
+        """KV blocks this WRITE fills (``kv.blocks``): per cache group, D's registered blocks (D
+        registers only the blocks it must receive), at most P's own; logical blocks, like pull's."""
+        local = meta.local_block_ids or ()
+        remote = meta.remote.block_ids if meta.remote is not None else ()
+        if local and not isinstance(local[0], (list, tuple)):
+            local = [local]
+        if remote and not isinstance(remote[0], (list, tuple)):
+            remote = [remote]
+        st.blocks = sum(min(len(lo), len(re)) for lo, re in zip(local, remote))
+
     def _pdt_on_post(self, info) -> None:
         rid = info.rid
         st = self._pdt_req.get(rid) if rid else None
         if st is None or st.prep_done or self._pdt_role != "prefill":
             return
+        info.blocks = st.blocks  # the state is dropped below, before the telemetry arrives
         st.prep_done = True
         if not tracer.sampled(st.x):
             self._pdt_req.pop(rid, None)

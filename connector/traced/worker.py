@@ -245,8 +245,9 @@ class TracedWorkerMixin:
         if info.rank is not None:
             attrs["peer.tp_rank"] = int(info.rank)
         st0 = self._pdt_req.get(info.rid) if info.rid else None
-        if st0 is not None and st0.blocks:
-            attrs["kv.blocks"] = st0.blocks
+        blocks = (st0.blocks if st0 is not None else 0) or info.blocks
+        if blocks:
+            attrs["kv.blocks"] = blocks
         sampled = x is None or tracer.sampled(x)
         if sampled:
             tracer.record("kv.transfer", x, post_ns, end, attrs, prompt_index=pidx, tp_rank=self._pdt_rank)

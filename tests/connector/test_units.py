@@ -89,3 +89,19 @@ def test_middleware_records_frontend_span(tmp_path, child):
         assert ("span", "prefill.frontend", "X42") in names and ("event", "token", "X42") in names
     """, env={"PDTRACE_DIR": str(tmp_path)})
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_push_write_blocks_count_from_the_registration():
+    """kv.blocks of a push WRITE: per cache group min(P's blocks, D's registered blocks); flat lists accepted."""
+    from types import SimpleNamespace as NS
+
+    from pdtrace.connector.traced.push import TracedNixlPushConnectorWorker as W
+    from pdtrace.connector.traced.worker import ReqState
+
+    st = ReqState("X", 0)
+    W._pdt_blocks(st, NS(local_block_ids=[[1, 2, 3, 4]], remote=NS(block_ids=[[7, 8, 9, 10]])))
+    assert st.blocks == 4
+    W._pdt_blocks(st, NS(local_block_ids=[[1, 2, 3, 4]], remote=NS(block_ids=[[9, 10]])))  # D had 2 cached
+    assert st.blocks == 2
+    W._pdt_blocks(st, NS(local_block_ids=[1, 2, 3], remote=NS(block_ids=[5, 6, 7])))
+    assert st.blocks == 3
