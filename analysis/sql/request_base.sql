@@ -9,6 +9,9 @@
 -- id seen only on engines is still a request (cause: no router record) unless
 -- a router span links it to another id (router.linked_request_id: the legs
 -- were sent different ids) -- then it belongs to the linking request.
+-- prefill_response_ns (pull only): the router's receipt of P's response, the
+-- end of its prefill-leg router.wait, else the start of its decode-leg
+-- router.dispatch; P's leg is over for the critical path at that instant.
 
 -- Request keys that a router span names as its other leg's id (whole store,
 -- never restricted by an incremental refresh).
@@ -35,6 +38,10 @@ WITH rt AS (
            list(DISTINCT attr_str['router.linked_request_id'])
                FILTER (WHERE attr_str['router.linked_request_id'] IS NOT NULL) AS linked_ids,
            max(attempt) AS router_attempt,
+           coalesce(max(c_end_ns) FILTER (WHERE record = 'span' AND name = 'router.wait'
+                                           AND attr_str['router.leg'] = 'prefill'),
+                    min(c_start_ns) FILTER (WHERE record = 'span' AND name = 'router.dispatch'
+                                             AND attr_str['router.leg'] = 'decode')) AS p_response_ns,
            count(*) FILTER (WHERE record = 'span' AND name = 'router.request') > 0 AS has_root
     FROM _timed
     WHERE role = 'router' AND rkey IN (SELECT rkey FROM _scope_keys)
@@ -76,7 +83,8 @@ SELECT coalesce(rt.rkey, en.rkey) AS rkey,
        coalesce(en.recomputed, false) AS recomputed,
        coalesce(rt.has_root, false) AS has_router_record,
        rt.linked_ids,
-       en.last_ns AS engine_last_ns
+       en.last_ns AS engine_last_ns,
+       CASE WHEN coalesce(rt.mode, en.connector_mode) = 'pull' THEN rt.p_response_ns END AS prefill_response_ns
 FROM rt FULL OUTER JOIN en ON rt.rkey = en.rkey
 WHERE NOT (rt.rkey IS NULL AND en.rkey IN (SELECT rkey FROM linked));
 

@@ -1,5 +1,6 @@
 -- module: ttft_segments
 -- requires: request_base
+-- materialize: _tt_req scratch
 -- materialize: _tt_cand scratch
 -- materialize: _tt_tree scratch
 -- materialize: _tt_top scratch
@@ -14,7 +15,11 @@
 -- [arrival at the router, first token written], both on the router clock.
 --
 --  1. Candidates: a complete request's leaf stages (stages.owns_ttft), on
---     corrected times, clipped to [arrival, first token].
+--     corrected times, clipped to [arrival, first token]. Pull: P's stages
+--     are also clipped at the router's receipt of P's response
+--     (request_base.prefill_response_ns): P's API server may still be
+--     writing (prefill.frontend's out part ends late under load) while D
+--     already runs the handoff, and that tail must not hide D's stages.
 --  2. Slowest expected rank: per engine, the per-rank spans (tp_rank set) of
 --     the rank whose per-rank work ends last stand for all ranks; the other
 --     ranks' copies are hidden.
@@ -42,10 +47,13 @@
 
 CREATE OR REPLACE MACRO _post_join_stage(g) AS g IN ('handoff.prep', 'kv.transfer', 'kv.ready', 'decode.first_step');
 
-CREATE OR REPLACE VIEW _tt_req AS
-SELECT rkey, arrival_ns, first_token_ns FROM _req_base
+-- The refreshed complete requests (small; every later step joins it on rkey alone).
+CREATE OR REPLACE VIEW _calc_tt_req AS
+SELECT rkey, arrival_ns, first_token_ns, prefill_response_ns, run_id, request_id, prompt_index FROM _req_base
 WHERE first_token_ns IS NOT NULL AND arrival_ns IS NOT NULL AND first_token_ns >= arrival_ns
   AND rkey IN (SELECT rkey FROM _scope_keys);
+CREATE TABLE IF NOT EXISTS _mat_tt_req AS SELECT * FROM _calc_tt_req LIMIT 0;
+CREATE OR REPLACE VIEW _tt_req AS SELECT * FROM _mat_tt_req;
 
 CREATE OR REPLACE VIEW _tt_all AS
 SELECT t.rkey, t.span_id, t.parent_span_id, t.name AS stage, s.category, s.stage_group, s.is_filler,
@@ -54,13 +62,14 @@ SELECT t.rkey, t.span_id, t.parent_span_id, t.name AS stage, s.category, s.stage
        -- is D's branch whoever records it (its end is the match on P)
        CASE WHEN t.name = 'dest.register' THEN 'decode' ELSE t.role END AS branch,
        greatest(t.c_start_ns, q.arrival_ns) AS s0,
-       least(t.c_end_ns, q.first_token_ns) AS e0,
+       least(t.c_end_ns, q.first_token_ns, CASE WHEN t.role = 'prefill' THEN q.prefill_response_ns END) AS e0,
        q.arrival_ns, q.first_token_ns
 FROM _timed t
 JOIN _tt_req q ON q.rkey = t.rkey
 JOIN stages s ON s.stage = t.name
 WHERE t.record = 'span' AND s.owns_ttft
-  AND t.c_start_ns <= q.first_token_ns AND t.c_end_ns >= q.arrival_ns;
+  AND t.c_start_ns <= q.first_token_ns AND t.c_end_ns >= q.arrival_ns
+  AND (t.role <> 'prefill' OR q.prefill_response_ns IS NULL OR t.c_start_ns <= q.prefill_response_ns);
 
 -- Candidates after the rank and branch rules; `kept` = may own time.
 CREATE OR REPLACE VIEW _calc_tt_cand AS
@@ -86,7 +95,8 @@ WITH allc AS MATERIALIZED (
     SELECT p.rkey, min(p.s0) AS b0 FROM pre p JOIN br ON br.rkey = p.rkey AND p.branch = br.crit_role
     WHERE p.is_pre GROUP BY p.rkey
 )
-SELECT pre.*,
+SELECT pre.rkey, pre.span_id, pre.parent_span_id, pre.stage, pre.category, pre.stage_group, pre.is_filler,
+       pre.role, pre.engine_id, pre.tp_rank, pre.attempt, pre.s0, pre.e0, pre.arrival_ns,
        NOT coalesce(pre.is_pre AND pre.branch <> br.crit_role AND pre.e0 > b0.b0, false) AS kept
 FROM pre LEFT JOIN br ON br.rkey = pre.rkey LEFT JOIN b0 ON b0.rkey = pre.rkey;
 CREATE TABLE IF NOT EXISTS _mat_tt_cand AS SELECT * FROM _calc_tt_cand LIMIT 0;
@@ -203,7 +213,7 @@ FROM (
     UNION ALL
     SELECT rkey, 'unattributed', 'unattributed', 'coordination', start_ns, end_ns, NULL, NULL, NULL, NULL, NULL, detail
     FROM _tt_unattributed
-) s JOIN _req_base q ON q.rkey = s.rkey;
+) s JOIN _tt_req q ON q.rkey = s.rkey;
 
 CREATE TABLE IF NOT EXISTS _mat_ttft_segments AS SELECT * FROM _calc_ttft_segments LIMIT 0;
 CREATE OR REPLACE VIEW ttft_segments AS SELECT * FROM _mat_ttft_segments;

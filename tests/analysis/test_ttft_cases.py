@@ -283,3 +283,54 @@ def test_h_registration_recorded_by_prefill_is_still_the_decode_branch(analyse):
     b = _tiles(tr, "h1")
     assert (b["coordination_ms"], b["transfer_ms"], b["compute_ms"]) == (4000, 30, 40)
     assert b["dominant_stage"] == "dest.register"
+
+
+# ---------------------------------------------------------------------------
+# L. P's late response write (pull, under load). The router gets P's response
+#   at 101 and dispatches D at once, but P's API server only finishes its
+#   prefill.frontend "out" part at 110, after D's kv.transfer (105-108.2) ended.
+#   router |disp 0-1|... router.wait 1-101 ...|D disp 101-102|                    * 131
+#   P          |fe 1-2|queue 2-5|--- compute 5-100 ---|fe out 100-110 (clipped at 101)|
+#   D                                  |fe 102-103|queue 103-104|prep 104-105|xfer 105-108.2|ready|first step 109-130|fe 130-131|
+# Without the clip, the frontend tail (ends last) owns [101, 110] and hides the
+# transfer: transfer 0. Answer: TTFT 131 = queue 4 + compute 116 + transfer 3.2
+# + coordination 7.8; P's frontend owns 2 ms (in part 1 + out part up to 101).
+def _case_l():
+    c = Case()
+    root = c.router_request("l1", 0, 140, "pull", first_token_ms=131)
+    c.span("router", "router.dispatch", 0, 1, rid="l1", parent=root, attrs={"router.leg": "prefill"})
+    c.span("router", "router.wait", 1, 101, rid="l1", parent=root, attrs={"router.leg": "prefill"})
+    c.span("prefill", "prefill.frontend", 1, 2, rid="l1", engine="p0")
+    c.span("prefill", "prefill.queue", 2, 5, rid="l1", engine="p0")
+    c.span("prefill", "prefill.compute", 5, 100, rid="l1", engine="p0")
+    c.span("prefill", "prefill.frontend", 100, 110, rid="l1", engine="p0")
+    c.span("router", "router.dispatch", 101, 102, rid="l1", parent=root, attrs={"router.leg": "decode"})
+    c.span("router", "router.wait", 102, 131, rid="l1", parent=root, attrs={"router.leg": "decode"})
+    c.span("decode", "decode.frontend", 102, 103, rid="l1", engine="d0")
+    c.span("decode", "decode.queue", 103, 104, rid="l1", engine="d0")
+    c.span("decode", "handoff.prep", 104, 105, rid="l1", engine="d0", rank=0)
+    c.span("decode", "kv.transfer", 105, 108.2, rid="l1", engine="d0", rank=0,
+           attrs={"kv.op": "READ", "peer.engine_id": "p0"})
+    c.span("decode", "kv.ready", 108.2, 109, rid="l1", engine="d0")
+    c.span("decode", "decode.first_step", 109, 130, rid="l1", engine="d0")
+    c.span("decode", "decode.frontend", 130, 131, rid="l1", engine="d0")
+    return c
+
+
+def test_l_late_prefill_response_write_does_not_hide_the_transfer(analyse):
+    tr = analyse(_case_l())
+    b = _tiles(tr, "l1")
+    assert b["ttft_ns"] == 131_000_000
+    assert (b["queue_ns"], b["compute_ns"], b["transfer_ns"], b["coordination_ns"]) == (
+        4_000_000, 116_000_000, 3_200_000, 7_800_000)
+    assert b["unattributed_ns"] == 0 and b["router_wait_ms"] == 0
+    assert b["dominant_stage"] == "prefill.compute"
+    segs = _segs(tr, "l1")
+    assert [s["stage"] for s in segs] == [
+        "router.dispatch", "prefill.frontend", "prefill.queue", "prefill.compute", "prefill.frontend",
+        "router.dispatch", "decode.frontend", "decode.queue", "handoff.prep", "kv.transfer", "kv.ready",
+        "decode.first_step", "decode.frontend"]
+    assert segs[4]["dur_ns"] == 1_000_000          # P's out part owns only up to the router's receipt (101)
+    assert segs[9]["dur_ns"] == 3_200_000          # the whole kv.transfer is on the path
+    # the clipped tail (101-110) is after P's leg ended: neither exposed nor hidden
+    assert tr.query("SELECT stage FROM ttft_hidden WHERE request_id = 'l1'") == []

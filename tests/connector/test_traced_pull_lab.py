@@ -246,12 +246,6 @@ def test_unattributed_share_and_breakdown(traced_run):
     assert med <= 0.05
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "known analysis bug (open): under load P's prefill.frontend 'out' part can end after D's "
-    "kv.transfer (the API server writes its response late, after the router already dispatched D); "
-    "the critical path lets the stage that ends last own each instant, so D's transfer is hidden "
-    "behind P's frontend. Seen in CI on 2026-11-30: transfer_ns = 0 with a 3.2 ms kv.transfer. "
-    "Fix: clip a pull prefill leg's stages at the router's receipt of P's response."))
 def test_every_pull_request_has_transfer_on_its_critical_path(traced_run):
     by = {r["request_id"]: r for r in _q(traced_run, "SELECT * FROM ttft_breakdown")}
     for x in [r.router_request_id for r in traced_run["recs"]]:
