@@ -246,8 +246,12 @@ class Tracer:
         if len(buf) >= self._cap:
             next(self._dropped)
             return
+        try:
+            th = _tls.name
+        except AttributeError:
+            th = _thread_name()
         buf.append((R_SPAN, span_id, span_id, parent, name, kind, start, _now() if end_ns is None else end_ns,
-                    status, msg, rid, pidx, attempt, rank, _thread_name(), a0))
+                    status, msg, rid, pidx, attempt, rank, th, a0))
         if len(buf) == self._wake_at:
             self._wake.set()
 

@@ -97,6 +97,7 @@ class Writer(threading.Thread):
         self._cpu_mark = 0
         self.max_stretch_cpu_ns = 0
         self._trace_ids: dict[str, str] = {}
+        self._res_cache: tuple | None = None
         self.otlp = None
         if cfg.otlp:
             try:
@@ -244,11 +245,12 @@ class Writer(threading.Thread):
         offset = self._anchor.offset_ns
         res = self.tracer.resource
         cols: dict[str, pa.Array] = {}
-        cols["schema_version"] = _const(schema.SCHEMA_VERSION, n)
+        cols["schema_version"] = self._resource_columns(res, n)["schema_version"]
         cols["record"] = pa.DictionaryArray.from_arrays(pa.array(rtype, pa.int32()), _RTYPES)
         cols["record_id"] = pa.array(record_id, pa.uint64())
         cols["span_id"] = pa.array(span_id, pa.uint64())
         cols["parent_span_id"] = pa.array(parent, pa.uint64())
+        self._yield()
         cols["name"] = pa.array(name, pa.string()).dictionary_encode()
         cols["kind"] = pa.array(kind, pa.int8())
         cols["start_ns"] = pa.array(np.asarray(start, dtype=np.int64) + offset)
@@ -309,13 +311,31 @@ class Writer(threading.Thread):
         self.dropped_attributes += dropped
         self._yield()
         cols["attr_int"] = pa.MapArray.from_arrays(pa.array(oi, pa.int32()), pa.array(ki, pa.string()), pa.array(vi, pa.int64()))
+        self._yield()
         cols["attr_float"] = pa.MapArray.from_arrays(pa.array(of, pa.int32()), pa.array(kf, pa.string()), pa.array(vf, pa.float64()))
+        self._yield()
         cols["attr_str"] = pa.MapArray.from_arrays(pa.array(os_, pa.int32()), pa.array(ks, pa.string()), pa.array(vs, pa.string()))
-        for c in schema.RESOURCE_COLUMNS:
-            v = res.get(c)
-            cols[c] = pa.array([v] * n, _T[c]) if c == "pid" else _const(v, n)
+        self._yield()
+        cols.update(self._resource_columns(res, n))
         arrays = [cols[c].cast(_T[c]) if cols[c].type != _T[c] else cols[c] for c, _, _ in schema.COLUMNS]
+        self._yield()
         return pa.Table.from_arrays(arrays, schema=schema.SCHEMA)
+
+    def _resource_columns(self, res: dict, n: int) -> dict[str, pa.Array]:
+        """The constant columns (resource attributes, schema_version) for ``n`` rows, built once.
+
+        Cached for the last (resource dict, n) pair: almost every chunk has
+        :data:`CHUNK` rows, and :meth:`Tracer.set_resource` replaces the dict
+        (the cache keeps a reference, so an identity match cannot be a reused id).
+        """
+        c = self._res_cache
+        if c is None or c[0] is not res or c[1] != n:
+            cols = {"schema_version": _const(schema.SCHEMA_VERSION, n)}
+            for name in schema.RESOURCE_COLUMNS:
+                v = res.get(name)
+                cols[name] = pa.array([v] * n, _T[name]) if name == "pid" else _const(v, n)
+            self._res_cache = c = (res, n, cols)
+        return c[2]
 
     def _meta_records(self, final: bool, rows: int) -> list[tuple]:
         """Clock anchor (when due) and recorder stats rows, in record-tuple layout.
