@@ -68,6 +68,58 @@ class ReadOnlyError(duckdb.PermissionException):
 _QUERY_TYPES = {duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN}
 
 
+def _explained(sql: str) -> str | None:
+    """The text of the statement an ``EXPLAIN [ANALYZE] [(options)]`` statement explains (None if unclear)."""
+    toks = duckdb.tokenize(sql)
+    ends = [p for p, _ in toks[1:]] + [len(sql)]
+    seen, depth = False, 0
+    for (pos, kind), end in zip(toks, ends):
+        if kind == duckdb.token_type.comment:
+            continue
+        word = sql[pos:end].strip()
+        if not seen:
+            if word.upper() != "EXPLAIN":
+                return None
+            seen = True
+        elif word == "(":
+            depth += 1
+        elif word == ")":
+            depth -= 1
+        elif depth == 0 and word.upper() not in ("ANALYZE", "ANALYSE"):
+            return sql[pos:]
+    return None
+
+
+def readonly_statements(con: duckdb.DuckDBPyConnection, sql: str) -> list:
+    """Parse ``sql`` on ``con`` and return its statements when every one only reads; else raise ReadOnlyError.
+
+    The one read-only rule of pdtrace (queries, the SQL shell, the dashboard's
+    console): SELECT (incl. WITH, FROM-first, SUMMARIZE, DESCRIBE, SHOW) and
+    EXPLAIN of such a statement. ``EXPLAIN ANALYZE`` runs the statement it
+    explains, so an EXPLAIN passes only when what follows it is itself a query.
+    Raises duckdb.ParserException for text that does not parse.
+    """
+    stmts = con.extract_statements(sql)
+    bad = []
+    for s in stmts:
+        ok = s.type == duckdb.StatementType.SELECT
+        if s.type == duckdb.StatementType.EXPLAIN:
+            inner = _explained(s.query)
+            try:
+                inner_stmts = con.extract_statements(inner) if inner else []
+            except duckdb.ParserException:
+                inner_stmts = []
+            ok = len(inner_stmts) == 1 and inner_stmts[0].type == duckdb.StatementType.SELECT
+            if not ok:
+                bad.append("EXPLAIN of " + (inner_stmts[0].type.name if len(inner_stmts) == 1 else "a non-query"))
+                continue
+        if not ok:
+            bad.append(s.type.name)
+    if bad:
+        raise ReadOnlyError(f"read-only: only queries are allowed, not {', '.join(bad)}")
+    return stmts
+
+
 class ReadOnlyConnection:
     """A DuckDB connection that runs only queries (SELECT, EXPLAIN), on locked-down settings.
 
@@ -86,10 +138,7 @@ class ReadOnlyConnection:
 
         Raises ReadOnlyError for a non-query statement, duckdb.Error for a bad query.
         """
-        stmts = self._con.extract_statements(sql)
-        bad = [s.type.name for s in stmts if s.type not in _QUERY_TYPES]
-        if bad:
-            raise ReadOnlyError(f"read-only: only queries are allowed, not {', '.join(bad)}")
+        readonly_statements(self._con, sql)
         if params:
             return self._con.execute(sql, params)
         return self._con.execute(sql)
