@@ -175,3 +175,39 @@ def trace() -> data.Trace:
 def open_request(request_id: str) -> None:
     """Switch to the request explorer on ``request_id`` (kept in the URL, so the link can be shared)."""
     st.switch_page("app_pages/request.py", query_params={"request": request_id})
+
+
+#: Rows the SQL console shows at most (rows).
+CONSOLE_MAX_ROWS = 10_000
+
+
+def console_query(t: data.Trace, sql: str, max_rows: int = CONSOLE_MAX_ROWS) -> tuple[Any, bool]:
+    """Run one statement typed into the SQL console; return (a DataFrame of at most ``max_rows`` rows, truncated?).
+
+    The read-only rule is the analysis module's, not the dashboard's own:
+    :func:`pdtrace.analysis.db.readonly_statements` refuses anything but a
+    query (COPY, ATTACH, CREATE, INSERT, SET, INSTALL/LOAD, EXPLAIN ANALYZE of a
+    non-query ...) before it runs, and the statement runs through
+    :class:`pdtrace.analysis.db.ReadOnlyConnection` on a cursor of the trace's
+    connection, which DuckDB itself keeps from reading or writing files outside
+    the trace directory. Raises ``db.ReadOnlyError`` when refused (also for more
+    than one statement), ``duckdb.Error`` for a query that fails.
+    """
+    import pandas as pd
+
+    from pdtrace.analysis import db
+
+    cur = t.cursor()
+    try:
+        stmts = db.readonly_statements(cur, sql)
+        if len(stmts) != 1:
+            raise db.ReadOnlyError(f"read-only console: one statement at a time, got {len(stmts)}")
+        res = db.ReadOnlyConnection(cur).execute(stmts[0].query)
+        if res.description is None:
+            return pd.DataFrame(), False
+        cols = [d[0] for d in res.description]
+        rows = res.fetchmany(max_rows + 1)
+        return pd.DataFrame(rows[:max_rows], columns=cols), len(rows) > max_rows
+    finally:
+        cur.close()
+

@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import streamlit as st
 
+from pdtrace.analysis import db
 from pdtrace.dashboard import data, ui
 
 t = ui.trace()
 st.title("SQL")
-st.caption("Read-only: one SELECT or EXPLAIN at a time, over the analysis views. "
+st.caption("Read-only (the analysis' rule, as in `pdtrace sql`): one query (SELECT, or EXPLAIN of one) at a time, "
+           "over the analysis views; no file reads or writes outside the trace directory. "
            "Times are ns since the Unix epoch (router clock); durations in ns or ms as the column says.")
 sql = st.text_area("Query", key="sql_text", height=140, value=(
     "SELECT mode, count(*) AS requests, round(quantile_cont(ttft_ms, 0.99), 1) AS ttft_p99_ms,\n"
@@ -16,14 +18,14 @@ sql = st.text_area("Query", key="sql_text", height=140, value=(
 if st.button("Run", type="primary", key="sql_run") or st.session_state.get("sql_ran"):
     st.session_state["sql_ran"] = True
     try:
-        df, truncated = data.run_console(t, sql)
-    except data.ConsoleError as exc:
-        st.error(str(exc))
-    except Exception as exc:  # duckdb errors: show them, they are the user's query
+        df, truncated = ui.console_query(t, sql)
+    except db.ReadOnlyError as exc:  # the analysis' read-only rule refused it before it ran
+        st.error(f"Refused: {exc}")
+    except Exception as exc:  # duckdb errors (incl. file access DuckDB refused): they are the user's query
         st.error(f"{type(exc).__name__}: {exc}")
     else:
         st.dataframe(df, hide_index=True, width="stretch", key="sql_result")
-        st.caption(f"{len(df):,} rows" + (" (first 10,000 shown)" if truncated else ""))
+        st.caption(f"{len(df):,} rows" + (f" (first {ui.CONSOLE_MAX_ROWS:,} shown)" if truncated else ""))
 
 st.subheader("Views")
 docs = ui.q(t, data.view_docs)

@@ -251,18 +251,71 @@ def test_sql_console(app, views, store_dir):
 
 
 @pytest.mark.parametrize("bad, message", [
-    ("DELETE FROM ttft_breakdown", "DELETE statements are not allowed"),
-    ("SELECT 1; SELECT 2", "one statement at a time"),
-    ("COPY (SELECT 1) TO '/tmp/pdtrace-dashboard-copy.csv'", "COPY statements are not allowed"),
+    ("DELETE FROM ttft_breakdown", "only queries are allowed, not DELETE"),
+    ("SELECT 1; SELECT 2", "one statement at a time, got 2"),
+    ("COPY (SELECT 1) TO '{tmp}/copy.csv'", "only queries are allowed, not COPY"),
+    ("COPY (SELECT 1) TO '{store}/copy.csv'", "only queries are allowed, not COPY"),
+    ("EXPORT DATABASE '{tmp}/export'", "only queries are allowed, not EXPORT"),
+    ("ATTACH '{tmp}/x.duckdb' AS x", "only queries are allowed, not ATTACH"),
+    ("CREATE TABLE console_made AS SELECT 1 AS a", "only queries are allowed, not CREATE"),
+    ("INSTALL httpfs", "only queries are allowed, not LOAD"),
+    ("LOAD json", "only queries are allowed, not LOAD"),
+    ("SET threads = 1", "only queries are allowed, not SET"),
+    # EXPLAIN ANALYZE runs the statement it explains: refused unless that is a query
+    ("EXPLAIN ANALYZE CREATE TABLE console_made AS SELECT 1 AS a", "not EXPLAIN of CREATE"),
+    ("EXPLAIN (ANALYZE) COPY (SELECT 1) TO '{store}/copy.csv'", "not EXPLAIN of COPY"),
+    ("/* note */ explain analyse DELETE FROM _files", "not EXPLAIN of DELETE"),
+    # file access: DuckDB itself refuses files outside the trace directory
+    ("SELECT * FROM read_csv('/etc/passwd')", "Permission"),
     ("SELECT * FROM read_text('/etc/hostname')", "Permission"),
-    ("ATTACH '/tmp/x.duckdb' AS x", "ATTACH statements are not allowed"),
+    ("SELECT * FROM read_parquet('{tmp}/*.parquet')", "Permission"),
 ])
-def test_sql_console_is_read_only(app, hand_stores, bad, message):
-    at = app(hand_stores["pull"], "app_pages/sql.py")
+def test_sql_console_is_read_only(app, tmp_path, hand_stores, bad, message):
+    """The console refuses writes, attaches, installs, settings and foreign files; nothing it refused took effect."""
+    from pdtrace.dashboard import data
+
+    import shutil
+
+    store = tmp_path / "store"
+    shutil.copytree(hand_stores["pull"], store)
+    (tmp_path / "outside.parquet").write_bytes((store / "router-run-pull-1.parquet").read_bytes())
+    bad = bad.format(tmp=tmp_path, store=store)
+    at = app(store, "app_pages/sql.py")
+    t = data.get_trace(store)  # the dashboard's own trace (AppTest runs the app in this process)
+    threads = t.query("SELECT current_setting('threads') AS v")["v"][0]
     at.text_area(key="sql_text").input(bad)
     at.button(key="sql_run").click().run()
     assert not at.exception
     assert any(message in e.value for e in at.error), [e.value for e in at.error]
+    assert not any(c.value.endswith(" rows") for c in at.caption)  # no result table
+    # nothing happened: no file written, no table made, no row deleted, no setting changed
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["outside.parquet", "store"]
+    assert sorted(p.name for p in store.iterdir()) == sorted(p.name for p in hand_stores["pull"].iterdir())
+    assert t.query("SELECT count(*) AS n FROM duckdb_tables() WHERE table_name = 'console_made'")["n"][0] == 0
+    assert t.query("SELECT count(*) AS n FROM _files WHERE ok")["n"][0] == 3
+    assert t.query("SELECT current_setting('threads') AS v")["v"][0] == threads
+    assert t.query("SELECT count(*) AS n FROM requests")["n"][0] == 60
+
+
+def test_sql_console_runs_queries_of_every_read_only_kind(app, views, hand_stores):
+    """SELECT, WITH, FROM-first, DESCRIBE, SUMMARIZE, EXPLAIN and EXPLAIN ANALYZE of a query all run."""
+    d = hand_stores["pull"]
+    tr = views(d)
+    cases = {
+        "WITH x AS (SELECT request_id, ttft_ms FROM requests) SELECT count(*) AS n FROM x":
+            ("n", tr.query("SELECT count(*) AS n FROM requests")[0]["n"]),
+        "FROM ttft_breakdown SELECT max(ttft_ms) AS m": ("m", tr.query("SELECT max(ttft_ms) AS m FROM ttft_breakdown")[0]["m"]),
+        "DESCRIBE requests": ("column_name", "request_id"),
+        "EXPLAIN SELECT 1": ("explain_key", "physical_plan"),
+        "EXPLAIN ANALYZE SELECT count(*) FROM spans": ("explain_key", "analyzed_plan"),
+    }
+    at = app(d, "app_pages/sql.py")
+    for sql, (col, want) in cases.items():
+        at.text_area(key="sql_text").input(sql)
+        at.button(key="sql_run").click().run()
+        _no_errors(at)
+        got = _df(at, col)
+        assert want in list(got[col]), (sql, got)
 
 
 PAGES = ["app_pages/request.py", "app_pages/compare.py", "app_pages/stalls.py", "app_pages/changed.py", "app_pages/sql.py"]
