@@ -60,6 +60,7 @@ _ALLOWED: dict[str, Attr] = {
     "step.batch": _A(str, "batch composition: 'X:p128;Y:d1;Z:r64' = request X, 128 prefill tokens; Y 1 decode; Z 64 recompute", 16384),
     "step.chunk_index": _A(int, "prefill chunk number of a prefill.compute child (0-based)"),
     "step.tokens": _A(int, "tokens this request had scheduled in the step (tokens)"),
+    "step.pdtrace_cpu_ns": _A(int, "pdtrace's own CPU time (thread CPU clock, all engine threads of the process) since the previous recorded step span, ns; only with PDTRACE_SELF_CPU=1"),
     "step.idle_before": _A(int, "idle engine steps (nothing scheduled, no connector work for any request) since the previous recorded step; not recorded themselves"),
     "vllm.method": _A(str, "vLLM connector method a connector.* span timed (e.g. 'start_load_kv')"),
     "connector.request_ids": _A(str, "request ids (X) the connector work served, ';'-separated", 16384),

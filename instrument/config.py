@@ -24,6 +24,11 @@ variable                       default    meaning
 ``OTEL_EXPORTER_OTLP_ENDPOINT``           standard OTLP variables; when an endpoint is set, spans
 ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``    also go out over OTLP/HTTP (protobuf)
 ``OTEL_EXPORTER_OTLP_TIMEOUT``  ``10``     OTLP export timeout (s; the ``_TRACES_`` variant wins)
+``PDTRACE_SELF_CPU``           ``0``      ``1``: the traced connectors measure pdtrace's own CPU
+                                          time per engine step (thread CPU clock around each
+                                          hook) and write it as ``step.pdtrace_cpu_ns`` on the
+                                          step spans; for overhead measurements
+                                          (:mod:`pdtrace.instrument.selfcpu`)
 ``PDTRACE_TEST_WALL_OFFSET_NS`` ``0``     TEST ONLY: shift this process's wall anchor by this
                                           many ns, to reproduce clock skew between hosts on one
                                           machine. Recorded on every clock row.
@@ -91,6 +96,7 @@ class Config:
     test_wall_offset_ns: int = 0
     otlp_endpoint: str | None = None
     otlp_timeout_s: float | None = None
+    self_cpu: bool = False
 
     @property
     def enabled(self) -> bool:
@@ -108,7 +114,12 @@ def from_env(env: dict | None = None) -> Config:
     otlp = otlp_flag == "1" or bool(env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
     if env.get("OTEL_SDK_DISABLED", "").lower() == "true" or env.get("OTEL_TRACES_EXPORTER", "") == "none":
         otlp = False
+    self_cpu = env.get("PDTRACE_SELF_CPU", "0")
+    if self_cpu not in ("0", "1", ""):
+        _warn("PDTRACE_SELF_CPU", self_cpu, "0", "not 0 or 1")
+        self_cpu = "0"
     return Config(
+        self_cpu=self_cpu == "1",
         trace_dir=env.get("PDTRACE_DIR") or None,
         sample=_float(env, "PDTRACE_SAMPLE", 1.0, 0.0, 1.0),
         step_sample=_float(env, "PDTRACE_STEP_SAMPLE", 1.0, 0.0, 1.0),

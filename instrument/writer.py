@@ -62,6 +62,8 @@ attributes.register("clock.test_offset_ns", int, "TEST ONLY wall shift applied t
 attributes.register("clock.source", str, "implementation of the monotonic clock")
 for _k in ("recorded", "dropped", "written", "write_errors", "export_errors", "dropped_attributes"):
     attributes.register(f"recorder.{_k}", int, f"recorder counter '{_k}', cumulative since process start (records)")
+attributes.register("recorder.writer_cpu_ns", int,
+                    "CPU time of the pdtrace-writer thread since it started (thread CPU clock), ns")
 
 
 class Writer(threading.Thread):
@@ -117,9 +119,17 @@ class Writer(threading.Thread):
             "dropped_attributes": self.dropped_attributes,
         }
 
+    def cpu_ns(self) -> int:
+        """CPU time (ns, thread CPU clock) this writer thread has used so far; 0 if unavailable."""
+        try:
+            return time.clock_gettime_ns(time.pthread_getcpuclockid(self.ident))
+        except (AttributeError, OSError, TypeError, OverflowError):
+            return 0
+
     def stats(self) -> dict[str, int]:
         """All recorder counters (see Tracer.stats); ``recorded`` = dropped + written + pending."""
         st = self.counters()
+        st["writer_cpu_ns"] = self.cpu_ns()
         st["dropped"] = self.tracer.dropped_count() + self.dropped_in_writer
         st["recorded"] = st["dropped"] + st["written"] + self.pending()
         return st

@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 import threading
 
+from pdtrace.instrument import selfcpu
+
 log = logging.getLogger("pdtrace.connector")
 
 _errors = 0
@@ -36,7 +38,20 @@ def _count(exc: BaseException, where: str) -> None:
 
 
 def safe(fn, *args, **kwargs):
-    """Call ``fn(*args, **kwargs)``; on any exception count it and return None."""
+    """Call ``fn(*args, **kwargs)``; on any exception count it and return None.
+
+    With ``PDTRACE_SELF_CPU=1`` the call's thread CPU time is charged to
+    pdtrace (:mod:`pdtrace.instrument.selfcpu`).
+    """
+    if selfcpu.enabled:
+        t0 = selfcpu.thread_time_ns()
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - the whole point
+            _count(exc, getattr(fn, "__qualname__", repr(fn)))
+            return None
+        finally:
+            selfcpu.add(t0)
     try:
         return fn(*args, **kwargs)
     except Exception as exc:  # noqa: BLE001 - the whole point

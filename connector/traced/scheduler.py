@@ -35,7 +35,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from pdtrace.instrument import tracer
+from pdtrace.instrument import selfcpu, tracer
 
 from .common import split_id
 from .safety import safe
@@ -97,6 +97,7 @@ class TracedSchedulerMixin:
         self._pdt_step_id = 0
         self._pdt_holds: dict[str, tuple[int, SReq]] = {}
         self._pdt_idle = 0
+        self._pdt_cpu_mark = 0  # selfcpu.total_ns() when the last step span was written
 
     # ------------------------------------------------------------ arrivals
     def on_new_request(self, request):
@@ -330,6 +331,10 @@ class TracedSchedulerMixin:
             a["step.batch"] = ps.batch or ""
             a["step.idle_before"] = self._pdt_idle
             self._pdt_idle = 0
+            if selfcpu.enabled:
+                cpu = selfcpu.total_ns()
+                a["step.pdtrace_cpu_ns"] = cpu - self._pdt_cpu_mark
+                self._pdt_cpu_mark = cpu
             tracer.record(self._pdt_step_name, None, ps.t0, t1, a, span_id=ps.sid)
         for st, n, idx, last in ps.chunks:
             end = t1
