@@ -104,6 +104,11 @@ def waterfall(spans: pd.DataFrame, segments: pd.DataFrame, events: pd.DataFrame,
     that is not on the critical path is drawn grey and hatched ('hidden'),
     parents (no category) light grey. The top lane 'critical path' shows the
     exclusive segments that tile [arrival, first token]. Events are markers.
+
+    When a clock correction moved any span (``clock_offset_ns`` != 0), a note
+    under the title names each corrected clock with the shift applied (ms,
+    = -offset) and its bound (± ms), and each span's hover gives its raw
+    (uncorrected) start beside the corrected one.
     """
     def rel(ns):
         return (ns.astype("int64") - arrival_ns) / 1e6
@@ -127,6 +132,8 @@ def waterfall(spans: pd.DataFrame, segments: pd.DataFrame, events: pd.DataFrame,
     sp = spans.copy()
     sp["x0"] = rel(sp["start_ns"])
     sp["hidden_ms"] = (sp["dur_ms"] - sp["exposed_ms"]).clip(lower=0)
+    sp["shift_ms"] = -sp["clock_offset_ns"].fillna(0).astype("int64") / 1e6
+    sp["raw_x0"] = rel(sp["raw_start_ns"].fillna(sp["start_ns"]))
     for c in list(CATEGORIES) + [None]:
         d = sp[sp["category"] == c] if c else sp[sp["category"].isna()]
         if d.empty:
@@ -140,16 +147,20 @@ def waterfall(spans: pd.DataFrame, segments: pd.DataFrame, events: pd.DataFrame,
                                     pattern=dict(shape=["" if o else "/" for o in on], fgcolor="#777777"),
                                     line=dict(color="black", width=[1.5 if o else 0 for o in on])),
                         text=d["stage"], textposition="inside", insidetextanchor="start",
-                        customdata=d[["stage", "dur_ms", "exposed_ms", "hidden_ms", "span_id"]],
+                        customdata=d[["stage", "dur_ms", "exposed_ms", "hidden_ms", "span_id", "raw_x0",
+                                      "shift_ms", "x0"]],
                         hovertemplate="%{customdata[0]} · %{customdata[1]:,.2f} ms; on critical path "
-                                      "%{customdata[2]:,.2f} ms; off it %{customdata[3]:,.2f} ms"
-                                      "<extra>" + c + "</extra>")
+                                      "%{customdata[2]:,.2f} ms; off it %{customdata[3]:,.2f} ms<br>"
+                                      "starts at %{customdata[7]:,.3f} ms (raw %{customdata[5]:,.3f} ms; clock shift "
+                                      "%{customdata[6]:+,.3f} ms)<extra>" + c + "</extra>")
         else:
             fig.add_bar(y=d["lane"], base=d["x0"], x=d["dur_ms"], orientation="h", name="parent / step",
                         marker=dict(color=color, line=dict(color="#999999", width=0.5)), opacity=0.7,
                         text=d["stage"], textposition="inside", insidetextanchor="start",
-                        customdata=d[["stage", "dur_ms"]],
-                        hovertemplate="%{customdata[0]} · %{customdata[1]:,.2f} ms (not charged)<extra></extra>")
+                        customdata=d[["stage", "dur_ms", "raw_x0", "shift_ms", "x0"]],
+                        hovertemplate="%{customdata[0]} · %{customdata[1]:,.2f} ms (not charged)<br>starts at "
+                                      "%{customdata[4]:,.3f} ms (raw %{customdata[2]:,.3f} ms; clock shift "
+                                      "%{customdata[3]:+,.3f} ms)<extra></extra>")
     fig.add_bar(y=[None], x=[None], name="hidden (off the critical path)", marker=dict(
         color=HIDDEN_COLOR, pattern=dict(shape="/", fgcolor="#777777")))
     if not events.empty:
@@ -169,8 +180,35 @@ def waterfall(spans: pd.DataFrame, segments: pd.DataFrame, events: pd.DataFrame,
         fig.update_xaxes(range=[-0.02 * ttft, 1.12 * ttft])
     fig.update_yaxes(categoryorder="array", categoryarray=list(reversed(lanes)), title=None)
     fig.update_xaxes(title="ms since arrival at the router (router clock); double-click to see the whole request")
+    note = clock_note(spans)
+    if note:
+        fig.add_annotation(text=note, xref="paper", yref="paper", x=0, y=1.0, yanchor="bottom", xanchor="left",
+                           showarrow=False, align="left", font=dict(size=11, color="#555555"))
     return _layout(fig, height=max(260, 60 + 44 * len(lanes)), hovermode="closest",
                    title="Waterfall (critical path outlined; grey hatched = hidden behind the critical path)")
+
+
+def clock_note(spans: pd.DataFrame) -> str:
+    """One line naming the clocks a correction moved, e.g. "clock-corrected: p0 (prefill) -250.000 ms ± 1.000 ms".
+
+    From ``request_spans`` columns role, engine_id, clock_offset_ns, clock_bound_ns (ns): a span's
+    clock is its engine id, else its role (the views' ``clock_domain``); the shift is -offset (ms), the
+    bound the largest over the clock's spans (ms, '?' when unbounded). '' when nothing was moved.
+    """
+    if spans.empty or "clock_offset_ns" not in spans:
+        return ""
+    d = spans.assign(domain=spans["engine_id"].fillna(spans["role"]), off=spans["clock_offset_ns"].fillna(0))
+    d = d[d["off"] != 0]
+    if d.empty:
+        return ""
+    parts = []
+    for dom, g in d.groupby("domain", sort=True):
+        shifts = sorted(set((-g["off"] / 1e6).round(3)))
+        shift = f"{shifts[0]:+,.3f} ms" if len(shifts) == 1 else f"{shifts[0]:+,.3f}..{shifts[-1]:+,.3f} ms"
+        b = g["clock_bound_ns"].max()
+        bound = "± ?" if pd.isna(b) else f"± {b / 1e6:,.3f} ms"
+        parts.append(f"{dom} ({'/'.join(sorted(set(g['role'])))}) {shift} {bound}")
+    return "clock-corrected to the router clock: " + "; ".join(parts)
 
 
 def step_timeline(steps: pd.DataFrame, victim_rkeys: set | None = None) -> go.Figure:

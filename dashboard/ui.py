@@ -172,6 +172,24 @@ def trace() -> data.Trace:
     return open_trace(_abs(current_dir()))
 
 
+def clock_corrections(clock: Any, spans: Any) -> Any:
+    """The clocks a correction moved for one request, for display.
+
+    ``clock``: ``data.request_clock`` (clock_domain, offset_ms, bound_ms, spans);
+    ``spans``: ``data.request_spans`` (for each clock's roles: a clock is its
+    engine id, else its role). Returns the rows with a non-zero offset, columns
+    clock_domain, role, shift_ms (= -offset_ms: what was added to raw times,
+    ms), offset_ms (clock minus router clock, ms), bound_ms (± ms, NaN when
+    unbounded), spans (count).
+    """
+    c = clock[clock["offset_ms"].fillna(0) != 0].copy()
+    dom = spans["engine_id"].fillna(spans["role"])
+    roles = {d: "/".join(sorted(set(spans.loc[dom == d, "role"]))) for d in c["clock_domain"]}
+    c["role"] = c["clock_domain"].map(roles).replace("", "?")
+    c["shift_ms"] = -c["offset_ms"]
+    return c[["clock_domain", "role", "shift_ms", "offset_ms", "bound_ms", "spans"]].reset_index(drop=True)
+
+
 def open_request(request_id: str) -> None:
     """Switch to the request explorer on ``request_id`` (kept in the URL, so the link can be shared)."""
     st.switch_page("app_pages/request.py", query_params={"request": request_id})

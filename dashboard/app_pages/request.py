@@ -59,13 +59,16 @@ first_ns = int(row["first_token_ns"]) if complete and row.get("first_token_ns") 
 st.plotly_chart(charts.waterfall(spans, segs, evs, int(row["arrival_ns"]), first_ns), width="stretch",
                 key="waterfall")
 
-clock = ui.q(t, data.request_clock, rkey)
-corrected = clock[clock["offset_ms"].fillna(0) != 0]
-if len(corrected):
-    parts = [f"`{r.clock_domain}` shifted by {-r.offset_ms:+,.3f} ms"
+clock = ui.clock_corrections(ui.q(t, data.request_clock, rkey), spans)
+if len(clock):
+    parts = [f"`{r.clock_domain}` ({r.role}) shifted by {r.shift_ms:+,.3f} ms"
              + (f" (± {r.bound_ms:,.3f} ms)" if r.bound_ms == r.bound_ms else " (unbounded)")
-             for r in corrected.itertuples()]
-    st.info("**Clock correction applied** (times shown on the router clock): " + "; ".join(parts) + ".")
+             for r in clock.itertuples()]
+    st.info("**Clock correction applied**: times are shown on the router clock; " + "; ".join(parts)
+            + ". A clock's shift is minus its estimated offset from the router's; the bound is how far the "
+            "true offset may be from it (see the `clock_offsets` view).")
+    st.dataframe(clock, hide_index=True, key="clock", column_config={
+        c: st.column_config.NumberColumn(format="%.3f") for c in ("shift_ms", "offset_ms", "bound_ms")})
 else:
     st.caption("No clock correction applied: every process's clock agrees with the router's.")
 

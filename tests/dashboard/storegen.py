@@ -52,14 +52,23 @@ def _anchors(t_first: int, t_last: int, offset_ns: int = 0) -> list[dict]:
 
 def build_store(directory: str | Path, n_requests: int = 60, mode: str = "pull", seed: int = 1,
                 incident: tuple[float, float] | None = (0.6, 0.8), n_incomplete: int = 2,
-                run_id: str | None = None, start_ns: int = T0, gap_ms: float = 250.0) -> Path:
+                run_id: str | None = None, start_ns: int = T0, gap_ms: float = 250.0,
+                p_clock_ahead_ms: float | None = None) -> Path:
     """Write a trace of ``n_requests`` requests of ``mode`` ('pull', 'push' or 'mixed') into ``directory``.
 
     ``incident`` = (from, to) as fractions of the request sequence: requests in
     it pay a 900 ms first-contact handshake in ``handoff.prep`` (pull) or a late
     destination registration (push). The last ``n_incomplete`` push requests (or
     requests, in pull mode: a READ that fails to post) get no first token.
-    Requests arrive every ``gap_ms`` ms. Returns the directory.
+    Requests arrive every ``gap_ms`` ms.
+
+    ``p_clock_ahead_ms`` (ms; None: no skew and no sample): P's wall clock reads
+    this much ahead of D's and the router's. Every prefill row (spans, events,
+    clock anchors) is written on P's clock, so its times are raw = true + skew,
+    and D records one NIXL-handshake clock sample at its first request (as the
+    traced pull connector does: peer minus own on the monotonic clocks, which
+    agree, so 0, with a 2 ms round-trip bound); the analysis converts it through
+    both processes' anchors into P - D = the skew. Returns the directory.
     """
     d = Path(directory)
     rng = random.Random(seed)
@@ -242,9 +251,21 @@ def build_store(directory: str | Path, n_requests: int = 60, mode: str = "pull",
     t_first, t_last = start_ns, start_ns + int(n_requests * gap_ms * MS) + 40_000 * MS
     for r in router:
         r.setdefault("thread", "MainThread")
+    p_skew = int(round((p_clock_ahead_ms or 0.0) * MS))
+    if p_clock_ahead_ms is not None:
+        for r in pre:  # P writes its own clock's readings
+            r["start_ns"] += p_skew
+            if "end_ns" in r:
+                r["end_ns"] += p_skew
+        first_d = min(r["start_ns"] for r in dec if r.get("request_id"))
+        dec.append({"record": "event", "name": "clock.sample", "start_ns": first_d,
+                    "thread": "vllm-nixl-handshake-initiator_0",
+                    "attrs": {"clock.offset_ns": 0, "clock.rtt_bound_ns": 2 * MS, "clock.domain": "monotonic",
+                              "clock.source": "nixl_handshake", "clock.peer_engine_id": "p0",
+                              "peer.engine_id": "p0"}})
     write_rows(d, router + _anchors(t_first, t_last), resource=_res("router", None, 100 + seed, mode, run_id),
                name=f"router-{run_id}.parquet")
-    write_rows(d, pre + _anchors(t_first, t_last), resource=_res("prefill", "p0", 200 + seed, mode, run_id),
+    write_rows(d, pre + _anchors(t_first, t_last, p_skew), resource=_res("prefill", "p0", 200 + seed, mode, run_id),
                name=f"prefill-{run_id}.parquet")
     write_rows(d, dec + _anchors(t_first, t_last), resource=_res("decode", "d0", 300 + seed, mode, run_id),
                name=f"decode-{run_id}.parquet")
