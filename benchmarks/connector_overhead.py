@@ -18,6 +18,14 @@ bootstrap confidence intervals (requests resampled within each condition,
 2000 resamples). Goal (issue 4): the upper bound of the p50 ratios ≤ 1.05.
 TPOT is the client's (last token − first token) / (tokens − 1); it is 0 when
 D's API server, lagging, sends all tokens of a request in one chunk.
+
+Also printed (unless ``--no-self-cpu``): pdtrace's own CPU time per engine
+step, which the "on" lab measures itself with ``PDTRACE_SELF_CPU=1`` (thread
+CPU clock around every connector hook, written on each step span as
+``step.pdtrace_cpu_ns``), as a share of the step (goal: ≤ 1 % of a decode
+step), and the pdtrace-writer thread's CPU as a share of each engine
+process's wall time. The self-measurement's own clock reads are part of the
+"on" condition, so the on/off ratios slightly overstate the overhead.
 """
 from __future__ import annotations
 
@@ -65,11 +73,49 @@ def metrics_of(recs):
     return {"ttft": ttft, "tpot": tpot, "failed": len(recs) - len(ok)}
 
 
+def self_cpu_share(trace_dir: Path) -> dict:
+    """pdtrace's own CPU per engine step, from the "on" lab's trace (``PDTRACE_SELF_CPU=1``).
+
+    Per role (prefill / decode): over every recorded step span, the sum of
+    ``step.pdtrace_cpu_ns`` (pdtrace's CPU on the engine's threads since the
+    previous step span, thread CPU clock) divided by the sum of the steps'
+    durations, plus the median and p99 of the per-step ratio; and the
+    pdtrace-writer thread's CPU (``recorder.writer_cpu_ns``, last stats row of
+    each engine process) divided by that process's traced wall time. Shares
+    in %. Reads the Parquet files directly (raw rows, no analysis views).
+    """
+    import duckdb
+
+    from pdtrace.instrument import store
+
+    files = [str(f) for f in store.store_files(trace_dir)]
+    con = duckdb.connect()
+    con.execute("CREATE VIEW r AS SELECT * FROM read_parquet(?, union_by_name=true)", [files])
+    out = {}
+    for role, step in (("prefill", "prefill.step"), ("decode", "decode.step")):
+        row = con.execute(
+            "WITH s AS (SELECT DISTINCT record_id, end_ns - start_ns AS dur, "
+            "attr_int['step.pdtrace_cpu_ns'] AS cpu FROM r WHERE record = 'span' AND name = ? AND role = ?) "
+            "SELECT count(*), sum(cpu) / sum(dur) * 100, median(cpu / dur) * 100, "
+            "quantile_cont(cpu / dur, 0.99) * 100, median(dur) / 1e6, median(cpu) / 1e3 "
+            "FROM s WHERE cpu IS NOT NULL AND dur > 0", [step, role]).fetchall()[0]
+        w = con.execute(
+            "SELECT sum(cpu) / sum(wall) * 100 FROM (SELECT pid, max(attr_int['recorder.writer_cpu_ns']) AS cpu, "
+            "max(end_ns) - min(start_ns) AS wall FROM r WHERE role = ? GROUP BY pid HAVING cpu IS NOT NULL)",
+            [role]).fetchall()[0][0]
+        out[role] = {"steps": row[0], "share_pct": row[1], "median_step_pct": row[2], "p99_step_pct": row[3],
+                     "median_step_ms": row[4], "median_cpu_us": row[5], "writer_pct_of_wall": w}
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--requests", type=int, default=20)
     ap.add_argument("--rate-scale", type=float, default=1.0)
+    ap.add_argument("--no-self-cpu", dest="self_cpu", action="store_false",
+                    help="do not set PDTRACE_SELF_CPU=1 in the traced lab (its two clock reads per hook "
+                         "are then not part of the measured overhead, and no per-step CPU share is printed)")
     ap.add_argument("--out", type=Path, default=Path("runs") / f"overhead-{time.strftime('%Y%m%dT%H%M%S')}")
     a = ap.parse_args()
     from pdtrace.connector.data import AZURE_CONV
@@ -83,7 +129,8 @@ def main():
         d.mkdir(parents=True, exist_ok=True)
         cfgs[cond] = LabConfig(model=model, mode="pull", run_dir=d, trace_dir=(d if cond == "on" else None),
                                connector_class="TracedNixlPullConnector",
-                               connector_module="pdtrace.connector.traced", extra_args=["--middleware", MIDDLEWARE])
+                               connector_module="pdtrace.connector.traced", extra_args=["--middleware", MIDDLEWARE],
+                               extra_env=({"PDTRACE_SELF_CPU": "1"} if cond == "on" and a.self_cpu else {}))
     res = {"on": {"ttft": [], "tpot": [], "failed": 0}, "off": {"ttft": [], "tpot": [], "failed": 0}}
     rounds = []
     t0 = time.monotonic()
@@ -117,6 +164,17 @@ def main():
                                   "ci95": [lo, hi]}
             print(f"{k.upper() + ' ' + name:<10}{pct(res['on'][k], q):>10.2f}{pct(res['off'][k], q):>10.2f}"
                   f"{p:>9.3f}  [{lo:.3f}, {hi:.3f}]")
+    if a.self_cpu:
+        out["self_cpu"] = sc = self_cpu_share((a.out / "on").resolve())
+        print("\npdtrace's own CPU per engine step (thread CPU clock; goal <= 1 % of a decode step):")
+        for role, v in sc.items():
+            if not v["steps"]:
+                print(f"  {role}: no step spans with step.pdtrace_cpu_ns")
+                continue
+            print(f"  {role}: {v['steps']} steps, median step {v['median_step_ms']:.2f} ms, median pdtrace CPU "
+                  f"{v['median_cpu_us']:.1f} us; share {v['share_pct']:.3f} % (per step: median "
+                  f"{v['median_step_pct']:.3f} %, p99 {v['p99_step_pct']:.3f} %); writer thread "
+                  f"{(v['writer_pct_of_wall'] or 0):.3f} % of the engine process's wall time")
     (a.out / "overhead.json").write_text(json.dumps(out, indent=2))
     print(f"written {a.out / 'overhead.json'}; p50 goal: upper bound <= 1.05 "
           f"(TTFT {'met' if out['ttft_p50']['ci95'][1] <= 1.05 else 'missed'}, "
