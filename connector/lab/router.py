@@ -243,7 +243,6 @@ class Router:
                "status": 0, "first_chunk_rx_ns": None}
         root = sp.start("router.request", x, start_ns=t_recv, pidx=pidx,
                         attrs={"request.mode": self.mode, "router.policy": "round-robin",
-                               **({"router.push_dispatch": self.push_dispatch} if self.mode == "push" else {}),
                                "request.client_id": request.headers.get("X-Request-Id", "")[:64]}) if sampled else 0
         ctx["root"], ctx["sampled"] = root, sampled
         resp = None

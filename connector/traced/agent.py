@@ -53,6 +53,11 @@ class TracedAgent:
         self._lock = threading.Lock()
         self.heartbeats_sent = 0
         self.heartbeats_received = 0
+        # get_new_notifs drain times (monotonic ns): a notification returned by one drain
+        # arrived after the previous drain started (``drain_lo``) and before this one (``drain_at``).
+        self._drain_prev = 0
+        self.drain_lo = 0
+        self.drain_at = 0
 
     def __getattr__(self, name):
         return getattr(self._agent, name)
@@ -148,9 +153,12 @@ class TracedAgent:
                      attrs={"kv.notif_kind": kind, "request.internal_id": rid or ""})
 
     def get_new_notifs(self, *args, **kwargs):
+        t0 = tracer.now() if tracer.on else 0
         out = self._agent.get_new_notifs(*args, **kwargs)
-        if tracer.on and out:
-            safe(self._received, out)
+        if tracer.on:
+            self.drain_lo, self.drain_at, self._drain_prev = self._drain_prev, t0, t0
+            if out:
+                safe(self._received, out)
         return out
 
     def _received(self, out) -> None:

@@ -16,7 +16,8 @@ scheduler ``build_connector_meta``  D / engine core      ``registration.timeout`
 ``_do_send_reg_notif``            D / nixl-push-writer   ``registration.sent`` (+ send wall time in the
                                                          payload: ``_pdt_sent_wall_ns``)
 ``_handle_push_reg_notif``        P / nixl-push-writer   ``registration.received`` (``clock.send_ns``),
-                                                         ``dest.register`` [D alloc → arrival on P]
+                                                         ``dest.register`` [D alloc → arrival on P,
+                                                         see :func:`reg_arrival`]
 ``_pop_matching_registration``    P / nixl-push-writer   KV blocks dequeued from the writer inbox
 ``_pop_matching_finished_blocks`` P / nixl-push-writer   a registration matched waiting blocks
 ``_do_start_push_kv``             P / nixl-push-writer   first contact (handshake deferral)
@@ -52,6 +53,26 @@ from .worker import Ctx, TracedWorkerMixin, wall_to_mono
 
 ALLOC_KEY = "_pdt_alloc_wall_ns"
 SENT_KEY = "_pdt_sent_wall_ns"
+
+
+def reg_arrival(read_ns: int, prev_drain_ns: int, sent_ns: int | None) -> int:
+    """When a registration reached P (monotonic ns, P's clock), as far as P can tell.
+
+    P's writer thread reads notifications (``get_new_notifs``) only when it runs,
+    and vLLM's writer sleeps until P hands it finished blocks (it self-polls at
+    ~1 ms only while blocks wait for a registration). So a registration that
+    arrived while P was still computing is *read* only after P's KV is ready:
+    the read time would make the registration look like the later input of the
+    join and charge P's own step/writer wake-up to ``dest.register``. What is
+    known: it arrived after the previous drain started (``prev_drain_ns``) and
+    after D sent it (``sent_ns``, D's wall clock converted; same host: exact,
+    other hosts: raw, corrected by the analysis), and before it was read
+    (``read_ns``). The earliest time consistent with all three is returned;
+    the uncertainty is the writer's poll interval while it polls (~1 ms), or
+    the loopback/network latency after D's send while it slept.
+    """
+    lo = max(prev_drain_ns or 0, sent_ns or 0)
+    return min(read_ns, lo) if lo else read_ns
 
 
 class TracedNixlPushConnectorScheduler(TracedSchedulerMixin, NixlPushConnectorScheduler):
@@ -141,20 +162,24 @@ class TracedNixlPushConnectorWorker(TracedWorkerMixin, NixlPushConnectorWorker):
         if not isinstance(rid, str):
             return
         x, pidx = split_id(rid)
-        self._pdt_regs[f"{x}\x00{pidx}"] = t
-        if len(self._pdt_regs) > 50_000:
-            self._pdt_regs.clear()
         peer = str(reg.get("decode_engine_id"))
         a = {"request.internal_id": rid, "kv.notif_kind": "push_reg", "peer.engine_id": peer,
              "clock.peer_engine_id": peer}
         sent = reg.get(SENT_KEY)
         if isinstance(sent, int):
             a["clock.send_ns"] = sent
+        # the event keeps the read time (a causal upper bound for the clock analysis)
         tracer.event("registration.received", x, time_ns=t, prompt_index=pidx, tp_rank=self._pdt_rank, attrs=a)
+        # t (just after the drain that returned it) bounds the arrival from above
+        arrived = reg_arrival(t, getattr(self.nixl_wrapper, "drain_lo", 0),
+                              wall_to_mono(sent) if isinstance(sent, int) else None)
+        self._pdt_regs[f"{x}\x00{pidx}"] = arrived
+        if len(self._pdt_regs) > 50_000:
+            self._pdt_regs.clear()
         alloc = reg.get(ALLOC_KEY)
         if isinstance(alloc, int) and tracer.sampled(x):
             # Start is D's wall clock (raw, another process/host); the analysis corrects skew.
-            tracer.record("dest.register", x, wall_to_mono(alloc), t,
+            tracer.record("dest.register", x, min(wall_to_mono(alloc), arrived), arrived,
                           {"request.internal_id": rid, "peer.engine_id": peer, "request.mode": "push",
                            "clock.send_ns": alloc},
                           prompt_index=pidx, tp_rank=self._pdt_rank)

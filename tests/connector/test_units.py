@@ -105,3 +105,14 @@ def test_push_write_blocks_count_from_the_registration():
     assert st.blocks == 2
     W._pdt_blocks(st, NS(local_block_ids=[1, 2, 3], remote=NS(block_ids=[5, 6, 7])))
     assert st.blocks == 3
+
+
+def test_push_registration_arrival_is_the_earliest_consistent_instant():
+    """P's writer reads a registration late when it slept through its arrival: the span uses
+    max(previous drain, D's send) — never the read time when an earlier bound exists — capped by the read."""
+    from pdtrace.connector.traced.push import reg_arrival
+
+    assert reg_arrival(1_000, 0, None) == 1_000            # nothing known: the read time
+    assert reg_arrival(1_000, 200, 300) == 300             # writer slept since 200, D sent at 300
+    assert reg_arrival(1_000, 990, 300) == 990             # writer polling (~1 ms): arrived after 990
+    assert reg_arrival(1_000, 990, 5_000) == 1_000         # D's clock ahead (other host): capped by the read
