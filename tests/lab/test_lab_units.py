@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -149,3 +150,19 @@ def test_sse_decoder_splits_events_across_chunks():
     assert d.feed(b'data: {"a": 1}\n\ndata: [DO') == [{"a": 1}]
     assert d.feed(b'NE]\n\n: comment\n\ndata: {"b"') == []
     assert d.feed(b': 2}\n\ndata: not json\n\n') == [{"b": 2}]
+
+
+def test_router_push_dispatch_setting():
+    """push_dispatch: 'concurrent' by default, 'serial' accepted, anything else refused at start; the
+    launcher passes LabConfig.push_dispatch through to the router's config."""
+    from pdtrace.connector.lab.launcher import Lab, LabConfig
+    from pdtrace.connector.lab.router import Router
+
+    base = {"mode": "push", "prefill": [{"url": "http://127.0.0.1:1", "engine_id": "p"}],
+            "decode": [{"url": "http://127.0.0.1:2", "engine_id": "d"}]}
+    assert Router(dict(base)).push_dispatch == "concurrent"
+    assert Router(dict(base, push_dispatch="serial")).push_dispatch == "serial"
+    with pytest.raises(ValueError, match="push_dispatch"):
+        Router(dict(base, push_dispatch="sequential"))
+    lab = Lab(LabConfig(model=Path("/nonexistent"), mode="push", push_dispatch="serial"))
+    assert lab.router_config()["push_dispatch"] == "serial"

@@ -1,0 +1,274 @@
+"""Shared helpers of the traced-connector lab tests (pull, push, failures, transfer-heavy).
+
+Imported by the ``tests/connector/test_traced_*_lab.py`` modules (this
+directory is on ``sys.path`` under pytest's default import mode). Nothing
+here starts a lab by itself: the modules' fixtures do, so each module decides
+how many labs it pays for (≈1 min each on the shared 2-core machine).
+
+The ``check_*`` functions are the per-request assertions both connector modes
+share; they take the open trace (``pdtrace.analysis.db``), the replayed router
+ids and real values only.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from pdtrace.connector.lab import env as lab_env
+from pdtrace.connector.lab import metrics, replay, workload
+from pdtrace.connector.lab.launcher import Lab, LabConfig
+from pdtrace.connector.lab.model import make_model, model_info
+
+MIDDLEWARE = "pdtrace.connector.traced.middleware.FrontendMiddleware"
+MODULE = "pdtrace.connector.traced"
+TRACED_CLASS = {"pull": "TracedNixlPullConnector", "push": "TracedNixlPushConnector"}
+N_REPLAY = 20
+BLOCK_TOKENS = 128  # vLLM's CPU block size (tokens per KV block in the lab's engines)
+
+
+def post(url: str, body: dict, headers: dict | None = None, timeout: float = 300) -> dict:
+    """POST JSON and return the JSON answer (raises on HTTP errors)."""
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def post_status(url: str, body: dict, headers: dict | None = None, timeout: float = 300) -> tuple[int, dict]:
+    """POST JSON; return (HTTP status, JSON body), also for HTTP errors."""
+    try:
+        return 200, post(url, body, headers, timeout)
+    except urllib.error.HTTPError as e:
+        raw = e.read()
+        try:
+            return e.code, json.loads(raw)
+        except ValueError:
+            return e.code, {"raw": raw.decode(errors="replace")}
+
+
+def get_json(url: str, timeout: float = 30) -> dict:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def traced_cfg(model: Path, run_dir: Path, trace: bool, mode: str = "pull", env: dict | None = None,
+               **kw) -> LabConfig:
+    """A lab with the traced connector of ``mode`` and the frontend middleware; ``PDTRACE_DIR`` iff ``trace``."""
+    return LabConfig(model=model, mode=mode, run_dir=run_dir, trace_dir=(run_dir.resolve() if trace else None),
+                     connector_class=TRACED_CLASS[mode], connector_module=MODULE,
+                     extra_args=["--middleware", MIDDLEWARE], extra_env=env or {}, **kw)
+
+
+def lab_model(profile: str = "default") -> Path:
+    """The lab model of ``profile`` (shared cache); skip — or fail under ``PDTRACE_LAB_REQUIRED=1`` — without the lab."""
+    found = lab_env.problems(import_check=False)
+    if found:
+        msg = "lab environment not ready: " + "; ".join(p.what for p in found)
+        if os.environ.get("PDTRACE_LAB_REQUIRED") == "1":
+            pytest.fail(msg)
+        pytest.skip(msg)
+    return make_model(profile)
+
+
+def azure_workload(model_dir: Path, n: int = N_REPLAY):
+    """``n`` Azure-conversation requests, lengths ×0.25, rate ×1 (the lab's defaults)."""
+    from pdtrace.connector.data import AZURE_CONV
+    return workload.build("azure-conv", AZURE_CONV, vocab_size=model_info(model_dir)["vocab_size"],
+                          length_scale=0.25, rate_scale=1.0, max_requests=n, max_model_len=8192)
+
+
+def greedy(lab: Lab, prompts, max_tokens: int = 6) -> list[list[str]]:
+    """Greedy token ids (as ``token_id:N`` strings) of each prompt through the router."""
+    out = []
+    for p in prompts:
+        r = post(lab.router_url + "/v1/completions",
+                 {"model": "lab", "prompt": p, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+                  "logprobs": 0, "return_tokens_as_token_ids": True})
+        out.append(r["choices"][0]["logprobs"]["tokens"])
+    return out
+
+
+def replay_ok(lab: Lab, wl) -> list:
+    """Replay ``wl`` through the router; every request must succeed."""
+    recs = asyncio.run(replay.replay(wl, lab.router_url, timeout_s=300, progress=False))
+    bad = [(r.request_index, r.status, r.http_status, r.error_type) for r in recs if not r.ok]
+    assert not bad, bad
+    return recs
+
+
+def one(lab: Lab, prompt, max_tokens: int = 4, headers: dict | None = None) -> str:
+    """One non-streaming completion through the router (waits for it); returns the router's request id X."""
+    body = {"model": "lab", "prompt": list(prompt), "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+    req = urllib.request.Request(lab.router_url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        out = json.loads(r.read())
+        x = r.headers.get("X-Request-Id", "")
+    assert out["usage"]["completion_tokens"] == max_tokens, out
+    assert x, "the router sent no X-Request-Id"
+    return x
+
+
+def warm_up(lab: Lab, prompt, tries: int = 2) -> str:
+    """First request of the P/D pair (first contact: the handshake). Returns the router's id for it."""
+    last = None
+    for _ in range(tries):
+        status, body = post_status(lab.router_url + "/v1/completions",
+                                   {"model": "lab", "prompt": list(prompt)[:40], "max_tokens": 2, "ignore_eos": True})
+        if status == 200:
+            return body.get("id", "")
+        last = (status, body)
+    raise AssertionError(f"warm-up failed {tries} times: {last}")
+
+
+def open_trace(run_dir: Path):
+    from pdtrace.analysis import db
+    return db.open_trace(run_dir, cache=run_dir / "analysis.duckdb")
+
+
+# ------------------------------------------------------------------ checks
+def check_joined(tr, ids: set, n_total: int) -> None:
+    """Each id has one router root and P and D spans; the store holds exactly ``n_total`` request ids, all router ids."""
+    assert len(ids) >= N_REPLAY and None not in ids
+    rows = tr.query("""
+        SELECT request_id,
+               count(*) FILTER (WHERE stage = 'router.request') AS roots,
+               count(*) FILTER (WHERE role = 'prefill') AS p_spans,
+               count(*) FILTER (WHERE role = 'decode') AS d_spans
+        FROM spans WHERE request_id IS NOT NULL GROUP BY request_id""")
+    by = {r["request_id"]: r for r in rows}
+    for x in ids:
+        r = by.get(x)
+        assert r is not None, f"{x}: no span at all"
+        assert r["roots"] == 1 and r["p_spans"] > 0 and r["d_spans"] > 0, r
+    # every id an engine recorded is a router id (internal ids stripped back to X on both engines)
+    assert all(r["roots"] == 1 for r in by.values()), [r for r in by.values() if r["roots"] != 1]
+    assert len(by) == n_total, len(by)
+    req = {r["request_id"]: r for r in tr.query("SELECT * FROM requests")}
+    assert all(req[x]["status"] == "complete" and req[x]["ttft_ms"] > 0 for x in ids)
+
+
+def check_stages_once(tr, ids, stages_once) -> None:
+    """Per request, attempt and rank: each stage exactly once (frontends: one in + one out part); no span ends before it starts."""
+    rows = tr.query("""
+        SELECT request_id, stage, attempt, coalesce(tp_rank, -1) AS rank, count(*) AS n,
+               count(*) FILTER (WHERE attr_str['frontend.part'] = 'in') AS n_in,
+               count(*) FILTER (WHERE attr_str['frontend.part'] = 'out') AS n_out,
+               count(*) FILTER (WHERE parent_span_id IS NULL) AS n_top
+        FROM spans WHERE request_id IS NOT NULL GROUP BY ALL""")
+    got = {}
+    for r in rows:
+        got.setdefault(r["request_id"], {})[(r["stage"], r["attempt"], r["rank"])] = r
+    for x in ids:
+        st = got[x]
+        for stage in tuple(stages_once) + ("prefill.frontend", "decode.frontend"):
+            hits = [v for (s, a, k), v in st.items() if s == stage]
+            assert hits, f"{x}: {stage} missing"
+            assert all(h["attempt"] == 0 for h in hits), (x, stage)
+            if stage.endswith("frontend"):
+                assert [(h["n_in"], h["n_out"]) for h in hits] == [(1, 1)], (x, stage, hits)
+            else:
+                assert all(h["n"] == 1 for h in hits), (x, stage, hits)
+        # prefill.compute: one top-level span (+ one child per chunk)
+        pc = [v for (s, a, k), v in st.items() if s == "prefill.compute"]
+        assert len(pc) == 1 and pc[0]["n_top"] == 1 and pc[0]["n"] >= 2, (x, pc)
+        assert ("router.request", 0, -1) in st and st[("router.request", 0, -1)]["n"] == 1
+    bad = tr.query("SELECT stage, request_id FROM spans WHERE raw_end_ns < raw_start_ns")
+    assert not bad, bad
+
+
+def causal_rows(tr) -> dict:
+    """Per request: the instants the causal checks compare (raw ns: as recorded).
+
+    Raw, not skew-corrected: every lab process runs on one host and reads the
+    same clock, so the recorded times are the ground truth of the order; the
+    analysis' per-window skew correction may move one engine's spans by its
+    estimate's error (seen: −79 ms from a handshake clock sample under load),
+    which is the analysis' accuracy, tested elsewhere, not the connectors'.
+    """
+    rows = tr.query("""
+        SELECT request_id,
+               max(raw_end_ns) FILTER (WHERE stage = 'prefill.compute') AS p_compute_end,
+               max(raw_end_ns) FILTER (WHERE stage = 'kv.transfer') AS xfer_end,
+               min(raw_start_ns) FILTER (WHERE stage = 'kv.transfer') AS xfer_start,
+               min(raw_start_ns) FILTER (WHERE stage = 'kv.ready') AS ready_start,
+               min(raw_start_ns) FILTER (WHERE stage = 'decode.first_step') AS first_step_start,
+               min(raw_end_ns) FILTER (WHERE stage = 'handoff.prep') AS prep_end,
+               min(raw_start_ns) FILTER (WHERE stage = 'handoff.prep') AS prep_start,
+               min(raw_end_ns) FILTER (WHERE stage = 'decode.queue') AS d_queue_end,
+               min(raw_start_ns) FILTER (WHERE stage = 'dest.register') AS reg_start,
+               min(raw_end_ns) FILTER (WHERE stage = 'dest.register') AS reg_end,
+               min(raw_start_ns) FILTER (WHERE stage = 'router.request') AS arrival
+        FROM spans WHERE request_id IS NOT NULL GROUP BY request_id""")
+    return {r["request_id"]: r for r in rows}
+
+
+def check_causal(tr, ids) -> dict:
+    """arrival ≤ P compute end < transfer end ≤ D's first step; the post ends prep; readiness before the first step."""
+    by = causal_rows(tr)
+    for x in ids:
+        r = by[x]
+        assert r["arrival"] <= r["p_compute_end"] < r["xfer_end"], r
+        assert r["prep_end"] <= r["xfer_start"] + 1_000_000, r  # the post ends prep
+        assert r["ready_start"] <= r["first_step_start"], r
+        assert r["xfer_end"] <= r["first_step_start"], r
+    return by
+
+
+def check_transfer_bytes(tr, ids, kv_bytes_per_token: int) -> None:
+    """``kv.transfer`` bytes = blocks × block bytes, blocks = ⌈prompt / 128⌉ (or of prompt − 1)."""
+    block_bytes = BLOCK_TOKENS * kv_bytes_per_token
+    rows = tr.query("""
+        SELECT t.request_id, t.bytes, t.blocks, q.prompt_tokens
+        FROM transfers t JOIN requests q USING (rkey)""")
+    by = {}
+    for r in rows:
+        assert r["request_id"] not in by, f"{r['request_id']}: more than one kv.transfer"
+        by[r["request_id"]] = r
+    for x in ids:
+        r = by[x]
+        assert r["blocks"] and r["bytes"] == r["blocks"] * block_bytes, r
+        n = r["prompt_tokens"]
+        assert r["blocks"] in (math.ceil((n - 1) / BLOCK_TOKENS), math.ceil(n / BLOCK_TOKENS)), r
+
+
+def check_nixl_counters(tr, m: dict, min_count: int) -> dict:
+    """Totals of ``kv.transfer`` (count, bytes, NIXL duration) = vLLM's ``vllm:nixl_*`` counters ``m`` within 1 %."""
+    prom_count = metrics.total(m, "vllm:nixl_xfer_time_seconds_count")
+    prom_bytes = metrics.total(m, "vllm:nixl_bytes_transferred_sum")
+    prom_time = metrics.total(m, "vllm:nixl_xfer_time_seconds_sum")
+    t = tr.query("""SELECT count(*) AS n, sum(attr_int['kv.bytes']) AS b, sum(attr_int['kv.xfer_ns']) AS ns
+                    FROM spans WHERE stage = 'kv.transfer'""")[0]
+    print(f"kv.transfer: {t['n']} spans, {t['b']} B, {t['ns'] / 1e9:.4f} s; vLLM: {prom_count:.0f}, "
+          f"{prom_bytes:.0f} B, {prom_time:.4f} s")
+    assert prom_count >= min_count
+    assert abs(t["n"] - prom_count) <= 0.01 * prom_count
+    assert abs(t["b"] - prom_bytes) <= 0.01 * prom_bytes
+    assert abs(t["ns"] / 1e9 - prom_time) <= 0.01 * prom_time + 1e-6
+    return {"spans": t, "prom": (prom_count, prom_bytes, prom_time)}
+
+
+def check_handshake_once(tr, replay_ids: set) -> str:
+    """Exactly one ``handoff.handshake`` (and one first-contact prep): on the first request, rank 0. Returns its id."""
+    hs = tr.query("""
+        SELECT s.request_id, s.engine_id, s.tp_rank, s.attr_str['peer.engine_id'] AS peer
+        FROM spans s WHERE s.stage = 'handoff.handshake'""")
+    assert len(hs) == 1, hs
+    first = tr.query("SELECT request_id FROM requests ORDER BY arrival_ns LIMIT 1")[0]["request_id"]
+    assert hs[0]["request_id"] == first and hs[0]["tp_rank"] in (0, None), (hs, first)
+    assert first not in replay_ids
+    fc = tr.query("SELECT request_id FROM spans WHERE stage = 'handoff.prep' AND attr_int['kv.first_contact'] = 1")
+    assert [r["request_id"] for r in fc] == [first]
+    return first
+
+
+def check_no_tracing_errors(run_dir: Path) -> None:
+    logs = "".join(p.read_text(errors="replace") for p in (run_dir / "logs").glob("*.log"))
+    assert "pdtrace: tracing error" not in logs
