@@ -483,8 +483,8 @@ def worst_tpot(t: Trace, w: Window, limit: int = 20) -> pd.DataFrame:
     return t.query(f"""
         SELECT s.request_id, s.run_id, s.mode, s.tpot_ms, s.stall_tpot_ms, s.tpot_without_stalls_ms, s.stall_ms,
                s.top_culprit_request_id, s.top_culprit_kind, s.top_culprit_ms, s.rkey
-        FROM request_stalls s JOIN requests r USING (rkey)
-        WHERE {w.sql('r.arrival_ns')}
+        FROM request_stalls s
+        WHERE {w.sql('s.arrival_ns')}
         ORDER BY s.stall_ms DESC NULLS LAST, s.request_id LIMIT {int(limit)}""")
 
 
@@ -492,17 +492,15 @@ def stall_culprits(t: Trace, rkey: int) -> pd.DataFrame:
     """Which other requests' work stalled the decode steps a request decoded in, largest first.
 
     A victim's steps are the ``decode.step`` spans whose batch (``step.batch``) names
-    it between its first and last token; their causes come from
-    ``decode_stall_causes``. Columns: culprit_request_id, kind, steps (count),
-    share_ms (summed share of those steps' excess, ms).
+    it between its first and last token (``decode_step_requests``, materialized by the
+    analysis); their causes come from ``decode_stall_causes``. Columns:
+    culprit_request_id, kind, steps (count), share_ms (summed share of those steps' excess, ms).
     """
     return t.query("""
         WITH v AS (SELECT request_id, first_token_ns, last_token_ns FROM requests WHERE rkey = $1),
-             st AS (SELECT s.span_id FROM spans s, v
-                    WHERE s.stage = 'decode.step' AND s.start_ns >= v.first_token_ns - 1000000000
-                      AND s.start_ns <= coalesce(v.last_token_ns, v.first_token_ns)
-                      AND list_contains(list_transform(string_split(s.attr_str['step.batch'], ';'),
-                                                       lambda x: split_part(x, ':', 1)), v.request_id))
+             st AS (SELECT DISTINCT e.step_span_id AS span_id FROM decode_step_requests e, v
+                    WHERE e.request_id = v.request_id AND e.start_ns >= v.first_token_ns - 1000000000
+                      AND e.start_ns <= coalesce(v.last_token_ns, v.first_token_ns))
         SELECT c.culprit_request_id, c.kind, count(DISTINCT c.step_span_id) AS steps, sum(c.share_ms) AS share_ms
         FROM decode_stall_causes c JOIN st ON st.span_id = c.step_span_id, v
         WHERE c.culprit_request_id IS DISTINCT FROM v.request_id
@@ -537,15 +535,14 @@ def stage_share_change(t: Trace, incident: Window, baseline: Window) -> pd.DataF
     return df.sort_values(["growth_pp", "stage"], ascending=[False, True]).reset_index(drop=True)
 
 
-#: Attributes "What changed" ranks: label -> SQL expression over ttft_breakdown (alias b) and a descriptor
-#: count (alias d.descriptors).
+#: Attributes "What changed" ranks: label -> SQL expression over ttft_breakdown (alias b).
 CHANGE_ATTRIBUTES: dict[str, str] = {
     "mode": "b.mode",
     "prefill engine": "b.prefill_engine",
     "decode engine": "b.decode_engine",
     "prompt bucket": PROMPT_BUCKET_SQL.replace("prompt_tokens", "b.prompt_tokens"),
     "first contact": "CASE WHEN b.first_contact THEN 'first contact' ELSE 'warm pair' END",
-    "descriptors": _bucket_case("d.descriptors", DESCRIPTOR_BUCKETS),
+    "descriptors": _bucket_case("b.kv_descriptors", DESCRIPTOR_BUCKETS),
 }
 
 
@@ -560,13 +557,11 @@ def attribute_share_change(t: Trace, incident: Window, baseline: Window) -> pd.D
     """
     unions = " UNION ALL ".join(
         f"SELECT '{label}' AS attribute, coalesce(CAST({expr} AS VARCHAR), 'unknown') AS value, b.ttft_ns, "
-        f"b.inc, b.base FROM b LEFT JOIN d USING (rkey)"
+        f"b.inc, b.base FROM b"
         for label, expr in CHANGE_ATTRIBUTES.items())
     df = t.query(f"""
         WITH b AS (SELECT *, {incident.sql()} AS inc, {baseline.sql()} AS base
                    FROM ttft_breakdown WHERE ({incident.sql()}) OR ({baseline.sql()})),
-             d AS (SELECT rkey, sum(attr_int['kv.descriptors']) AS descriptors FROM spans
-                   WHERE stage = 'kv.transfer' AND rkey IN (SELECT rkey FROM b) GROUP BY rkey),
              tot AS (SELECT sum(ttft_ns) FILTER (WHERE inc) AS ti, sum(ttft_ns) FILTER (WHERE base) AS tb FROM b),
              a AS ({unions})
         SELECT attribute, value,

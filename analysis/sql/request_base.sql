@@ -59,7 +59,8 @@ WITH rt AS (
            bool_or(name IN ('kv.load_failed', 'request.preempted')) AS recomputed,
            CASE WHEN bool_or(connector ILIKE '%push%') THEN 'push'
                 WHEN bool_or(connector ILIKE '%nixl%') THEN 'pull' END AS connector_mode,
-           bool_or(name = 'dest.register') AS saw_registration
+           bool_or(name = 'dest.register') AS saw_registration,
+           sum(attr_int['kv.descriptors']) FILTER (WHERE record = 'span' AND name = 'kv.transfer') AS kv_descriptors
     FROM _timed
     WHERE role IN ('prefill', 'decode') AND rkey IN (SELECT rkey FROM _scope_keys)
     GROUP BY rkey
@@ -84,7 +85,8 @@ SELECT coalesce(rt.rkey, en.rkey) AS rkey,
        coalesce(rt.has_root, false) AS has_router_record,
        rt.linked_ids,
        en.last_ns AS engine_last_ns,
-       CASE WHEN coalesce(rt.mode, en.connector_mode) = 'pull' THEN rt.p_response_ns END AS prefill_response_ns
+       CASE WHEN coalesce(rt.mode, en.connector_mode) = 'pull' THEN rt.p_response_ns END AS prefill_response_ns,
+       en.kv_descriptors
 FROM rt FULL OUTER JOIN en ON rt.rkey = en.rkey
 WHERE NOT (rt.rkey IS NULL AND en.rkey IN (SELECT rkey FROM linked));
 

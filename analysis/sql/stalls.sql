@@ -1,5 +1,15 @@
 -- module: stalls
 -- requires: spans, request_base
+-- materialize: _step_entries full
+-- materialize: _step_baseline full
+-- materialize: decode_stall_causes full
+-- materialize: _stall_victims full
+-- comments-like: decode_stall_causes (engine_id, step_id, start_ns, step_span_id) -> decode_stalls
+-- comments-like: decode_stall_causes (engine_id, start_ns, step_span_id) -> decode_step_requests
+--
+-- Materialized (recomputed on every refresh that absorbs files: a step's
+-- baseline depends on the steps before it on its engine), so the dashboard
+-- reads tables, not the store's files.
 --
 -- Decode stalls (DESIGN.md §3). For each decode.step on an engine:
 --   shape     = number of requests with decode tokens in the step (step.batch 'X:d1' entries)
@@ -23,11 +33,13 @@ SELECT s.span_id, s.engine_id, s.start_ns, s.end_ns, s.end_ns - s.start_ns AS du
        s.attr_int['step.id'] AS step_id, coalesce(s.attr_str['step.batch'], '') AS batch
 FROM spans s WHERE s.stage = 'decode.step';
 
-CREATE OR REPLACE VIEW _step_entries AS
+CREATE OR REPLACE VIEW _calc_step_entries AS
 SELECT span_id, engine_id, _base_request_id(mm.rid) AS request_id, mm.kind AS kind, mm.tok::BIGINT AS tokens
 FROM (SELECT span_id, engine_id, regexp_extract(e, '^(.*):([pdr])([0-9]+)$', ['rid', 'kind', 'tok']) AS mm
       FROM _steps, unnest(string_split(batch, ';')) AS u(e) WHERE e <> '')
 WHERE mm.rid <> '';
+CREATE TABLE IF NOT EXISTS _mat_step_entries AS SELECT * FROM _calc_step_entries LIMIT 0;
+CREATE OR REPLACE VIEW _step_entries AS SELECT * FROM _mat_step_entries;
 
 CREATE OR REPLACE VIEW _step_conn AS
 SELECT s.span_id AS step_span_id, c.span_id, c.stage, c.end_ns - c.start_ns AS dur_ns,
@@ -49,7 +61,7 @@ SELECT s.*, coalesce(e.shape, 0) AS shape, coalesce(e.prefill_tokens, 0) AS pref
        coalesce(c.connector_ns, 0) = 0 AND coalesce(e.prefill_tokens, 0) = 0 AND coalesce(e.recompute_tokens, 0) = 0 AS clean
 FROM _steps s LEFT JOIN e ON e.span_id = s.span_id LEFT JOIN c ON c.step_span_id = s.span_id;
 
-CREATE OR REPLACE VIEW _step_baseline AS
+CREATE OR REPLACE VIEW _calc_step_baseline AS
 WITH clean AS (
     SELECT engine_id, shape, start_ns,
            median(dur_ns) OVER (PARTITION BY engine_id, shape ORDER BY start_ns
@@ -62,9 +74,11 @@ SELECT s.*, coalesce(c.run_median, o.m)::BIGINT AS baseline_ns
 FROM _step_stats s
 ASOF LEFT JOIN clean c ON c.engine_id = s.engine_id AND c.shape = s.shape AND s.start_ns > c.start_ns
 LEFT JOIN overall o ON o.engine_id = s.engine_id AND o.shape = s.shape;
+CREATE TABLE IF NOT EXISTS _mat_step_baseline AS SELECT * FROM _calc_step_baseline LIMIT 0;
+CREATE OR REPLACE VIEW _step_baseline AS SELECT * FROM _mat_step_baseline;
 
 -- One row per (step, cause): the cause's share of the step's excess.
-CREATE OR REPLACE VIEW decode_stall_causes AS
+CREATE OR REPLACE VIEW _calc_decode_stall_causes AS
 WITH st AS (
     SELECT *, CASE WHEN clean OR baseline_ns IS NULL THEN 0 ELSE greatest(dur_ns - baseline_ns, 0) END AS excess_ns
     FROM _step_baseline
@@ -99,6 +113,8 @@ SELECT st.engine_id, st.step_id, st.start_ns, causes.kind, causes.method, causes
        causes.share_ns, causes.share_ns / 1e6 AS share_ms, st.span_id AS step_span_id
 FROM causes JOIN st ON st.span_id = causes.span_id
 WHERE causes.share_ns > 0;
+CREATE TABLE IF NOT EXISTS _mat_decode_stall_causes AS SELECT * FROM _calc_decode_stall_causes LIMIT 0;
+CREATE OR REPLACE VIEW decode_stall_causes AS SELECT * FROM _mat_decode_stall_causes;
 
 CREATE OR REPLACE VIEW decode_stalls AS
 WITH top AS (
@@ -113,18 +129,22 @@ SELECT b.engine_id, b.step_id, b.start_ns, b.end_ns, b.dur_ns, b.dur_ns / 1e6 AS
        t.top_culprit AS culprit_request_id, t.top_kind AS culprit_kind, b.span_id AS step_span_id
 FROM _step_baseline b LEFT JOIN top t ON t.step_span_id = b.span_id;
 
-CREATE OR REPLACE VIEW request_stalls AS
+-- Per victim request id: the stall excess other requests' work cost it, and the top culprit.
+CREATE OR REPLACE VIEW _calc_stall_victims AS
 WITH victims AS (
     SELECT e.request_id, c.culprit_request_id, c.kind, sum(c.share_ns) AS ns
     FROM _step_entries e JOIN decode_stall_causes c ON c.step_span_id = e.span_id
     WHERE e.kind = 'd' AND c.culprit_request_id IS DISTINCT FROM e.request_id
     GROUP BY ALL
-), per AS (
-    SELECT request_id, sum(ns) AS stall_ns, arg_max(culprit_request_id, ns) AS top_culprit,
-           arg_max(kind, ns) AS top_kind, max(ns) AS top_ns
-    FROM victims GROUP BY request_id
 )
-SELECT q.run_id, q.request_id, q.prompt_index, q.mode, q.output_tokens,
+SELECT request_id, sum(ns) AS stall_ns, arg_max(culprit_request_id, ns) AS top_culprit,
+       arg_max(kind, ns) AS top_kind, max(ns) AS top_ns
+FROM victims GROUP BY request_id;
+CREATE TABLE IF NOT EXISTS _mat_stall_victims AS SELECT * FROM _calc_stall_victims LIMIT 0;
+
+CREATE OR REPLACE VIEW request_stalls AS
+WITH per AS (SELECT * FROM _mat_stall_victims)
+SELECT q.run_id, q.request_id, q.prompt_index, q.mode, q.output_tokens, q.arrival_ns,
        (q.last_token_ns - q.first_token_ns) / 1e6 / nullif(q.output_tokens - 1, 0) AS tpot_ms,
        coalesce(p.stall_ns, 0) AS stall_ns, coalesce(p.stall_ns, 0) / 1e6 AS stall_ms,
        coalesce(p.stall_ns, 0) / 1e6 / nullif(q.output_tokens - 1, 0) AS stall_tpot_ms,
@@ -134,6 +154,15 @@ SELECT q.run_id, q.request_id, q.prompt_index, q.mode, q.output_tokens,
        q.rkey
 FROM _req_base q LEFT JOIN per p ON p.request_id = q.request_id
 WHERE q.first_token_ns IS NOT NULL;
+
+CREATE OR REPLACE VIEW decode_step_requests AS
+SELECT e.span_id AS step_span_id, e.engine_id, b.start_ns, e.request_id,
+       CASE e.kind WHEN 'd' THEN 'decode' WHEN 'p' THEN 'prefill' ELSE 'recompute' END AS kind, e.tokens
+FROM _step_entries e JOIN _step_baseline b ON b.span_id = e.span_id;
+COMMENT ON VIEW decode_step_requests IS 'Per decode step and request in its batch (step.batch): the tokens it was scheduled.';
+COMMENT ON COLUMN decode_step_requests.request_id IS 'base request id X of the batch entry';
+COMMENT ON COLUMN decode_step_requests.kind IS 'decode | prefill | recompute tokens';
+COMMENT ON COLUMN decode_step_requests.tokens IS 'tokens of that kind scheduled for the request in the step (tokens)';
 
 COMMENT ON VIEW decode_stall_causes IS 'Per stalled decode step and cause: the share of the step''s excess over its baseline.';
 COMMENT ON COLUMN decode_stall_causes.engine_id IS 'decode engine id';
@@ -147,9 +176,6 @@ COMMENT ON COLUMN decode_stall_causes.share_ms IS 'share_ns in ms';
 COMMENT ON COLUMN decode_stall_causes.step_span_id IS 'span id of the decode.step';
 
 COMMENT ON VIEW decode_stalls IS 'Per decode step: duration vs baseline of clean steps of the same shape, connector time on the forward thread, top culprit.';
-COMMENT ON COLUMN decode_stalls.engine_id IS 'decode engine id';
-COMMENT ON COLUMN decode_stalls.step_id IS 'engine step counter (step.id)';
-COMMENT ON COLUMN decode_stalls.start_ns IS 'step start (ns since the Unix epoch, router clock)';
 COMMENT ON COLUMN decode_stalls.end_ns IS 'step end (ns since the Unix epoch, router clock)';
 COMMENT ON COLUMN decode_stalls.dur_ns IS 'step duration (duration ns)';
 COMMENT ON COLUMN decode_stalls.dur_ms IS 'dur_ns in ms';
@@ -165,7 +191,6 @@ COMMENT ON COLUMN decode_stalls.recompute_tokens IS 'recompute tokens (tokens)';
 COMMENT ON COLUMN decode_stalls.clean IS 'true if the step had no connector work, prefill or recompute tokens (a baseline step)';
 COMMENT ON COLUMN decode_stalls.culprit_request_id IS 'request with the largest share of the excess';
 COMMENT ON COLUMN decode_stalls.culprit_kind IS 'kind of the largest cause (see decode_stall_causes.kind)';
-COMMENT ON COLUMN decode_stalls.step_span_id IS 'span id of the decode.step';
 
 COMMENT ON VIEW request_stalls IS 'Per complete request: TPOT and the part of it due to other requests'' handoffs, prefills or recomputes.';
 COMMENT ON COLUMN request_stalls.run_id IS 'deployment run id';
@@ -173,6 +198,7 @@ COMMENT ON COLUMN request_stalls.request_id IS 'base request id X';
 COMMENT ON COLUMN request_stalls.prompt_index IS 'prompt index i';
 COMMENT ON COLUMN request_stalls.mode IS 'pull | push | unknown';
 COMMENT ON COLUMN request_stalls.output_tokens IS 'generated tokens (tokens)';
+COMMENT ON COLUMN request_stalls.arrival_ns IS 'request received by the router (ns since the Unix epoch, router clock)';
 COMMENT ON COLUMN request_stalls.tpot_ms IS '(last token - first token) / (output tokens - 1) (ms per token)';
 COMMENT ON COLUMN request_stalls.stall_ns IS 'excess of stalled steps it decoded in, caused by other requests (duration ns)';
 COMMENT ON COLUMN request_stalls.stall_ms IS 'stall_ns in ms';
