@@ -9,6 +9,17 @@ header declares, in SQL comments::
     -- requires: request_base, stages
     -- materialize: ttft_segments request
 
+A view that shares columns with another can take their documentation
+instead of repeating it::
+
+    -- comments-like: summary_by_mode -> summary_by_window, summary_by_prompt_bucket
+    -- comments-like: decode_stall_causes (engine_id, step_id) -> decode_stalls
+
+copies the module's ``COMMENT ON COLUMN summary_by_mode.<col>`` statements
+(all of them, or only the listed columns) to each target view; a column the
+target documents itself keeps its own comment. The copies are appended to the
+module's text when it is read (so they are part of :func:`library_hash`).
+
 ``requires`` lists the modules that must be loaded first. ``materialize: NAME
 KIND`` says that view ``NAME`` reads table ``_mat_NAME``, filled from view
 ``_calc_NAME`` by :mod:`pdtrace.analysis.db` on refresh: ``full`` recomputes the
@@ -27,6 +38,29 @@ from dataclasses import dataclass, field
 from importlib import resources
 
 _HEADER = re.compile(r"^--\s*(module|requires|materialize):(.*)$", re.MULTILINE)
+_LIKE = re.compile(r"^--\s*comments-like:\s*(\w+)\s*(?:\(([^)]*)\))?\s*->\s*(.+)$", re.MULTILINE)
+_COLUMN_COMMENT = re.compile(r"^COMMENT ON COLUMN (\w+)\.(\w+) IS ('(?:[^']|'')*');$", re.MULTILINE)
+
+
+def expand_comments(text: str) -> str:
+    """``text`` with the column comments its ``-- comments-like:`` lines ask for appended.
+
+    Raises ValueError when a source view has no column comments in ``text``
+    or a listed column is not commented on the source.
+    """
+    extra: list[str] = []
+    own = {(v, c) for v, c, _ in _COLUMN_COMMENT.findall(text)}
+    for src, cols, targets in _LIKE.findall(text):
+        docs = {c: doc for v, c, doc in _COLUMN_COMMENT.findall(text) if v == src}
+        if not docs:
+            raise ValueError(f"comments-like: view {src} has no column comments in this module")
+        wanted = [c.strip() for c in cols.split(",") if c.strip()] if cols else list(docs)
+        missing = [c for c in wanted if c not in docs]
+        if missing:
+            raise ValueError(f"comments-like: {src} does not comment {', '.join(missing)}")
+        for tgt in (t.strip() for t in targets.split(",")):
+            extra += [f"COMMENT ON COLUMN {tgt}.{c} IS {docs[c]};" for c in wanted if (tgt, c) not in own]
+    return text if not extra else text.rstrip("\n") + "\n-- (copied by comments-like)\n" + "\n".join(extra) + "\n"
 
 
 @dataclass(frozen=True)
@@ -62,7 +96,7 @@ def read_module(name: str, text: str) -> Module:
             mats.append((parts[0], parts[1]))
     if declared != name:
         raise ValueError(f"module file {name}.sql declares module {declared!r}")
-    return Module(name, tuple(requires), tuple(mats), text)
+    return Module(name, tuple(requires), tuple(mats), expand_comments(text))
 
 
 def modules() -> dict[str, Module]:

@@ -5,6 +5,8 @@
 -- tokens, and uncached prompt tokens), and arrival-rate window. Buckets are
 -- powers of two: [2^k, 2^(k+1)). Shares are sum(category) / sum(TTFT) over the
 -- group's complete requests, so they add up to 1.
+--
+-- comments-like: summary_by_mode -> summary_by_prompt_bucket, summary_by_uncached_bucket, summary_by_window
 
 CREATE OR REPLACE MACRO _bucket_lo(n) AS
     CASE WHEN n IS NULL THEN NULL WHEN n < 1 THEN 0 ELSE (2 ** floor(log2(n)))::BIGINT END;
@@ -66,72 +68,15 @@ COMMENT ON COLUMN summary_by_mode.hidden_share IS 'hidden time / TTFT (fraction;
 CREATE OR REPLACE VIEW summary_by_prompt_bucket AS
 SELECT key1 AS mode, key2 AS prompt_bucket_lo, * EXCLUDE (key1, key2, first_arrival_ns) FROM _summary(mode, prompt_bucket);
 COMMENT ON VIEW summary_by_prompt_bucket IS 'TTFT/TPOT percentiles and category shares by mode and prompt-token bucket [lo, 2*lo).';
-COMMENT ON COLUMN summary_by_prompt_bucket.mode IS 'pull | push | unknown';
 COMMENT ON COLUMN summary_by_prompt_bucket.prompt_bucket_lo IS 'bucket lower bound: prompt tokens in [lo, 2*lo) (tokens; NULL unknown)';
-COMMENT ON COLUMN summary_by_prompt_bucket.requests IS 'requests in the group (count)';
-COMMENT ON COLUMN summary_by_prompt_bucket.complete IS 'requests with a first token (count)';
-COMMENT ON COLUMN summary_by_prompt_bucket.incomplete IS 'requests without a first token (count)';
-COMMENT ON COLUMN summary_by_prompt_bucket.ttft_mean_ms IS 'mean TTFT (ms)';
-COMMENT ON COLUMN summary_by_prompt_bucket.ttft_p50_ms IS 'median TTFT (ms)';
-COMMENT ON COLUMN summary_by_prompt_bucket.ttft_p90_ms IS '90th percentile TTFT (ms)';
-COMMENT ON COLUMN summary_by_prompt_bucket.ttft_p99_ms IS '99th percentile TTFT (ms)';
-COMMENT ON COLUMN summary_by_prompt_bucket.tpot_mean_ms IS 'mean TPOT (ms per token)';
-COMMENT ON COLUMN summary_by_prompt_bucket.tpot_p50_ms IS 'median TPOT (ms per token)';
-COMMENT ON COLUMN summary_by_prompt_bucket.tpot_p90_ms IS '90th percentile TPOT (ms per token)';
-COMMENT ON COLUMN summary_by_prompt_bucket.tpot_p99_ms IS '99th percentile TPOT (ms per token)';
-COMMENT ON COLUMN summary_by_prompt_bucket.queue_share IS 'queue time / TTFT over the group (fraction 0..1)';
-COMMENT ON COLUMN summary_by_prompt_bucket.compute_share IS 'compute time / TTFT (fraction 0..1)';
-COMMENT ON COLUMN summary_by_prompt_bucket.transfer_share IS 'transfer time / TTFT (fraction 0..1)';
-COMMENT ON COLUMN summary_by_prompt_bucket.coordination_share IS 'coordination time incl. unattributed / TTFT (fraction 0..1)';
-COMMENT ON COLUMN summary_by_prompt_bucket.unattributed_share IS 'unattributed time / TTFT (fraction 0..1)';
-COMMENT ON COLUMN summary_by_prompt_bucket.unattributed_p50_share IS 'median over requests of unattributed / TTFT (fraction 0..1)';
-COMMENT ON COLUMN summary_by_prompt_bucket.hidden_share IS 'hidden time / TTFT (fraction; can exceed 1 when branches overlap)';
 
 CREATE OR REPLACE VIEW summary_by_uncached_bucket AS
 SELECT key1 AS mode, key2 AS uncached_bucket_lo, * EXCLUDE (key1, key2, first_arrival_ns) FROM _summary(mode, uncached_bucket);
 COMMENT ON VIEW summary_by_uncached_bucket IS 'TTFT/TPOT percentiles and category shares by mode and uncached-prompt-token bucket [lo, 2*lo).';
-COMMENT ON COLUMN summary_by_uncached_bucket.mode IS 'pull | push | unknown';
 COMMENT ON COLUMN summary_by_uncached_bucket.uncached_bucket_lo IS 'bucket lower bound: uncached prompt tokens in [lo, 2*lo) (tokens; NULL unknown)';
-COMMENT ON COLUMN summary_by_uncached_bucket.requests IS 'requests in the group (count)';
-COMMENT ON COLUMN summary_by_uncached_bucket.complete IS 'requests with a first token (count)';
-COMMENT ON COLUMN summary_by_uncached_bucket.incomplete IS 'requests without a first token (count)';
-COMMENT ON COLUMN summary_by_uncached_bucket.ttft_mean_ms IS 'mean TTFT (ms)';
-COMMENT ON COLUMN summary_by_uncached_bucket.ttft_p50_ms IS 'median TTFT (ms)';
-COMMENT ON COLUMN summary_by_uncached_bucket.ttft_p90_ms IS '90th percentile TTFT (ms)';
-COMMENT ON COLUMN summary_by_uncached_bucket.ttft_p99_ms IS '99th percentile TTFT (ms)';
-COMMENT ON COLUMN summary_by_uncached_bucket.tpot_mean_ms IS 'mean TPOT (ms per token)';
-COMMENT ON COLUMN summary_by_uncached_bucket.tpot_p50_ms IS 'median TPOT (ms per token)';
-COMMENT ON COLUMN summary_by_uncached_bucket.tpot_p90_ms IS '90th percentile TPOT (ms per token)';
-COMMENT ON COLUMN summary_by_uncached_bucket.tpot_p99_ms IS '99th percentile TPOT (ms per token)';
-COMMENT ON COLUMN summary_by_uncached_bucket.queue_share IS 'queue time / TTFT over the group (fraction 0..1)';
-COMMENT ON COLUMN summary_by_uncached_bucket.compute_share IS 'compute time / TTFT (fraction 0..1)';
-COMMENT ON COLUMN summary_by_uncached_bucket.transfer_share IS 'transfer time / TTFT (fraction 0..1)';
-COMMENT ON COLUMN summary_by_uncached_bucket.coordination_share IS 'coordination time incl. unattributed / TTFT (fraction 0..1)';
-COMMENT ON COLUMN summary_by_uncached_bucket.unattributed_share IS 'unattributed time / TTFT (fraction 0..1)';
-COMMENT ON COLUMN summary_by_uncached_bucket.unattributed_p50_share IS 'median over requests of unattributed / TTFT (fraction 0..1)';
-COMMENT ON COLUMN summary_by_uncached_bucket.hidden_share IS 'hidden time / TTFT (fraction; can exceed 1 when branches overlap)';
 
 CREATE OR REPLACE VIEW summary_by_window AS
 SELECT key1 AS mode, key2 * _rate_window_ns() AS window_start_ns, requests / (_rate_window_ns() / 1e9) AS arrival_rate_per_s, * EXCLUDE (key1, key2, first_arrival_ns) FROM _summary(mode, window_idx);
 COMMENT ON VIEW summary_by_window IS 'TTFT/TPOT percentiles and category shares by mode and arrival window, with the arrival rate.';
-COMMENT ON COLUMN summary_by_window.mode IS 'pull | push | unknown';
 COMMENT ON COLUMN summary_by_window.window_start_ns IS 'window start (ns since the Unix epoch, router clock); length analysis_settings.rate_window_ns';
 COMMENT ON COLUMN summary_by_window.arrival_rate_per_s IS 'requests arriving in the window / window length (requests per s)';
-COMMENT ON COLUMN summary_by_window.requests IS 'requests in the group (count)';
-COMMENT ON COLUMN summary_by_window.complete IS 'requests with a first token (count)';
-COMMENT ON COLUMN summary_by_window.incomplete IS 'requests without a first token (count)';
-COMMENT ON COLUMN summary_by_window.ttft_mean_ms IS 'mean TTFT (ms)';
-COMMENT ON COLUMN summary_by_window.ttft_p50_ms IS 'median TTFT (ms)';
-COMMENT ON COLUMN summary_by_window.ttft_p90_ms IS '90th percentile TTFT (ms)';
-COMMENT ON COLUMN summary_by_window.ttft_p99_ms IS '99th percentile TTFT (ms)';
-COMMENT ON COLUMN summary_by_window.tpot_mean_ms IS 'mean TPOT (ms per token)';
-COMMENT ON COLUMN summary_by_window.tpot_p50_ms IS 'median TPOT (ms per token)';
-COMMENT ON COLUMN summary_by_window.tpot_p90_ms IS '90th percentile TPOT (ms per token)';
-COMMENT ON COLUMN summary_by_window.tpot_p99_ms IS '99th percentile TPOT (ms per token)';
-COMMENT ON COLUMN summary_by_window.queue_share IS 'queue time / TTFT over the group (fraction 0..1)';
-COMMENT ON COLUMN summary_by_window.compute_share IS 'compute time / TTFT (fraction 0..1)';
-COMMENT ON COLUMN summary_by_window.transfer_share IS 'transfer time / TTFT (fraction 0..1)';
-COMMENT ON COLUMN summary_by_window.coordination_share IS 'coordination time incl. unattributed / TTFT (fraction 0..1)';
-COMMENT ON COLUMN summary_by_window.unattributed_share IS 'unattributed time / TTFT (fraction 0..1)';
-COMMENT ON COLUMN summary_by_window.unattributed_p50_share IS 'median over requests of unattributed / TTFT (fraction 0..1)';
-COMMENT ON COLUMN summary_by_window.hidden_share IS 'hidden time / TTFT (fraction; can exceed 1 when branches overlap)';

@@ -36,26 +36,32 @@ COMMENT ON COLUMN ttft_hidden.hidden_ms IS 'hidden_ns in ms';
 COMMENT ON COLUMN ttft_hidden.rkey IS 'request join key';
 
 CREATE OR REPLACE VIEW _calc_ttft_breakdown AS
-WITH seg AS (
-    SELECT s.rkey,
-           sum(s.dur_ns) AS total_ns,
-           coalesce(sum(s.dur_ns) FILTER (WHERE s.category = 'queue'), 0) AS queue_ns,
-           coalesce(sum(s.dur_ns) FILTER (WHERE s.category = 'compute'), 0) AS compute_ns,
-           coalesce(sum(s.dur_ns) FILTER (WHERE s.category = 'transfer'), 0) AS transfer_ns,
-           coalesce(sum(s.dur_ns) FILTER (WHERE s.category = 'coordination'), 0) AS coordination_ns,
-           coalesce(sum(s.dur_ns) FILTER (WHERE s.stage = 'unattributed'), 0) AS unattributed_ns,
-           coalesce(sum(s.dur_ns) FILTER (WHERE st.is_step_boundary), 0) AS step_boundary_ns,
-           coalesce(sum(s.dur_ns) FILTER (WHERE s.stage = 'kv.ready'), 0) AS readiness_lag_ns,
-           coalesce(sum(s.dur_ns) FILTER (WHERE s.stage = 'router.wait'), 0) AS router_wait_ns,
+-- one pass over the refreshed requests' segments: per (request, stage group), then per request
+WITH per_group AS (
+    SELECT s.rkey, s.stage_group,
+           sum(s.dur_ns) AS d,
+           sum(s.dur_ns) FILTER (WHERE s.category = 'queue') AS queue_ns,
+           sum(s.dur_ns) FILTER (WHERE s.category = 'compute') AS compute_ns,
+           sum(s.dur_ns) FILTER (WHERE s.category = 'transfer') AS transfer_ns,
+           sum(s.dur_ns) FILTER (WHERE s.category = 'coordination') AS coordination_ns,
+           sum(s.dur_ns) FILTER (WHERE s.stage = 'unattributed') AS unattributed_ns,
+           sum(s.dur_ns) FILTER (WHERE s.stage IN (SELECT stage FROM stages WHERE is_step_boundary)) AS step_boundary_ns,
+           sum(s.dur_ns) FILTER (WHERE s.stage = 'kv.ready') AS readiness_lag_ns,
+           sum(s.dur_ns) FILTER (WHERE s.stage = 'router.wait') AS router_wait_ns,
            count(*) AS segments
-    FROM _mat_ttft_segments s LEFT JOIN stages st ON st.stage = s.stage
+    FROM _mat_ttft_segments s
     WHERE s.rkey IN (SELECT rkey FROM _scope_keys)
-    GROUP BY s.rkey
-), dom AS (
-    SELECT rkey, arg_max(stage_group, (d, stage_group)) AS dominant_stage, max(d) AS dominant_ns
-    FROM (SELECT rkey, stage_group, sum(dur_ns) AS d FROM _mat_ttft_segments
-          WHERE rkey IN (SELECT rkey FROM _scope_keys) GROUP BY rkey, stage_group)
-    GROUP BY rkey
+    GROUP BY s.rkey, s.stage_group
+), seg AS (
+    SELECT rkey,
+           sum(d) AS total_ns,
+           coalesce(sum(queue_ns), 0) AS queue_ns, coalesce(sum(compute_ns), 0) AS compute_ns,
+           coalesce(sum(transfer_ns), 0) AS transfer_ns, coalesce(sum(coordination_ns), 0) AS coordination_ns,
+           coalesce(sum(unattributed_ns), 0) AS unattributed_ns, coalesce(sum(step_boundary_ns), 0) AS step_boundary_ns,
+           coalesce(sum(readiness_lag_ns), 0) AS readiness_lag_ns, coalesce(sum(router_wait_ns), 0) AS router_wait_ns,
+           sum(segments) AS segments,
+           arg_max(stage_group, (d, stage_group)) AS dominant_stage, max(d) AS dominant_ns
+    FROM per_group GROUP BY rkey
 ), hid AS (
     SELECT rkey, sum(hidden_ns)::BIGINT AS hidden_ns FROM _mat_ttft_hidden
     WHERE rkey IN (SELECT rkey FROM _scope_keys) GROUP BY rkey
@@ -71,16 +77,14 @@ SELECT q.run_id, q.request_id, q.prompt_index, q.mode,
        seg.step_boundary_ns / 1e6 AS step_boundary_ms,
        seg.readiness_lag_ns / 1e6 AS readiness_lag_ms,
        seg.router_wait_ns / 1e6 AS router_wait_ms,
-       dom.dominant_stage, dom.dominant_ns / 1e6 AS dominant_ms,
+       seg.dominant_stage, seg.dominant_ns / 1e6 AS dominant_ms,
        q.first_contact, q.recomputed,
        q.prompt_tokens, q.cached_tokens, q.uncached_tokens, q.output_tokens,
-       q.arrival_ns, q.first_token_ns, q.prefill_engine, q.decode_engine, seg.segments,
+       q.arrival_ns, q.first_token_ns, q.prefill_engine, q.decode_engine, seg.segments::BIGINT AS segments, q.kv_descriptors,
        q.rkey
 FROM _req_base q
 JOIN seg ON seg.rkey = q.rkey
-LEFT JOIN dom ON dom.rkey = q.rkey
-LEFT JOIN hid ON hid.rkey = q.rkey
-WHERE q.rkey IN (SELECT rkey FROM _scope_keys);
+LEFT JOIN hid ON hid.rkey = q.rkey;  -- seg holds only the refreshed requests
 
 CREATE TABLE IF NOT EXISTS _mat_ttft_breakdown AS SELECT * FROM _calc_ttft_breakdown LIMIT 0;
 CREATE OR REPLACE VIEW ttft_breakdown AS SELECT * FROM _mat_ttft_breakdown;
@@ -120,4 +124,5 @@ COMMENT ON COLUMN ttft_breakdown.first_token_ns IS 'first token written by the r
 COMMENT ON COLUMN ttft_breakdown.prefill_engine IS 'prefill engine id';
 COMMENT ON COLUMN ttft_breakdown.decode_engine IS 'decode engine id';
 COMMENT ON COLUMN ttft_breakdown.segments IS 'number of ttft_segments rows (count)';
+COMMENT ON COLUMN ttft_breakdown.kv_descriptors IS 'NIXL descriptors of the request''s kv.transfer spans, all ranks (count; NULL: no transfer)';
 COMMENT ON COLUMN ttft_breakdown.rkey IS 'request join key';
