@@ -99,6 +99,8 @@ def waterfall(spans: pd.DataFrame, segments: pd.DataFrame, events: pd.DataFrame,
               arrival_ns: int, first_token_ns: int | None) -> go.Figure:
     """A request's waterfall: one lane per role · engine · thread, the critical path on top.
 
+    Lanes are those of the spans, then those of events on threads without a span.
+
     x is ms since the request's arrival at the router (router clock, after
     clock correction). Span bars are coloured by category; a span's time
     that is not on the critical path is drawn grey and hatched ('hidden'),
@@ -166,7 +168,9 @@ def waterfall(spans: pd.DataFrame, segments: pd.DataFrame, events: pd.DataFrame,
     if not events.empty:
         ev = events.copy()
         ev["x"] = rel(ev["time_ns"])
-        ev["lane"] = ev["lane"].where(ev["lane"].isin(lanes), "critical path")
+        # an event on a thread where the request has no span (e.g. D's push writer sending the registration)
+        # gets its own lane: on the 'critical path' lane it would read as a critical-path event
+        lanes += [ln for ln in dict.fromkeys(ev.sort_values("time_ns")["lane"]) if ln not in lanes]
         fig.add_scatter(x=ev["x"], y=ev["lane"], mode="markers+text", name="event",
                         marker=dict(symbol="diamond", size=11, color="black", line=dict(color="white", width=1)),
                         text=ev["event"], textposition="top center", textfont=dict(size=10),

@@ -1,14 +1,24 @@
 """Fixtures for the dashboard tests: stores to show, an AppTest runner, and the views' own numbers.
 
 ``store_dir`` is parametrized over hand-built stores (pull, push, both modes)
-and, when the lab's session fixtures exist (``lab_store_pull`` /
-``lab_store_push``, directories written by ``pdtrace lab``), over those too;
-every page test takes it, so the same assertions run on lab-produced input.
+and the lab's stores (``lab_store_pull`` / ``lab_store_push``): span
+directories written by real vLLM CPU engines (1 prefill + 1 decode) with
+pdtrace's traced NIXL connectors, the frontend middleware and the traced
+router, after replaying 20 Azure-conversation requests. Every page test takes
+it, so the same assertions run on lab-produced input.
+
+The two labs (pull and push) run at the same time, once per session, and are
+stopped before any test reads their stores. Without the lab environment the
+lab cases are skipped with the reason, unless ``PDTRACE_LAB_REQUIRED=1`` (CI),
+which turns that into a failure.
 """
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -25,6 +35,10 @@ HAND = {
     "mixed": dict(mode="mixed", n_requests=80, seed=3),
 }
 LAB = {"lab-pull": "lab_store_pull", "lab-push": "lab_store_push"}
+#: Requests replayed from the Azure conversation trace per lab (lengths x0.25, rate x1: the lab defaults).
+LAB_REQUESTS = 20
+LAB_TRACED = {"pull": "TracedNixlPullConnector", "push": "TracedNixlPushConnector"}
+LAB_MIDDLEWARE = "pdtrace.connector.traced.middleware.FrontendMiddleware"
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -46,15 +60,93 @@ def hand_stores(tmp_path_factory):
     return {name: build_store(root / name, **kw) for name, kw in HAND.items()}
 
 
-@pytest.fixture(params=list(HAND) + list(LAB))
+def _lab_ready() -> None:
+    """Skip (or, with PDTRACE_LAB_REQUIRED=1, fail) when the lab environment is not installed."""
+    from pdtrace.connector.lab import env as lab_env
+
+    found = lab_env.problems(import_check=False)
+    if found:
+        msg = "lab environment not ready: " + "; ".join(p.what for p in found) + " (run `pdtrace lab setup`)"
+        if os.environ.get("PDTRACE_LAB_REQUIRED") == "1":
+            pytest.fail(msg)
+        pytest.skip(msg)
+
+
+def _run_traced_lab(mode: str, model: Path, wl, root: Path) -> dict:
+    """Start a traced lab of ``mode``, pay first contact, replay ``wl``, stop it; return what it wrote.
+
+    The spans go to ``root/<mode>-trace`` (``PDTRACE_DIR`` of router and engines, nothing else in
+    it); logs and engine caches to ``root/<mode>-run``. Returns {'dir', 'seconds' (wall, s),
+    'ids' (the replayed requests' router ids)}; raises AssertionError if a request failed.
+    """
+    from pdtrace.connector.lab import replay
+    from pdtrace.connector.lab.launcher import Lab, LabConfig
+    from pdtrace.connector.lab.model import model_info
+    from pdtrace.connector.lab.run import _warmup
+
+    t0 = time.monotonic()
+    trace_dir = (root / f"{mode}-trace").resolve()
+    cfg = LabConfig(model=model, mode=mode, run_dir=root / f"{mode}-run", trace_dir=trace_dir,
+                    connector_class=LAB_TRACED[mode], connector_module="pdtrace.connector.traced",
+                    extra_args=["--middleware", LAB_MIDDLEWARE], router_timeout_s=300.0)
+    with Lab(cfg) as lab:
+        _warmup(lab.router_url, model_info(model)["vocab_size"], 1)  # first contact (NIXL handshake), retried once
+        recs = asyncio.run(replay.replay(wl, lab.router_url, timeout_s=300, progress=False))
+    bad = [(r.request_index, r.status, r.http_status, r.error_type) for r in recs if not r.ok]
+    assert not bad, f"{mode} lab: failed requests {bad}; logs in {cfg.run_dir / 'logs'}"
+    return {"dir": trace_dir, "seconds": time.monotonic() - t0, "ids": [r.router_request_id for r in recs]}
+
+
+#: Developer shortcut: a directory holding ``pull-trace/`` and ``push-trace/`` of an earlier session's labs
+#: (e.g. a kept ``--basetemp``); the lab cases then read those instead of starting engines. CI never sets it.
+REUSE_ENV = "PDTRACE_TEST_REUSE_LAB_STORES"
+
+
+@pytest.fixture(scope="session")
+def lab_stores(tmp_path_factory) -> dict:
+    """{'pull': run, 'push': run} (see :func:`_run_traced_lab`): both traced labs, run side by side, stopped."""
+    reuse = os.environ.get(REUSE_ENV)
+    if reuse:
+        runs = {m: {"dir": (Path(reuse) / f"{m}-trace").resolve(), "seconds": 0.0, "ids": None} for m in LAB_TRACED}
+        missing = [str(r["dir"]) for r in runs.values() if not r["dir"].is_dir()]
+        assert not missing, f"{REUSE_ENV}: no lab store at {missing}"
+        return runs
+    _lab_ready()
+    from pdtrace.connector.data import AZURE_CONV
+    from pdtrace.connector.lab import workload
+    from pdtrace.connector.lab.model import make_model, model_info
+
+    model = make_model("default")  # the shared model cache (built once per machine)
+    wl = workload.build("azure-conv", AZURE_CONV, vocab_size=model_info(model)["vocab_size"], length_scale=0.25,
+                        rate_scale=1.0, max_requests=LAB_REQUESTS, max_model_len=8192)
+    root = tmp_path_factory.mktemp("lab-stores")
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(max_workers=2) as ex:
+        futs = {m: ex.submit(_run_traced_lab, m, model, wl, root) for m in ("pull", "push")}
+        runs = {m: f.result() for m, f in futs.items()}
+    print(f"\nlab stores: pull {runs['pull']['seconds']:.0f} s, push {runs['push']['seconds']:.0f} s, "
+          f"both {time.monotonic() - t0:.0f} s (wall)")
+    return runs
+
+
+@pytest.fixture(scope="session")
+def lab_store_pull(lab_stores) -> Path:
+    """Span directory of the traced pull lab (20 Azure-conversation requests + 1 warm-up)."""
+    return lab_stores["pull"]["dir"]
+
+
+@pytest.fixture(scope="session")
+def lab_store_push(lab_stores) -> Path:
+    """Span directory of the traced push lab (20 Azure-conversation requests + 1 warm-up)."""
+    return lab_stores["push"]["dir"]
+
+
+@pytest.fixture(params=list(HAND) + [pytest.param(k, marks=pytest.mark.lab) for k in LAB])
 def store_dir(request, hand_stores) -> Path:
     """A store directory to show: hand-built (pull / push / mixed) or lab-produced (skipped without the lab)."""
     if request.param in HAND:
         return hand_stores[request.param]
-    try:
-        return Path(request.getfixturevalue(LAB[request.param]))
-    except pytest.FixtureLookupError:
-        pytest.skip(f"no {LAB[request.param]} fixture (the lab's session fixture is not defined here)")
+    return Path(request.getfixturevalue(LAB[request.param]))
 
 
 @pytest.fixture

@@ -126,6 +126,24 @@ def test_overview_to_waterfall_click(app, views, store_dir):
     assert table["dur_ms"].sum() == pytest.approx(top["ttft_ms"], abs=1e-6)
 
 
+def test_waterfall_events_on_their_own_lanes(app, views, store_dir):
+    """Every event of the slowest request is drawn on the lane of the thread that recorded it (its own lane
+    when that thread has no span of the request), never on the critical-path lane."""
+    tr = views(store_dir)
+    top = _one(tr, "SELECT request_id, rkey FROM ttft_breakdown ORDER BY ttft_ms DESC, request_id LIMIT 1")
+    at = app(store_dir, "app_pages/request.py", {"request": top["request_id"]})
+    _no_errors(at)
+    exp = tr.query("""SELECT event, role || coalesce(' · ' || engine_id, '') || coalesce(' · rank ' || tp_rank, '')
+                             || ' · ' || coalesce(thread, '?') AS lane
+                      FROM events WHERE rkey = ? ORDER BY time_ns""", [top["rkey"]])
+    wf = next(c for c in _charts(at) if "Waterfall" in c["layout"]["title"]["text"])
+    marks = [t for t in wf["data"] if t.get("name") == "event"]
+    shown = sorted(zip(_arr(marks[0]["text"]), _arr(marks[0]["y"]))) if marks else []
+    assert shown == sorted((r["event"], r["lane"]) for r in exp)
+    assert "critical path" not in [lane for _, lane in shown]
+    assert set(lane for _, lane in shown) <= set(wf["layout"]["yaxis"]["categoryarray"])
+
+
 def test_request_page_shows_hidden_time_and_events(app, views, hand_stores):
     """Push with a late registration: prefill.compute is hidden behind dest.register, and shown so."""
     d = hand_stores["push"]
