@@ -217,14 +217,25 @@ def clock_note(spans: pd.DataFrame) -> str:
 
 def step_timeline(steps: pd.DataFrame, victim_rkeys: set | None = None) -> go.Figure:
     """D's step durations over time (ms), split into baseline, connector work on the forward thread and
-    other excess; uses the ``decode_stalls`` columns start_ns, dur_ms, baseline_ms, connector_ms, excess_ms."""
+    other excess; uses the ``decode_stalls`` columns start_ns, dur_ms, baseline_ms, connector_ms, excess_ms.
+
+    A step with a baseline: baseline (capped at the step), then connector time up to the excess, then the
+    rest of the excess. A step without one (no clean step of its batch shape to compare with): its
+    connector time, then the rest of the step as "step (no baseline)" -- the connector time on the
+    forward thread is shown either way.
+    """
     d = steps.copy()
     x = _ts(d["start_ns"])
-    base = d["baseline_ms"].fillna(d["dur_ms"]).clip(upper=d["dur_ms"])
-    conn = d["connector_ms"].fillna(0).clip(upper=d["dur_ms"] - base)
-    other = (d["dur_ms"] - base - conn).clip(lower=0)
+    has_base = d["baseline_ms"].notna()
+    conn_all = d["connector_ms"].fillna(0).clip(lower=0, upper=d["dur_ms"])
+    base = d["baseline_ms"].where(has_base, 0).clip(upper=d["dur_ms"])
+    conn = conn_all.where(~has_base, conn_all.clip(upper=d["dur_ms"] - base))
+    other = (d["dur_ms"] - base - conn).clip(lower=0).where(has_base, 0)
+    unknown = (d["dur_ms"] - conn).clip(lower=0).where(~has_base, 0)
     fig = go.Figure()
     fig.add_bar(x=x, y=base, name="baseline step", marker_color="#9ecae1")
+    if (~has_base).any():
+        fig.add_bar(x=x, y=unknown, name="step (no baseline)", marker_color="#d9d9d9")
     fig.add_bar(x=x, y=conn, name="connector on forward thread", marker_color=CATEGORY_COLORS["coordination"])
     fig.add_bar(x=x, y=other, name="other excess (prefill / recompute)", marker_color=CATEGORY_COLORS["compute"])
     fig.update_layout(barmode="stack", bargap=0)

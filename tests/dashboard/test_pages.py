@@ -207,6 +207,18 @@ def test_stalls_page(app, views, store_dir):
     assert m["Stalled steps"] == f"{e['stalled']:,}"
     assert m["Stall time (excess)"] == fmt_ms(e["excess"])
     assert m["Connector on forward thread"] == fmt_ms(e["conn"])
+    # the step chart shows the forward thread's connector time: all of it on a step without a baseline,
+    # the part within the excess on a step with one
+    steps = next(c for c in _charts(at) if c["layout"]["title"]["text"] == "Decode engine steps")
+    conn = next(t_ for t_ in steps["data"] if t_["name"] == "connector on forward thread")
+    shown_conn = sum(v for v in _arr(conn["y"]) if v == v)
+    exp_conn = _one(tr, """SELECT coalesce(sum(CASE WHEN baseline_ms IS NULL THEN least(greatest(connector_ms, 0), dur_ms)
+                                                    ELSE least(greatest(connector_ms, 0),
+                                                               greatest(dur_ms - least(baseline_ms, dur_ms), 0)) END), 0) AS c
+                           FROM decode_stalls""")["c"]
+    assert shown_conn == pytest.approx(exp_conn, rel=1e-6, abs=1e-6)
+    if e["conn"] > 0 and _one(tr, "SELECT count(*) AS n FROM decode_stalls WHERE baseline_ms IS NULL")["n"] == e["n"]:
+        assert shown_conn == pytest.approx(e["conn"], rel=1e-6)
     worst = tr.query("SELECT request_id, stall_ms FROM request_stalls ORDER BY stall_ms DESC NULLS LAST, request_id LIMIT 1")
     if worst and (worst[0]["stall_ms"] or 0) > 0:
         shown = _df(at, "request_id", "stall_ms")
