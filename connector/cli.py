@@ -47,7 +47,7 @@ def lab(ctx, mode, workload, workload_file, max_requests, max_duration_s, length
         profile, connector, trace, seed, max_model_len, warmup, request_timeout_s, no_progress):
     """Run the local P/D lab: real vLLM prefill and decode engines (CPU build) exchanging KV over
     NIXL, the pdtrace router, and a real request trace replayed open-loop. Prints client-side
-    TTFT/TPOT/ITL percentiles at the end.
+    TTFT/TPOT/ITL percentiles, then (--connector traced) the `pdtrace report` of the run.
 
     First time: `pdtrace lab setup`.
     """
