@@ -1,5 +1,9 @@
 -- module: incomplete
 -- requires: request_base
+-- materialize: incomplete_requests request
+--
+-- Materialized per request (a refresh recomputes the keys in _scope_keys), so
+-- `requests` and the dashboard read a table, not the store's files.
 --
 -- Requests without a first token, each with a cause (DESIGN.md §4): never
 -- silently dropped. Evidence: the failure/lifecycle events of the request and
@@ -18,9 +22,11 @@
 --   no_first_token     none of the above; detail lists the stages seen
 
 CREATE OR REPLACE VIEW _inc_keys AS
-SELECT rkey, rkey AS by_rkey FROM _req_base WHERE first_token_ns IS NULL
+SELECT rkey, rkey AS by_rkey FROM _req_base
+WHERE first_token_ns IS NULL AND rkey IN (SELECT rkey FROM _scope_keys)
 UNION ALL
-SELECT l.rkey, l.by_rkey FROM _req_links l JOIN _req_base q ON q.rkey = l.by_rkey WHERE q.first_token_ns IS NULL;
+SELECT l.rkey, l.by_rkey FROM _req_links l JOIN _req_base q ON q.rkey = l.by_rkey
+WHERE q.first_token_ns IS NULL AND q.rkey IN (SELECT rkey FROM _scope_keys);
 
 CREATE OR REPLACE VIEW _inc_evidence AS
 SELECT k.by_rkey AS rkey,
@@ -48,7 +54,7 @@ SELECT k.by_rkey AS rkey,
 FROM _inc_keys k JOIN _timed t ON t.rkey = k.rkey
 GROUP BY k.by_rkey;
 
-CREATE OR REPLACE VIEW incomplete_requests AS
+CREATE OR REPLACE VIEW _calc_incomplete_requests AS
 WITH e AS (
     SELECT q.*, e.* EXCLUDE (rkey),
            coalesce(len(e.ranks_notified), e.ranks_received_attr) AS ranks_received,
@@ -58,7 +64,7 @@ WITH e AS (
                                                     lambda r: NOT list_contains(coalesce(e.ranks_notified, []), r)), ',')
                     END) AS ranks_missing
     FROM _req_base q LEFT JOIN _inc_evidence e ON e.rkey = q.rkey
-    WHERE q.first_token_ns IS NULL
+    WHERE q.first_token_ns IS NULL AND q.rkey IN (SELECT rkey FROM _scope_keys)
 ), c AS (
     SELECT *,
         CASE
@@ -97,6 +103,9 @@ SELECT run_id, request_id, prompt_index, mode, cause,
        coalesce(linked_request_id, linked_ids[1]) AS linked_request_id,
        events, stages AS stages_seen, arrival_ns, rkey
 FROM c;
+
+CREATE TABLE IF NOT EXISTS _mat_incomplete_requests AS SELECT * FROM _calc_incomplete_requests LIMIT 0;
+CREATE OR REPLACE VIEW incomplete_requests AS SELECT * FROM _mat_incomplete_requests;
 
 COMMENT ON VIEW incomplete_requests IS 'Requests that got no first token, with a cause and the evidence; they give no TTFT sample.';
 COMMENT ON COLUMN incomplete_requests.run_id IS 'deployment run id';
