@@ -83,8 +83,17 @@ def share_by_bucket(long: pd.DataFrame, title: str = "") -> go.Figure:
 
 
 def percentiles_over_time(df: pd.DataFrame, metric: str, title: str) -> go.Figure:
-    """p50/p90/p99 lines (ms) of ``metric`` ('ttft' or 'tpot') per time bucket, one dash per mode."""
+    """p50/p90/p99 lines (ms) of ``metric`` ('ttft' or 'tpot') per time bucket, one dash per mode.
+
+    With no value at all (e.g. TPOT when the trace records no output-token counts) the empty axes say so.
+    """
     fig = go.Figure()
+    col = f"{metric}_p50_ms"
+    if df.empty or col not in df or df[col].isna().all():
+        fig.add_annotation(text=f"No {metric.upper()} values in this window"
+                           + (" (TPOT needs a request's output-token count, gen_ai.usage.output_tokens, "
+                              "and at least 2 tokens)" if metric == "tpot" else ""),
+                           xref="paper", yref="paper", x=0.5, y=0.5, showarrow=False, font=dict(color="#555555"))
     for mode, d in df.groupby("mode", sort=True):
         for p in ("p50", "p90", "p99"):
             fig.add_scatter(x=_ts(d["bucket_ns"]), y=d[f"{metric}_{p}_ms"], mode="lines+markers",

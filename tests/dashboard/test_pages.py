@@ -79,6 +79,11 @@ def test_overview_numbers_equal_views(app, views, store_dir):
     for c in CATS:
         assert shown[c] == pytest.approx(s[c] / s["t"] * 100, rel=1e-9, abs=1e-9)
     assert sum(shown.values()) == pytest.approx(100.0)
+    # the TPOT chart says when there is no TPOT at all (lab stores: no output-token counts recorded)
+    tpot = next(c for c in _charts(at) if c["layout"]["title"]["text"].startswith("TPOT"))
+    n_tpot = _one(tr, "SELECT count(tpot_ms) AS n FROM requests WHERE status = 'complete'")["n"]
+    notes = [a.get("text", "") for a in tpot["layout"].get("annotations", [])]
+    assert (n_tpot == 0) == any(n.startswith("No TPOT values") for n in notes), (n_tpot, notes)
     # slowest requests: the first row is the largest TTFT of ttft_breakdown
     slow = _df(at, "request_id", "dominant_stage")
     top = _one(tr, "SELECT request_id, ttft_ms FROM ttft_breakdown ORDER BY ttft_ms DESC, request_id LIMIT 1")
@@ -403,3 +408,32 @@ def test_new_files_are_picked_up(app, tmp_path):
     assert ui.open_trace(str(d)).refresh() is True  # what the follow fragment runs every few seconds
     at.run()
     assert _metrics(at)["Requests"] == "20"
+
+
+@pytest.mark.lab
+def test_compare_lab_pull_with_lab_push(app, views, lab_store_pull, lab_store_push):
+    """Push vs pull on the two lab runs of the same 20 requests: each side's numbers equal its own views'."""
+    at = app(lab_store_pull, "app_pages/compare.py")
+    assert at.radio(key="cmp_how").value == "another trace directory"  # one mode per lab store
+    at.text_input(key="cmp_dir").input(str(lab_store_push)).run()
+    _no_errors(at)
+    vals = [m.value for m in at.metric]
+    splits = [c for c in _charts(at) if c["layout"]["title"]["text"].startswith("Share of TTFT")]
+    assert len(splits) == 2
+    pct = _df(at, "prompt_bucket", "trace")
+    for i, d in enumerate((lab_store_pull, lab_store_push)):
+        tr = views(d)
+        e = _one(tr, """SELECT quantile_cont(ttft_ms, 0.5) AS p50, quantile_cont(ttft_ms, 0.99) AS p99,
+                               quantile_cont(tpot_ms, 0.5) AS t50, count(*) FILTER (WHERE status <> 'complete') AS inc
+                        FROM requests""")
+        assert vals[4 * i: 4 * i + 4] == [fmt_ms(e["p50"]), fmt_ms(e["p99"]), fmt_ms(e["t50"]), f"{e['inc']:,}"]
+        s = _one(tr, "SELECT sum(ttft_ms) AS t, " + ", ".join(f"sum({c}_ms) AS {c}" for c in CATS)
+                 + " FROM ttft_breakdown")
+        shown = {t_["name"]: _arr(t_["x"])[0] for t_ in splits[i]["data"]}
+        for c in CATS:
+            assert shown[c] == pytest.approx(s[c] / s["t"] * 100, rel=1e-9, abs=1e-9)
+        mode = ("pull", "push")[i]
+        rows = pct[pct["trace"] == f"{d.name} ({mode})"]
+        n = _one(tr, "SELECT count(*) AS n FROM requests WHERE status = 'complete'")["n"]
+        assert rows["requests"].sum() == n
+        assert rows["ttft_p50_ms"].notna().all()
