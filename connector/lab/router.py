@@ -168,6 +168,7 @@ class Router:
         self.prefix = cfg.get("id_prefix", "lab-")
         self.session: ClientSession | None = None
         self.held: dict[str, asyncio.Event] = {}
+        self._bg: set[asyncio.Task] = set()  # push P legs finishing after the client's response
         self.stats = collections.deque(maxlen=200_000)  # (id, status, ttft_ns, overhead_ns)
         self.spans = _Spans()
 
@@ -257,8 +258,6 @@ class Router:
                 resp = await self._serve(request, path, body, ctx)
             return resp
         except TimeoutError:
-            if ctx.get("done"):  # the client already has its full response (the push P leg was still open)
-                return ctx.get("final_resp")
             ctx["status"] = 504
             return await self._fail(request, ctx, LegError(
                 504, f"request timed out after {self.timeout_s:.0f} s in the router", "router", "timeout"))
@@ -393,17 +392,30 @@ class Router:
         if not serial:
             p_task = asyncio.create_task(p_leg())
         try:
-            resp = await self._relay_decode(request, path, D, d_body, d_headers, d_dispatch, ctx, p_task)
-            ctx["final_resp"] = resp
-            if ctx.get("done") and not p_task.done():
-                # D finished before P's HTTP answer arrived (P's API server can lag): the client has
-                # its response; let P's leg end (bounded) so its router.wait is recorded, not cancelled.
-                await asyncio.wait({p_task}, timeout=min(self.join_timeout_s, 10.0))
-            return resp
+            return await self._relay_decode(request, path, D, d_body, d_headers, d_dispatch, ctx, p_task)
         finally:
             if not p_task.done():
-                p_task.cancel()
-            await asyncio.gather(p_task, return_exceptions=True)
+                if ctx.get("done"):
+                    self._finish_in_background(p_task)
+                else:
+                    p_task.cancel()
+                    await asyncio.gather(p_task, return_exceptions=True)
+
+    def _finish_in_background(self, task: asyncio.Task, limit_s: float = 10.0) -> None:
+        """D already answered the client but P's HTTP answer is still on its way (P's API server can
+        lag under load): let P's leg end on its own — at most ``limit_s`` s — so its ``router.wait``
+        is recorded, instead of cancelling it (the handler itself may be cancelled once the client
+        closes its connection)."""
+        self._bg.add(task)
+        timer = asyncio.get_running_loop().call_later(limit_s, task.cancel)
+
+        def done(t: asyncio.Task) -> None:
+            timer.cancel()
+            self._bg.discard(t)
+            if not t.cancelled():
+                t.exception()  # retrieved: a late P failure does not matter any more
+
+        task.add_done_callback(done)
 
     async def _relay_decode(self, request, path, D, d_body, d_headers, d_dispatch, ctx, p_task):
         """Send D's leg and relay its response; in push, watch P's leg and the join deadline."""
@@ -415,10 +427,8 @@ class Router:
 
         async def watch_p():
             """Push: fail fast if P fails, or if D shows no token long after P answered."""
-            try:
-                await p_task
-            except LegError:
-                raise
+            # shielded: cancelling this watcher (D done) must not cancel P's leg with it
+            await asyncio.shield(p_task)
             await asyncio.sleep(self.join_timeout_s)
             raise LegError(504, f"push handoff did not complete: prefill answered but decode produced no token "
                                 f"within {self.join_timeout_s:.0f} s; check that both legs carry the same "
