@@ -117,7 +117,7 @@ def waterfall(spans: pd.DataFrame, segments: pd.DataFrame, events: pd.DataFrame,
     exclusive segments that tile [arrival, first token]. Events are markers.
 
     When a clock correction moved any span (``clock_offset_ns`` != 0), a note
-    under the title names each corrected clock with the shift applied (ms,
+    in the time axis' title names each corrected clock with the shift applied (ms,
     = -offset) and its bound (± ms), and each span's hover gives its raw
     (uncorrected) start beside the corrected one.
     """
@@ -192,12 +192,10 @@ def waterfall(spans: pd.DataFrame, segments: pd.DataFrame, events: pd.DataFrame,
         ttft = (first_token_ns - arrival_ns) / 1e6
         fig.update_xaxes(range=[-0.02 * ttft, 1.12 * ttft])
     fig.update_yaxes(categoryorder="array", categoryarray=list(reversed(lanes)), title=None)
-    fig.update_xaxes(title="ms since arrival at the router (router clock); double-click to see the whole request")
-    note = clock_note(spans)
-    if note:
-        fig.add_annotation(text=note, xref="paper", yref="paper", x=0, y=1.0, yanchor="bottom", xanchor="left",
-                           showarrow=False, align="left", font=dict(size=11, color="#555555"))
-    return _layout(fig, height=max(260, 60 + 44 * len(lanes)), hovermode="closest",
+    note = clock_note(spans)  # second line of the axis title: where the reader looks for the time base
+    fig.update_xaxes(title="ms since arrival at the router (router clock); double-click to see the whole request"
+                     + (f"<br><span style='color:#8B4513'>{note}</span>" if note else ""))
+    return _layout(fig, height=max(260, 60 + 44 * len(lanes) + (20 if note else 0)), hovermode="closest",
                    title="Waterfall (critical path outlined; grey hatched = hidden behind the critical path)")
 
 

@@ -41,12 +41,12 @@ def serve(tmp_path):
     """``serve(directory)`` -> base URL of a ``pdtrace dashboard`` subprocess (stopped at teardown)."""
     procs = []
 
-    def start(directory: Path) -> str:
+    def start(directory: Path, *args: str) -> str:
         port = _free_port()
         log = open(tmp_path / f"dashboard-{port}.log", "w")
         env = dict(os.environ, PDTRACE_CACHE_DIR=str(tmp_path / "cache"))
         p = subprocess.Popen([sys.executable, "-m", "pdtrace.cli.main", "dashboard", str(directory), "--port",
-                              str(port)], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                              str(port), *args], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         procs.append((p, log))
         url = f"http://127.0.0.1:{port}/"
         deadline = time.monotonic() + 60
@@ -116,8 +116,19 @@ def _check(page, errors: list, name: str) -> None:
     assert not errors, f"{name}: page errors: {errors}"
 
 
-def test_every_page_and_click_into_waterfall(serve, browser, hand_stores):
-    url = serve(hand_stores["mixed"])
+@pytest.fixture(params=["mixed", pytest.param("lab-push", marks=pytest.mark.lab)])
+def browse_store(request, hand_stores) -> tuple[str, Path, list[str]]:
+    """(screenshot prefix, directory, extra ``pdtrace dashboard`` args): the hand-built store of both modes,
+    and the traced push lab's store with the pull lab's preselected for comparison (``--compare``)."""
+    if request.param == "mixed":
+        return "", hand_stores["mixed"], []
+    pull = Path(request.getfixturevalue("lab_store_pull"))
+    return "lab-push-", Path(request.getfixturevalue("lab_store_push")), ["--compare", str(pull)]
+
+
+def test_every_page_and_click_into_waterfall(serve, browser, browse_store):
+    prefix, store, args = browse_store
+    url = serve(store, *args)
     page = browser.new_page(viewport={"width": 1600, "height": 1000})
     errors: list[str] = []
     page.on("pageerror", lambda e: errors.append(str(e)))
@@ -127,8 +138,10 @@ def test_every_page_and_click_into_waterfall(serve, browser, hand_stores):
     for name, path in PAGES.items():
         page.goto(url + path)
         page.wait_for_selector('[data-testid="stAppViewContainer"]', timeout=30_000)
+        if name not in ("request", "sql"):  # charts expected: wait for one (a second trace may still be opening)
+            page.wait_for_selector(".js-plotly-plot", timeout=120_000)
         settle(page)
-        _check(page, errors, name)
+        _check(page, errors, prefix + name)
         assert page.locator(".js-plotly-plot").count() >= (1 if name not in ("request", "sql") else 0), name
     # the overview's first thing is the split of TTFT into the four categories
     page.goto(url)
@@ -144,7 +157,7 @@ def test_every_page_and_click_into_waterfall(serve, browser, hand_stores):
     settle(page)
     assert page.get_by_text("Waterfall (critical path outlined").count() == 1
     assert page.get_by_text(rid).count() >= 1
-    _check(page, errors, "slowest-request-waterfall")
+    _check(page, errors, prefix + "slowest-request-waterfall")
 
 
 def test_empty_and_corrupt_directories_in_a_browser(serve, browser, empty_dir, corrupt_dir):

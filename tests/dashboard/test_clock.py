@@ -95,7 +95,8 @@ def test_request_page_shows_the_correction_and_draws_corrected_times(app, views,
     # the waterfall says which lanes were shifted, and draws P's spans at corrected times: where the
     # unskewed store (same true times) draws them, within the bound, not 250 ms later
     fig = _waterfall(at)
-    assert "p0" in json.dumps(fig["layout"].get("annotations", [])) and "-250.000 ms" in json.dumps(fig["layout"])
+    axis = fig["layout"]["xaxis"]["title"]["text"]
+    assert "clock-corrected" in axis and "p0 (prefill) -250.000 ms ± 1.000 ms" in axis, axis
     at0 = app(skew_stores["aligned"], "app_pages/request.py", {"request": rid})
     bars, bars0 = _bars_by_stage(fig), _bars_by_stage(_waterfall(at0))
     p_bars = {k: v for k, v in bars.items() if k[0].startswith("prefill")}
