@@ -126,8 +126,14 @@ def test_incomplete_requests_shows_the_decode_cause(killed_run):
     assert len(mine) == 1, rows
     # a cause from D's evidence, not merely "the router's leg failed"
     assert mine[0]["cause"] in ("transfer_failure", "post_failure", "abort", "handshake_failure"), mine[0]
-    # nothing else is incomplete: the warm-up, the normal requests and L all completed
-    assert [r["request_id"] for r in rows] == [x], rows
+    assert mine[0]["detail"], mine[0]
+    # no other request the router dispatched is incomplete: the warm-up, the normal requests and L
+    # all completed. (Not router requests: the direct request to D has no router record by design;
+    # and after the failed READ vLLM's D sent P a release notification under an internal id of its
+    # own, which failed too — recorded as that id's kv.post_failed, seen in the test runs.)
+    routed = {r["request_id"] for r in killed_run["tr"].query(
+        "SELECT DISTINCT request_id FROM spans WHERE stage = 'router.request'")}
+    assert {r["request_id"] for r in rows} & routed == {x}, rows
 
 
 def test_decode_keeps_serving(killed_run):
