@@ -386,14 +386,24 @@ class Trace:
                     SELECT DISTINCT r.rkey FROM _records r JOIN _moved m ON r.domain = m.domain
                       AND (m.window_idx IS NULL OR r.start_ns // _clock_window_ns() = m.window_idx)
                     WHERE r.rkey IS NOT NULL AND r.rkey NOT IN (SELECT rkey FROM _scope_keys)""")
-        for name, kind in loader.materializations():
-            mat, calc = f"_mat_{name.lstrip('_')}", f"_calc_{name.lstrip('_')}"
-            if kind == "request":
-                con.execute(f"DELETE FROM {mat} WHERE rkey IN (SELECT rkey FROM _scope_keys)")
-                con.execute(f"INSERT INTO {mat} SELECT * FROM {calc}")
-            elif kind == "scratch":
-                con.execute(f"DELETE FROM {mat}")
-                con.execute(f"INSERT INTO {mat} SELECT * FROM {calc}")
+        if not cold:
+            # a warm refresh reads only the files holding rows of the requests it recomputes
+            # (_file_keys maps each file to the request keys, and linked ids, it touches)
+            keep = set(files)
+            self._set_records(sorted(keep.intersection(r[0] for r in con.execute(
+                "SELECT DISTINCT _file FROM _file_keys WHERE rkey IN (SELECT rkey FROM _scope_keys)").fetchall())))
+        try:
+            for name, kind in loader.materializations():
+                mat, calc = f"_mat_{name.lstrip('_')}", f"_calc_{name.lstrip('_')}"
+                if kind == "request":
+                    con.execute(f"DELETE FROM {mat} WHERE rkey IN (SELECT rkey FROM _scope_keys)")
+                    con.execute(f"INSERT INTO {mat} SELECT * FROM {calc}")
+                elif kind == "scratch":
+                    con.execute(f"DELETE FROM {mat}")
+                    con.execute(f"INSERT INTO {mat} SELECT * FROM {calc}")
+        finally:
+            if not cold:
+                self._set_records(files)
         for name, kind in loader.materializations():
             if kind == "scratch":
                 con.execute(f"DELETE FROM _mat_{name.lstrip('_')}")
