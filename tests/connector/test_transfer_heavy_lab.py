@@ -39,7 +39,7 @@ from pdtrace.connector.lab.model import model_info
 
 pytestmark = [pytest.mark.lab, pytest.mark.timeout(1200)]
 
-PROMPT_TOKENS = (257, 513, 1025, 2049)  # → 2, 4, 8, 16 blocks transferred (the last token is recomputed on D)
+PROMPT_TOKENS = (256, 512, 1024, 2048)  # → 2, 4, 8, 16 blocks of 2 MiB transferred (4-32 MiB)
 REPEATS = 3
 FACTOR = 2.0
 
@@ -92,17 +92,18 @@ def test_kv_transfer_follows_the_separately_measured_bandwidth(heavy):
     assert all(abs(by[x]["dur_ns"] - by[x]["xfer_ns"]) <= 1000 for x in heavy["ids"])
     lab_med = _medians(lab_pts)
     sa_med = _medians(heavy["standalone"])
-    assert set(lab_med) == set(sa_med), (lab_med.keys(), sa_med.keys())
     fixed_sa, bw_sa = nixlbw.fit(list(sa_med.items()))
     fixed_lab, bw_lab = nixlbw.fit(list(lab_med.items()))
-    lines = [f"{b / 2**20:5.0f} MiB: kv.transfer median {lab_med[b] * 1e3:7.2f} ms, standalone {sa_med[b] * 1e3:7.2f} ms, "
-             f"bytes/bandwidth {b / bw_sa * 1e3:7.2f} ms" for b in lab_med]
+    expect = {b: max(fixed_sa, 0.0) + b / bw_sa for b in lab_med}  # the standalone line at the lab's sizes
+    lines = [f"{b / 2**20:5.0f} MiB: kv.transfer median {lab_med[b] * 1e3:7.2f} ms, standalone line "
+             f"{expect[b] * 1e3:7.2f} ms (bytes/bandwidth {b / bw_sa * 1e3:7.2f} ms)" for b in lab_med]
+    lines += [f"standalone {b / 2**20:5.0f} MiB: median {v * 1e3:7.2f} ms" for b, v in sa_med.items()]
     print("\n".join(lines))
     print(f"bandwidth (slope of the per-size medians): standalone {bw_sa / 1e9:.3f} GB/s (fixed {fixed_sa * 1e3:.2f} ms), "
           f"lab kv.transfer {bw_lab / 1e9:.3f} GB/s (fixed {fixed_lab * 1e3:.2f} ms)")
     for b in lab_med:
-        r = lab_med[b] / sa_med[b]
-        assert 1 / FACTOR <= r <= FACTOR, (b, lab_med[b], sa_med[b])
+        r = lab_med[b] / expect[b]
+        assert 1 / FACTOR <= r <= FACTOR, (b, lab_med[b], expect[b])
     assert 1 / FACTOR <= bw_lab / bw_sa <= FACTOR, (bw_lab, bw_sa)
     # growth with size: the 16-block transfer takes clearly longer than the 2-block one
     sizes = sorted(lab_med)
