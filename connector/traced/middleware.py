@@ -12,7 +12,7 @@ by the engine's role (``prefill.frontend`` on a ``kv_producer``,
 ``--kv-transfer-config`` on the command line or ``PDTRACE_ROLE``) from the
 moment the HTTP request reaches the app to the moment the last response body
 chunk has been handed to the server, with a ``token`` event at the first body
-chunk (the first output chunk written, for a stream).
+chunk of a 2xx response (the first output chunk written, for a stream).
 
 The frontend is recorded as **two spans of the same name** (DESIGN.md §2):
 ``frontend.part = "in"``: HTTP received → the request handed to EngineCore
@@ -187,6 +187,6 @@ class FrontendMiddleware:
             tracer.record(self.name, x, t_out, t1, {**a, "frontend.part": "out"}, span_id=st["sid"])
         else:
             tracer.record(self.name, x, t0, t1, {**a, "frontend.part": "whole"}, span_id=st["sid"])
-        if st["first"]:
+        if st["first"] and 200 <= st["status"] < 300:  # an error body (e.g. 500 after a failed KV load) is no token
             tracer.event("token", x, span_id=st["sid"], time_ns=st["first"],
                          attrs={"request.stream": int(st["chunks"] > 1)})

@@ -46,7 +46,7 @@ class SReq:
 
     __slots__ = ("req", "x", "pidx", "role", "sampled", "t_queued", "t_alloc", "attempt", "cached",
                  "compute_sid", "t_compute0", "last_end", "chunks", "awaiting", "promoted", "t_promoted",
-                 "ranks", "t_kv_ready", "first_step_sid", "queue_open", "prefill_done")
+                 "ranks", "t_kv_ready", "first_step_sid", "queue_open", "prefill_done", "failed")
 
     def __init__(self, req, role):
         self.req = req
@@ -69,6 +69,7 @@ class SReq:
         self.first_step_sid = 0
         self.queue_open = True
         self.prefill_done = False
+        self.failed = False  # aborted or its KV load failed: no first step, no token
 
 
 class PendingStep:
@@ -313,6 +314,7 @@ class TracedSchedulerMixin:
             if st is not None:
                 st.attempt += 1
                 st.awaiting = False
+                st.failed = True
         expired = getattr(rep, "expired", None) or set()
         for rid in out.finished_sending or ():
             h = self._pdt_holds.pop(rid, None)
@@ -355,6 +357,8 @@ class TracedSchedulerMixin:
             else:
                 st.queue_open = True
         for st in ps.promoted:
+            if st.failed:
+                continue  # freed (abort, failed KV load) during the step: it sampled no token
             a = self._pdt_req_attrs(st)
             a["step.id"] = ps.step
             tracer.record("decode.first_step", st.x, st.t_promoted, t1, a, prompt_index=st.pidx,
@@ -380,6 +384,7 @@ class TracedSchedulerMixin:
 
         status = request.status
         if status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+            st.failed = True
             a = {"request.internal_id": rid, "lifecycle.cause": str(getattr(status, "name", status))[:64],
                  "request.mode": self._pdt_mode}
             if st.awaiting and not st.promoted:

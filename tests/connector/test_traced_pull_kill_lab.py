@@ -116,6 +116,10 @@ def test_failure_event_with_cause_on_decode(killed_run):
     assert d_fail, ev
     # the router saw its decode leg fail too
     assert any(e["event"] == "router.leg_failed" and e["role"] == "router" for e in ev), ev
+    # and D did not claim a first token for it (a freed request samples none)
+    assert not [e for e in ev if e["event"] == "token"], ev
+    assert not killed_run["tr"].query(
+        "SELECT 1 FROM spans WHERE request_id = ? AND stage = 'decode.first_step'", [x])
 
 
 def test_incomplete_requests_shows_the_decode_cause(killed_run):

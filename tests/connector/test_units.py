@@ -116,3 +116,27 @@ def test_push_registration_arrival_is_the_earliest_consistent_instant():
     assert reg_arrival(1_000, 200, 300) == 300             # writer slept since 200, D sent at 300
     assert reg_arrival(1_000, 990, 300) == 990             # writer polling (~1 ms): arrived after 990
     assert reg_arrival(1_000, 990, 5_000) == 1_000         # D's clock ahead (other host): capped by the read
+
+
+def test_middleware_error_response_is_no_token(tmp_path, child):
+    """A 500 body (D failed the request after a failed KV load) gets a frontend span but no token event."""
+    r = child(f"""
+        import asyncio, glob, pyarrow.parquet as pq
+        from pdtrace.instrument import tracer
+        from pdtrace.connector.traced.middleware import FrontendMiddleware
+        async def app(scope, receive, send):
+            await send({{"type": "http.response.start", "status": 500, "headers": []}})
+            await send({{"type": "http.response.body", "body": b'{{"error": 1}}'}})
+        mw = FrontendMiddleware(app, role="decode")
+        async def send(m): pass
+        async def receive(): return {{"type": "http.request", "body": b"{{}}"}}
+        scope = {{"type": "http", "method": "POST", "path": "/v1/completions",
+                 "headers": [(b"x-request-id", b"X43")]}}
+        asyncio.run(mw(scope, receive, send))
+        tracer.shutdown()
+        rows = [r for f in glob.glob("{tmp_path}/*.parquet") for r in pq.read_table(f).to_pylist()]
+        names = sorted((r["record"], r["name"], r["request_id"]) for r in rows if r["record"] in ("span", "event"))
+        print(names)
+        assert ("span", "decode.frontend", "X43") in names and ("event", "token", "X43") not in names
+    """, env={"PDTRACE_DIR": str(tmp_path)})
+    assert r.returncode == 0, r.stderr[-2000:]
