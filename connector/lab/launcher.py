@@ -333,8 +333,31 @@ class Lab:
             procs.stop_group(p)
         self._start_router(self.router_port)
 
+    def flush_grace_s(self) -> float:
+        """Seconds to let every traced process's writer flush before the lab stops (0 untraced).
+
+        vLLM's API server answers SIGTERM by killing its EngineCore and worker processes
+        at once ("stopping engine client mode=abort timeout=0s"), so their shutdown flush
+        may never run: whatever they recorded in the last flush interval
+        (``PDTRACE_FLUSH_INTERVAL_S``, default 1 s) would be lost — e.g. D's failure
+        event of a request that failed just before the stop. Two intervals + 0.5 s.
+        """
+        if not self.cfg.trace_dir:
+            return 0.0
+        raw = self.cfg.extra_env.get("PDTRACE_FLUSH_INTERVAL_S", os.environ.get("PDTRACE_FLUSH_INTERVAL_S", "1.0"))
+        try:
+            interval = min(max(float(raw), 0.0), 30.0)
+        except ValueError:
+            interval = 1.0
+        return 2 * interval + 0.5
+
     def stop(self) -> None:
-        """Stop every process this lab started (router first). Safe to call twice."""
+        """Stop every process this lab started (router first). Safe to call twice.
+
+        Traced engines get :meth:`flush_grace_s` first, so their last records reach the store.
+        """
+        if any(n != "router" and p.poll() is None for n, p in self.procs.items()):
+            time.sleep(self.flush_grace_s())
         for name in sorted(self.procs, key=lambda n: n != "router"):
             procs.stop_group(self.procs[name])
         self.procs.clear()

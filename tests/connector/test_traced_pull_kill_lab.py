@@ -30,7 +30,7 @@ from pdtrace.connector.lab.launcher import Lab
 
 pytestmark = [pytest.mark.lab, pytest.mark.timeout(1800)]
 
-LONG_TOKENS = 3000
+LONG_TOKENS = 7000  # long enough to still be decoding when P dies (a fast run decoded 3,000 first)
 # failure events on D that name a cause (lifecycle.cause); which one depends on where UCX noticed the dead peer
 D_FAILURES = ("kv.post_failed", "kv.transfer_failed", "kv.load_failed", "request.abort", "handshake.failed")
 
