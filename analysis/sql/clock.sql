@@ -1,5 +1,6 @@
 -- module: clock
 -- requires: records
+-- materialize: _clock_domain_map full
 -- materialize: _clock_pair_est full
 -- materialize: _domain_offsets full
 --
@@ -13,11 +14,20 @@
 --     offset = clamp(best sample (lowest rtt), lower, upper)   if a sample exists
 --            = clamp(0, lower, upper)                           otherwise
 --              (the least correction that makes every observed order possible)
+-- Every piece of evidence is an interval the true offset lies in (a causal
+-- pair: one side; a sample: point +- rtt/2, valid for any split of the round
+-- trip); evidence combines by intersection. A sample's point picks the
+-- estimate only when it lies inside the combined interval and either is
+-- tighter than the other evidence or that evidence excludes 0 (macro
+-- _clock_point_usable); otherwise the offset is clamp(0, lower, upper): when
+-- the router<->engine round trips contain 0 (same host, no skew) it is
+-- 0 +- bound, whatever a wider sample says.
 --     bound  = max(offset - lower, upper - offset)
 --     if lower > upper (inconsistent: drift or a bad sample): offset = the
 --     midpoint, bound = half the overlap, consistent = false.
 -- Clock domains: the router is 'router', an engine is its engine_id (all its
--- processes share the host clock). Every time is corrected to the router's
+-- processes share the host clock; the API server's rows carry it too, or are
+-- mapped to it by _clock_domain_map). Every time is corrected to the router's
 -- clock: corrected = raw - offset(domain); the router's offset is 0.
 
 CREATE OR REPLACE MACRO _clamp(v, lo, hi) AS least(greatest(v, coalesce(lo, v)), coalesce(hi, v));
@@ -27,6 +37,19 @@ CREATE OR REPLACE MACRO _clock_bound(lo, hi, est) AS
     CASE WHEN lo IS NULL OR hi IS NULL THEN NULL
          WHEN lo > hi THEN (lo - hi + 1) // 2
          ELSE greatest(est - lo, hi - est) END;
+
+-- Whether a sample's point (from evidence of width point_width) picks the
+-- estimate inside the combined interval [lo, hi], given the interval of the
+-- evidence without a point [plain_lo, plain_hi] (NULL: unbounded side). A point
+-- outside [lo, hi] proves its round trip was split unevenly, so it says nothing
+-- about where inside the interval the offset is. A point inside is used unless
+-- the point-less evidence admits 0 (no skew) and the sample is not tighter than
+-- it: then the least correction, clamp(0, lo, hi), stands.
+CREATE OR REPLACE MACRO _clock_point_usable(point, point_width, lo, hi, plain_lo, plain_hi) AS
+    point IS NOT NULL
+    AND point >= coalesce(lo, point) AND point <= coalesce(hi, point)
+    AND (point_width < coalesce(plain_hi - plain_lo, 9223372036854775807)
+         OR NOT (coalesce(plain_lo, 0) <= 0 AND coalesce(plain_hi, 0) >= 0));
 
 CREATE OR REPLACE VIEW _clock_router_marks AS
 SELECT rkey,
@@ -40,21 +63,46 @@ FROM _records
 WHERE role = 'router' AND rkey IS NOT NULL AND record IN ('span', 'event')
 GROUP BY rkey;
 
+-- API-server rows without engine_id (records.sql: domain _api_clock_domain(role,
+-- host, run)) are on their engine's host clock: they take the engine's domain
+-- when exactly one engine of that role recorded on that host in that run;
+-- otherwise clock_domain is NULL (unresolved, listed in clock_domains).
+CREATE OR REPLACE VIEW _calc_clock_domain_map AS
+SELECT _api_clock_domain(role, host, run_id) AS domain,
+       CASE WHEN count(DISTINCT engine_id) = 1 THEN min(engine_id) END AS clock_domain,
+       count(DISTINCT engine_id) AS engines
+FROM _records
+WHERE role IN ('prefill', 'decode')
+GROUP BY role, host, run_id
+HAVING bool_or(engine_id IS NULL);
+
+CREATE TABLE IF NOT EXISTS _mat_clock_domain_map AS SELECT * FROM _calc_clock_domain_map LIMIT 0;
+CREATE OR REPLACE VIEW _clock_domain_map AS SELECT * FROM _mat_clock_domain_map;
+
 CREATE OR REPLACE VIEW _clock_engine_marks AS
-SELECT rkey, domain, role,
+SELECT rkey, coalesce(m.clock_domain, r.domain) AS domain, role,
        min(start_ns) AS first_start,
        max(end_ns) FILTER (WHERE name = 'prefill.compute') AS compute_end,
        max(end_ns) FILTER (WHERE name = 'decode.first_step') AS first_step_end
-FROM _records
+FROM _records r LEFT JOIN _clock_domain_map m ON m.domain = r.domain
 WHERE record = 'span' AND role IN ('prefill', 'decode') AND rkey IS NOT NULL
-GROUP BY rkey, domain, role;
+GROUP BY rkey, coalesce(m.clock_domain, r.domain), role;
 
 -- Per clock domain: wall minus monotonic from its processes' (wall, monotonic)
--- anchor rows (record 'clock'), the median over all anchors (ns).
+-- anchor rows (record 'clock'), the median over all anchors (ns). Exact in
+-- integers: median() of BIGINT goes through DOUBLE (53 bits; an epoch-ns value
+-- ~1.7e18 would lose up to 128 ns), so the median is taken of the differences
+-- from the domain's smallest value (small, exact in DOUBLE) and added back;
+-- an even count gives the two middle values' mean rounded down (ns).
 CREATE OR REPLACE VIEW _clock_anchors AS
-SELECT domain, median(start_ns - attr_int['clock.mono_ns'])::BIGINT AS wall_minus_mono, count(*) AS anchors
-FROM _records
-WHERE record = 'clock' AND attr_int['clock.mono_ns'] IS NOT NULL
+WITH a AS (
+    SELECT domain, d, min(d) OVER (PARTITION BY domain) AS d0
+    FROM (SELECT domain, start_ns - attr_int['clock.mono_ns'] AS d
+          FROM _records
+          WHERE record = 'clock' AND attr_int['clock.mono_ns'] IS NOT NULL)
+)
+SELECT domain, any_value(d0) + floor(median(d - d0))::BIGINT AS wall_minus_mono, count(*) AS anchors
+FROM a
 GROUP BY domain;
 
 -- One row per causal message or sample: sent on src's clock, received on dst's.
@@ -141,35 +189,11 @@ FROM agg;
 CREATE TABLE IF NOT EXISTS _mat_clock_pair_est AS SELECT * FROM _calc_clock_pair_est LIMIT 0;
 CREATE OR REPLACE VIEW _clock_pair_est AS SELECT * FROM _mat_clock_pair_est;
 
-CREATE OR REPLACE VIEW clock_offsets AS
-SELECT clock_a, clock_b,
-       window_idx * _clock_window_ns() AS window_start_ns,
-       est AS offset_ns, est / 1e6 AS offset_ms,
-       bound AS bound_ns, bound / 1e6 AS bound_ms,
-       lo AS lower_ns, hi AS upper_ns,
-       coalesce(lo <= hi, true) AS consistent,
-       messages, samples, sources
-FROM _clock_pair_est;
-
-COMMENT ON VIEW clock_offsets IS 'Clock offset per pair of clocks (router, engines) and window, from causal pairs and samples; offset = clock_b - clock_a.';
-COMMENT ON COLUMN clock_offsets.clock_a IS 'first clock: ''router'' or an engine id (the router always sorts first)';
-COMMENT ON COLUMN clock_offsets.clock_b IS 'second clock: an engine id';
-COMMENT ON COLUMN clock_offsets.window_start_ns IS 'start of the estimation window (ns since the Unix epoch, receiver clock); NULL: the whole trace';
-COMMENT ON COLUMN clock_offsets.offset_ns IS 'estimated clock_b minus clock_a (duration ns; positive: b reads later)';
-COMMENT ON COLUMN clock_offsets.offset_ms IS 'offset_ns in ms';
-COMMENT ON COLUMN clock_offsets.bound_ns IS 'uncertainty: the true offset is within offset +- bound (duration ns); NULL when one side is unbounded';
-COMMENT ON COLUMN clock_offsets.bound_ms IS 'bound_ns in ms';
-COMMENT ON COLUMN clock_offsets.lower_ns IS 'largest lower bound on the offset from causal pairs and samples (duration ns)';
-COMMENT ON COLUMN clock_offsets.upper_ns IS 'smallest upper bound on the offset (duration ns)';
-COMMENT ON COLUMN clock_offsets.consistent IS 'false when the bounds contradict each other (lower > upper): drift or a bad sample';
-COMMENT ON COLUMN clock_offsets.messages IS 'causal messages used (router<->engine HTTP, registrations, notifications) (count)';
-COMMENT ON COLUMN clock_offsets.samples IS 'direct offset samples used, e.g. the handshake estimate (count)';
-COMMENT ON COLUMN clock_offsets.sources IS 'kinds of evidence, comma-separated';
-
 -- Offset of each clock domain relative to the router, per window and overall
 -- (window_idx NULL): intersect the direct router<->X bounds with one-hop
--- bounds router<->Y<->X; a point estimate comes from the tightest candidate
--- that has one.
+-- bounds router<->Y<->X (a one-hop candidate's point: X's sample from Y plus
+-- Y's estimate); the point of the tightest candidate that has one is used when
+-- _clock_point_usable, else clamp(0, lower, upper).
 CREATE OR REPLACE VIEW _clock_dir AS
 SELECT clock_a AS a, clock_b AS b, window_idx, lo, hi, point, est FROM _clock_pair_est
 UNION ALL
@@ -185,14 +209,107 @@ WITH cand AS (
      AND r.window_idx IS NOT DISTINCT FROM y.window_idx
 ), agg AS (
     SELECT domain, window_idx, max(lo) AS lo, min(hi) AS hi,
-           arg_min(point, coalesce(hi - lo, 9223372036854775807)) FILTER (WHERE point IS NOT NULL) AS point
+           max(lo) FILTER (WHERE point IS NULL) AS plain_lo, min(hi) FILTER (WHERE point IS NULL) AS plain_hi,
+           arg_min(point, coalesce(hi - lo, 9223372036854775807)) FILTER (WHERE point IS NOT NULL) AS point,
+           min(coalesce(hi - lo, 9223372036854775807)) FILTER (WHERE point IS NOT NULL) AS point_width
     FROM cand GROUP BY domain, window_idx
+), pick AS (
+    SELECT domain, window_idx, lo, hi,
+           CASE WHEN _clock_point_usable(point, point_width, lo, hi, plain_lo, plain_hi) THEN point END AS point
+    FROM agg
+), solved AS (
+    SELECT domain, window_idx, _clock_estimate(lo, hi, point) AS offset_ns,
+           _clock_bound(lo, hi, _clock_estimate(lo, hi, point)) AS bound_ns
+    FROM pick
 )
-SELECT domain, window_idx, _clock_estimate(lo, hi, point) AS offset_ns,
-       _clock_bound(lo, hi, _clock_estimate(lo, hi, point)) AS bound_ns
-FROM agg
+SELECT * FROM solved
+UNION ALL
+-- API-server domains mapped to their engine take the engine's offsets
+SELECT m.domain, s.window_idx, s.offset_ns, s.bound_ns
+FROM _clock_domain_map m JOIN solved s ON s.domain = m.clock_domain
 UNION ALL
 SELECT 'router', NULL, 0, 0;
 
 CREATE TABLE IF NOT EXISTS _mat_domain_offsets AS SELECT * FROM _calc_domain_offsets LIMIT 0;
 CREATE OR REPLACE VIEW _domain_offsets AS SELECT * FROM _mat_domain_offsets;
+
+-- Engine pair rows (a, b both engines) also intersect the bounds derived
+-- through the router: off_b - off_a lies in [lo(router,b) - hi(router,a),
+-- hi(router,b) - lo(router,a)]. The estimate is the pair's sample when
+-- _clock_point_usable (against the router-derived interval), else the
+-- difference of the two domains' offsets (_domain_offsets), clamped to the
+-- combined interval.
+CREATE OR REPLACE VIEW _clock_pair_combined AS
+WITH j AS (
+    SELECT p.*,
+           rb.lo - ra.hi AS via_lo, rb.hi - ra.lo AS via_hi,
+           ob.offset_ns - oa.offset_ns AS via_est
+    FROM _clock_pair_est p
+    LEFT JOIN _clock_pair_est ra ON p.clock_a <> 'router' AND ra.clock_a = 'router' AND ra.clock_b = p.clock_a
+         AND ra.window_idx IS NOT DISTINCT FROM p.window_idx
+    LEFT JOIN _clock_pair_est rb ON p.clock_a <> 'router' AND rb.clock_a = 'router' AND rb.clock_b = p.clock_b
+         AND rb.window_idx IS NOT DISTINCT FROM p.window_idx
+    LEFT JOIN _domain_offsets oa ON p.clock_a <> 'router' AND oa.domain = p.clock_a
+         AND oa.window_idx IS NOT DISTINCT FROM p.window_idx
+    LEFT JOIN _domain_offsets ob ON p.clock_a <> 'router' AND ob.domain = p.clock_b
+         AND ob.window_idx IS NOT DISTINCT FROM p.window_idx
+), c AS (
+    SELECT *,
+           CASE WHEN via_lo IS NULL THEN lo WHEN lo IS NULL THEN via_lo ELSE greatest(lo, via_lo) END AS c_lo,
+           CASE WHEN via_hi IS NULL THEN hi WHEN hi IS NULL THEN via_hi ELSE least(hi, via_hi) END AS c_hi,
+           (via_lo IS NOT NULL OR via_hi IS NOT NULL) AS via
+    FROM j
+), pick AS (
+    SELECT *,
+           CASE WHEN NOT via THEN point
+                WHEN _clock_point_usable(point, coalesce(hi - lo, 9223372036854775807), c_lo, c_hi, via_lo, via_hi)
+                     THEN point
+                ELSE via_est END AS c_point
+    FROM c
+)
+SELECT clock_a, clock_b, window_idx, c_lo AS lo, c_hi AS hi, messages, samples,
+       CASE WHEN via THEN concat_ws(',', sources, 'via_router') ELSE sources END AS sources,
+       CASE WHEN via THEN _clock_estimate(c_lo, c_hi, c_point) ELSE est END AS est,
+       CASE WHEN via THEN _clock_bound(c_lo, c_hi, _clock_estimate(c_lo, c_hi, c_point)) ELSE bound END AS bound
+FROM pick;
+
+CREATE OR REPLACE VIEW clock_offsets AS
+SELECT clock_a, clock_b,
+       window_idx * _clock_window_ns() AS window_start_ns,
+       est AS offset_ns, est / 1e6 AS offset_ms,
+       bound AS bound_ns, bound / 1e6 AS bound_ms,
+       lo AS lower_ns, hi AS upper_ns,
+       coalesce(lo <= hi, true) AS consistent,
+       messages, samples, sources
+FROM _clock_pair_combined;
+
+COMMENT ON VIEW clock_offsets IS 'Clock offset per pair of clocks (router, engines) and window, from causal pairs and samples (engine pairs also through the router); offset = clock_b - clock_a.';
+COMMENT ON COLUMN clock_offsets.clock_a IS 'first clock: ''router'' or an engine id (the router always sorts first)';
+COMMENT ON COLUMN clock_offsets.clock_b IS 'second clock: an engine id';
+COMMENT ON COLUMN clock_offsets.window_start_ns IS 'start of the estimation window (ns since the Unix epoch, receiver clock); NULL: the whole trace';
+COMMENT ON COLUMN clock_offsets.offset_ns IS 'estimated clock_b minus clock_a (duration ns; positive: b reads later)';
+COMMENT ON COLUMN clock_offsets.offset_ms IS 'offset_ns in ms';
+COMMENT ON COLUMN clock_offsets.bound_ns IS 'uncertainty: the true offset is within offset +- bound (duration ns); NULL when one side is unbounded';
+COMMENT ON COLUMN clock_offsets.bound_ms IS 'bound_ns in ms';
+COMMENT ON COLUMN clock_offsets.lower_ns IS 'largest lower bound on the offset from causal pairs, samples and (engine pairs) the router (duration ns)';
+COMMENT ON COLUMN clock_offsets.upper_ns IS 'smallest upper bound on the offset (duration ns)';
+COMMENT ON COLUMN clock_offsets.consistent IS 'false when the bounds contradict each other (lower > upper): drift or a bad sample';
+COMMENT ON COLUMN clock_offsets.messages IS 'causal messages used (router<->engine HTTP, registrations, notifications) (count)';
+COMMENT ON COLUMN clock_offsets.samples IS 'direct offset samples used, e.g. the handshake estimate (count)';
+COMMENT ON COLUMN clock_offsets.sources IS 'kinds of evidence, comma-separated; via_router: an engine pair''s bounds derived through both engines'' router bounds';
+
+
+CREATE OR REPLACE VIEW clock_domains AS
+SELECT domain, domain AS offset_domain, CASE WHEN domain = 'router' THEN 'router' ELSE 'measured' END AS status,
+       NULL::BIGINT AS engines
+FROM (SELECT DISTINCT domain FROM _domain_offsets)
+WHERE domain NOT IN (SELECT domain FROM _clock_domain_map)
+UNION ALL
+SELECT domain, clock_domain, CASE WHEN clock_domain IS NOT NULL THEN 'inherited' ELSE 'unresolved' END, engines
+FROM _clock_domain_map;
+
+COMMENT ON VIEW clock_domains IS 'Clock domains and where each one''s offset comes from; status ''unresolved'' flags API-server rows without engine_id whose engine is ambiguous (their correction has no engine evidence).';
+COMMENT ON COLUMN clock_domains.domain IS 'clock domain of rows (spans.clock_domain): ''router'', an engine id, or api:<role>@<host>/<run> for API-server rows without engine_id';
+COMMENT ON COLUMN clock_domains.offset_domain IS 'domain whose offset corrects the rows (the engine for an inherited API-server domain); NULL: unresolved';
+COMMENT ON COLUMN clock_domains.status IS 'router | measured (own evidence) | inherited (API server on its engine''s host clock) | unresolved (0 or more than 1 engine of that role on that host and run)';
+COMMENT ON COLUMN clock_domains.engines IS 'for an API-server domain: engines of that role recorded on that host in that run (count)';

@@ -17,6 +17,12 @@ CREATE OR REPLACE MACRO _request_key(run_id, request_id, prompt_index) AS
     CASE WHEN request_id IS NULL THEN NULL
          ELSE hash(coalesce(run_id, ''), request_id, coalesce(prompt_index, 0)) END;
 
+-- Clock domain of an engine-side row written without engine_id (an API-server
+-- process from an older middleware): one per (role, host, run); module clock
+-- maps it to the engine's domain when that is unambiguous (view clock_domains).
+CREATE OR REPLACE MACRO _api_clock_domain(role, host, run_id) AS
+    'api:' || role || '@' || coalesce(host, '?') || '/' || coalesce(run_id, '?');
+
 -- Rows of _records from a list of checked store files.
 CREATE OR REPLACE MACRO _read_store(files) AS TABLE
 SELECT record, record_id, trace_id, span_id, parent_span_id, name, kind, start_ns, end_ns,
@@ -26,7 +32,9 @@ SELECT record, record_id, trace_id, span_id, parent_span_id, name, kind, start_n
        attr_int, attr_float, attr_str,
        run_id, service_name, role, engine_id, host, pid, vllm_version, connector, schema_version,
        _request_key(run_id, _base_request_id(request_id), coalesce(prompt_index, 0)) AS rkey,
-       coalesce(engine_id, role, 'unknown') AS domain,
+       coalesce(engine_id,
+                CASE WHEN role IN ('prefill', 'decode') THEN _api_clock_domain(role, host, run_id) END,
+                role, 'unknown') AS domain,
        filename AS _file
 FROM read_parquet(files, union_by_name = true, filename = true);
 

@@ -28,6 +28,11 @@ methods are wrapped once per API-server process when the middleware is built
 part's boundary is unknown (a hook missing), one span over the whole exchange
 is recorded with ``frontend.part = "whole"``.
 
+Clock domain: the rows carry the engine's ``engine_id`` (``engine_id`` in
+``--kv-transfer-config`` when given, else ``app.state.vllm_config``'s
+``kv_transfer_config.engine_id`` read on the first request), so the analysis
+corrects them with the engine's clock offset (one host clock; DESIGN.md §3).
+
 Request id: the ``X-Request-Id`` header (the router's X), else none (the span
 is then dropped). Never raises into the server: errors are counted in
 :mod:`pdtrace.connector.traced.safety`.
@@ -48,20 +53,43 @@ _attrs.register("frontend.part", str, "which part of a frontend span: 'in' (HTTP
                 "EngineCore), 'out' (first output back -> last chunk written) or 'whole' (boundaries unknown)")
 
 
-def _role_from_argv(argv) -> str | None:
+def _kv_config_from_argv(argv) -> dict | None:
+    """The ``--kv-transfer-config`` JSON object on the command line, or None."""
     for i, a in enumerate(argv):
         val = None
         if a in ("--kv-transfer-config", "--kv_transfer_config") and i + 1 < len(argv):
             val = argv[i + 1]
-        elif a.startswith("--kv-transfer-config="):
+        elif a.startswith(("--kv-transfer-config=", "--kv_transfer_config=")):
             val = a.split("=", 1)[1]
         if val:
             try:
-                r = json.loads(val).get("kv_role")
+                cfg = json.loads(val)
             except Exception:  # noqa: BLE001
                 return None
-            return {"kv_producer": "prefill", "kv_consumer": "decode"}.get(r)
+            return cfg if isinstance(cfg, dict) else None
     return None
+
+
+def _role_from_argv(argv) -> str | None:
+    cfg = _kv_config_from_argv(argv)
+    r = cfg.get("kv_role") if cfg else None
+    return {"kv_producer": "prefill", "kv_consumer": "decode"}.get(r)
+
+
+def _engine_id_from_argv(argv) -> str | None:
+    """``engine_id`` from ``--kv-transfer-config`` when given there (else vLLM draws a uuid4)."""
+    cfg = _kv_config_from_argv(argv)
+    e = cfg.get("engine_id") if cfg else None
+    return str(e) if e else None
+
+
+def _engine_id_from_app(app) -> str | None:
+    """``app.state.vllm_config.kv_transfer_config.engine_id`` (vLLM's API server sets
+    ``state.vllm_config``; the EngineCore it spawns gets the same config, so the same id)."""
+    state = getattr(app, "state", None)
+    cfg = getattr(getattr(state, "vllm_config", None), "kv_transfer_config", None)
+    e = getattr(cfg, "engine_id", None)
+    return str(e) if e else None
 
 
 # X -> monotonic ns: request handed to EngineCore / first output back (this API-server process)
@@ -135,15 +163,29 @@ class FrontendMiddleware:
         if self.role not in ("prefill", "decode"):
             self.role = "decode"
         self.name = f"{self.role}.frontend"
+        # engine_id puts this process's rows in its engine's clock domain (same host clock), so the
+        # analysis corrects them with the engine's offset: from argv now, else from the app's
+        # vLLM config on the first request (set after the middleware is built).
+        self.engine_id = _engine_id_from_argv(sys.argv)
         if tracer.on:
             safe(tracer.set_resource, role=self.role, service_name=f"pdtrace-{self.role}-api")
+            if self.engine_id:
+                safe(tracer.set_resource, engine_id=self.engine_id)
             safe(install_engine_hooks)
+
+    def _resolve_engine_id(self, scope) -> None:
+        e = _engine_id_from_app(scope.get("app")) or _engine_id_from_app(self.app)
+        self.engine_id = e or ""        # "" : looked, not found; never looked again
+        if e:
+            tracer.set_resource(engine_id=e)
 
     async def __call__(self, scope, receive, send):
         if not tracer.on or scope.get("type") != "http" or scope.get("method") != "POST" \
                 or scope.get("path") not in _PATHS:
             return await self.app(scope, receive, send)
         t0 = tracer.now()
+        if self.engine_id is None:
+            safe(self._resolve_engine_id, scope)
         st = safe(self._start, scope)
         if st is None:
             return await self.app(scope, receive, send)

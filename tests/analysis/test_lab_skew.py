@@ -257,11 +257,6 @@ def test_shifted_run_finds_the_250_ms_offset(shifted):
     assert _within(via, -SHIFT_NS / 1e6) and via["bound_ms"] < 50, via
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "analysis weakness (open): clock_offsets' engine-pair row (D, P) uses only the direct evidence, which in "
-    "pull is the one NIXL handshake sample (P's notification.received carries no clock.send_ns); under load "
-    "its RTT is hundreds of ms (shifted run 2026-11-30: -128.3 +- 267.2 ms). The router<->engine bounds give "
-    "-246 +- 8 ms but are not intersected into the pair's row (they are, in _domain_offsets)."))
 def test_shifted_run_engine_pair_row_is_tight(shifted):
     dp = _offsets(shifted)[("decode", "prefill")]
     assert dp["bound_ms"] < 50 and abs(dp["offset_ms"] + SHIFT_NS / 1e6) < 25, dp
@@ -269,7 +264,7 @@ def test_shifted_run_engine_pair_row_is_tight(shifted):
 
 def _correction_by_domain(run) -> dict[str, dict]:
     rows = run["tr"].query("""
-        SELECT role, engine_id IS NULL AS api, min(raw_start_ns - start_ns) / 1e6 AS lo_ms,
+        SELECT role, stage LIKE '%.frontend' AS api, min(raw_start_ns - start_ns) / 1e6 AS lo_ms,
                max(raw_start_ns - start_ns) / 1e6 AS hi_ms, count(*) AS n
         FROM spans WHERE request_id IS NOT NULL GROUP BY ALL""")
     return {r["role"] + ("-api" if r["api"] and r["role"] != "router" else ""): r for r in rows}
@@ -286,14 +281,6 @@ def test_shifted_run_corrects_d_engine_spans_by_the_offset(shifted):
     assert abs(by["prefill"]["lo_ms"]) <= pb and abs(by["prefill"]["hi_ms"]) <= pb, by["prefill"]
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "analysis bug (open): the API-server process's spans (decode.frontend, prefill.frontend from "
-    "FrontendMiddleware) carry no engine_id, so records.sql gives them the clock domain 'decode'/'prefill' "
-    "(coalesce(engine_id, role)), separate from the engine's domain; that domain has only router->engine "
-    "upper bounds, so its offset is 0 with no bound and D's frontend spans stay 250 ms late. Query: SELECT "
-    "engine_id IS NULL AS api, median(raw_start_ns - start_ns)/1e6 FROM spans WHERE role = 'decode' GROUP BY 1 "
-    "-> expected 250 for both rows, got 250 (engine) and 0 (api). Fix: one clock domain per engine host "
-    "(the API server's rows join their engine's domain), or the middleware sets engine_id."))
 def test_shifted_run_corrects_d_api_server_spans(shifted):
     by, offs = _correction_by_domain(shifted), _offsets(shifted)
     b = offs[("router", "decode")]["bound_ms"]
