@@ -9,22 +9,23 @@
 -- off_X, gives   off_dst - off_src <= recv_raw - sent_raw.   Messages in both
 -- directions between two clocks bound d = off_b - off_a from both sides; a
 -- handshake-style sample gives d = offset +- rtt/2 directly. Per clock pair and
--- window:
+-- window, from the direct evidence (_clock_pair_est):
 --     lower = max(lower bounds), upper = min(upper bounds)
 --     offset = clamp(best sample (lowest rtt), lower, upper)   if a sample exists
 --            = clamp(0, lower, upper)                           otherwise
 --              (the least correction that makes every observed order possible)
--- Every piece of evidence is an interval the true offset lies in (a causal
--- pair: one side; a sample: point +- rtt/2, valid for any split of the round
--- trip); evidence combines by intersection. A sample's point picks the
--- estimate only when it lies inside the combined interval and either is
--- tighter than the other evidence or that evidence excludes 0 (macro
--- _clock_point_usable); otherwise the offset is clamp(0, lower, upper): when
--- the router<->engine round trips contain 0 (same host, no skew) it is
--- 0 +- bound, whatever a wider sample says.
 --     bound  = max(offset - lower, upper - offset)
 --     if lower > upper (inconsistent: drift or a bad sample): offset = the
 --     midpoint, bound = half the overlap, consistent = false.
+-- Combining evidence across clocks (each domain's offset to the router, and
+-- engine pair rows through the router): every piece of evidence is an interval
+-- the true offset lies in (a causal pair: one side; a sample: point +- rtt/2,
+-- valid for any split of the round trip); intervals combine by intersection.
+-- A sample's point picks the estimate only when it lies inside the combined
+-- interval and either is tighter than the other evidence or that evidence
+-- excludes 0 (macro _clock_point_usable); otherwise the offset is
+-- clamp(0, lower, upper): when the router<->engine round trips contain 0 (same
+-- host, no skew) it is 0 +- bound, whatever a wider sample says.
 -- Clock domains: the router is 'router', an engine is its engine_id (all its
 -- processes share the host clock; the API server's rows carry it too, or are
 -- mapped to it by _clock_domain_map). Every time is corrected to the router's
