@@ -177,6 +177,11 @@ WITH agg AS (
     SELECT clock_a, clock_b, window_idx,
            max(lower_ns) AS lo, min(upper_ns) AS hi,
            arg_min(point_ns, rtt_ns) FILTER (WHERE point_ns IS NOT NULL) AS point,
+           -- the messages alone, and the best sample's own interval (point +- rtt/2)
+           max(lower_ns) FILTER (WHERE kind <> 'clock.sample') AS msg_lo,
+           min(upper_ns) FILTER (WHERE kind <> 'clock.sample') AS msg_hi,
+           arg_min(lower_ns, rtt_ns) FILTER (WHERE point_ns IS NOT NULL) AS sample_lo,
+           arg_min(upper_ns, rtt_ns) FILTER (WHERE point_ns IS NOT NULL) AS sample_hi,
            count(*) FILTER (WHERE kind <> 'clock.sample') AS messages,
            count(*) FILTER (WHERE kind = 'clock.sample') AS samples,
            string_agg(DISTINCT kind, ',' ORDER BY kind) AS sources
@@ -196,18 +201,29 @@ CREATE OR REPLACE VIEW _clock_pair_est AS SELECT * FROM _mat_clock_pair_est;
 -- Y's estimate); the point of the tightest candidate that has one is used when
 -- _clock_point_usable, else clamp(0, lower, upper).
 CREATE OR REPLACE VIEW _clock_dir AS
-SELECT clock_a AS a, clock_b AS b, window_idx, lo, hi, point, est FROM _clock_pair_est
+SELECT clock_a AS a, clock_b AS b, window_idx, lo, hi, point, est, msg_lo, msg_hi, sample_lo, sample_hi
+FROM _clock_pair_est
 UNION ALL
-SELECT clock_b, clock_a, window_idx, -hi, -lo, -point, -est FROM _clock_pair_est;
+SELECT clock_b, clock_a, window_idx, -hi, -lo, -point, -est, -msg_hi, -msg_lo, -sample_hi, -sample_lo
+FROM _clock_pair_est;
 
 CREATE OR REPLACE VIEW _calc_domain_offsets AS
-WITH cand AS (
-    SELECT b AS domain, window_idx, lo, hi, point FROM _clock_dir WHERE a = 'router'
-    UNION ALL
-    SELECT y.b, y.window_idx, r.lo + y.lo, r.hi + y.hi, r.est + y.point
+WITH hop AS (
+    SELECT y.b, y.window_idx, r.lo AS r_lo, r.hi AS r_hi, r.est AS r_est,
+           y.msg_lo, y.msg_hi, y.sample_lo, y.sample_hi, y.point
     FROM _clock_dir r JOIN _clock_dir y
       ON r.a = 'router' AND y.a = r.b AND y.b <> 'router'
      AND r.window_idx IS NOT DISTINCT FROM y.window_idx
+), cand AS (
+    SELECT b AS domain, window_idx, lo, hi, point FROM _clock_dir WHERE a = 'router'
+    UNION ALL
+    -- one hop through Y: Y's router bounds plus Y<->X's messages (no point), and
+    -- plus Y<->X's best sample (its point added to Y's estimate), judged apart
+    SELECT h.b, h.window_idx, h.r_lo + h.msg_lo, h.r_hi + h.msg_hi, NULL
+    FROM hop h WHERE h.msg_lo IS NOT NULL OR h.msg_hi IS NOT NULL
+    UNION ALL
+    SELECT h.b, h.window_idx, h.r_lo + h.sample_lo, h.r_hi + h.sample_hi, h.r_est + h.point
+    FROM hop h WHERE h.point IS NOT NULL
 ), agg AS (
     SELECT domain, window_idx, max(lo) AS lo, min(hi) AS hi,
            max(lo) FILTER (WHERE point IS NULL) AS plain_lo, min(hi) FILTER (WHERE point IS NULL) AS plain_hi,
@@ -263,7 +279,11 @@ WITH j AS (
 ), pick AS (
     SELECT *,
            CASE WHEN NOT via THEN point
-                WHEN _clock_point_usable(point, coalesce(hi - lo, 9223372036854775807), c_lo, c_hi, via_lo, via_hi)
+                WHEN _clock_point_usable(point, coalesce(sample_hi - sample_lo, 9223372036854775807), c_lo, c_hi,
+                                         CASE WHEN msg_lo IS NULL THEN via_lo WHEN via_lo IS NULL THEN msg_lo
+                                              ELSE greatest(msg_lo, via_lo) END,
+                                         CASE WHEN msg_hi IS NULL THEN via_hi WHEN via_hi IS NULL THEN msg_hi
+                                              ELSE least(msg_hi, via_hi) END)
                      THEN point
                 ELSE via_est END AS c_point
     FROM c

@@ -214,3 +214,24 @@ def test_middleware_engine_id_from_app_state(tmp_path, child):
     r = child(_MW_CHILD.format(argv=argv, d=tmp_path), env={"PDTRACE_DIR": str(tmp_path)})
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip().splitlines()[-1] == "[('decode', 'engine-from-app')]"
+
+
+def test_sample_judged_on_its_own_interval_not_with_the_messages(analyse):
+    """A registration D -> P (sent 104 on D, received 105 on P: P - D <= 1 ms) and a sample
+    P - D = 0.3 +- 20 ms. P's router bounds [-40, 1] admit 0; the sample through D ([-1, 7] + [-19.7, 20.3],
+    width 48 ms) is wider than them (41 ms), so it is not used even though the registration narrows the
+    pair's row: P = 0, bound 20.7 ms (the sample's lower side -20.7 is the tightest lower bound)."""
+    c = Case()
+    root = c.router_request("p1", 0, 160, "pull", first_token_ms=151)   # P's lower bound: 60 - 100
+    c.span("router", "router.dispatch", 0, 2, rid="p1", parent=root, attrs={"router.leg": "prefill"})
+    c.span("prefill", "prefill.compute", 3, 60, rid="p1", engine="p0")
+    c.span("router", "router.dispatch", 100, 102, rid="p1", parent=root, attrs={"router.leg": "decode"})
+    c.span("decode", "decode.first_step", 109, 150, rid="p1", engine="d0")
+    c.event("prefill", "registration.received", 105, rid="p1", engine="p0",
+            attrs={"clock.send_ns": ns(104), "clock.peer_engine_id": "d0"})
+    c.event("decode", "clock.sample", 103, engine="d0",
+            attrs={"clock.offset_ns": 300_000, "clock.rtt_ns": 40_000_000, "clock.peer_engine_id": "p0"})
+    tr = analyse(c)
+    off = _offsets(tr)
+    assert off["d0"]["offset_ns"] == 0 and off["p0"]["offset_ns"] == 0
+    assert off["p0"]["bound_ns"] == 20_700_000
