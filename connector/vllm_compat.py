@@ -125,6 +125,10 @@ HOOKS: tuple[Hook, ...] = (
     _H("metadata", "NixlConnectorMetadata", "push_finished_blocks", kind="attr"),
     _H("metadata", None, "PUSH_REG_NOTIF_PREFIX", kind="attr"),
     _H("vllm.distributed.kv_transfer.kv_connector.v1.base", "KVConnectorWorkerMetadata", "aggregate", ("other",)),
+    # --- the request object the scheduler hooks read -----------------------------
+    _H("vllm.v1.request", "Request", "num_output_tokens", kind="attr"),
+    _H("vllm.v1.request", "Request", "num_prompt_tokens", kind="attr"),
+    _H("vllm.v1.request", "Request", "num_computed_tokens", kind="attr"),
     # --- API server (the frontend middleware's in/out boundaries) ----------------
     _H("vllm.v1.engine.async_llm", "AsyncLLM", "_add_request", ("request",)),
     _H("vllm.v1.engine.output_processor", "OutputProcessor", "process_outputs",
@@ -365,6 +369,8 @@ def static_check(src_root) -> list[str]:
                     if isinstance(n, ast.Attribute) and n.attr == h.name and isinstance(n.value, ast.Name) \
                             and n.value.id == "self" and isinstance(n.ctx, ast.Store):
                         ok = True
+                    elif isinstance(n, ast.FunctionDef) and n.name == h.name and n in node.body:
+                        ok = True  # a property
                     elif isinstance(n, (ast.AnnAssign, ast.Assign)):
                         for tg in (n.targets if isinstance(n, ast.Assign) else [n.target]):
                             if isinstance(tg, ast.Name) and tg.id == h.name:

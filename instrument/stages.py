@@ -60,6 +60,7 @@ EVENTS: dict[str, str] = {
     "notification.received": "a NIXL notification was received (attr kv.notif_kind)",
     "clock.sample": "a cross-engine clock offset sample (attrs clock.*)",
     "request.abort": "the request was aborted",
+    "request.finished": "D's engine finished the request normally (attr gen_ai.usage.output_tokens = tokens it generated)",
     "request.preempted": "the request was preempted (a recompute starts a new attempt)",
     "request.timeout": "a timeout fired (attr lifecycle.cause says which)",
     "kv.lease_expired": "P's lease on the blocks expired before a release notification",

@@ -393,6 +393,11 @@ class TracedSchedulerMixin:
                 a["lifecycle.expected"] = 1
                 a["lifecycle.received"] = len(st.ranks or {})
             tracer.event("request.abort", st.x, time_ns=t, prompt_index=st.pidx, attempt=st.attempt, attrs=a)
+        elif self._pdt_role == "decode" and st.sampled:
+            # the output length for TPOT (the router sees chunks, not tokens)
+            tracer.event("request.finished", st.x, time_ns=t, prompt_index=st.pidx, attempt=st.attempt,
+                         attrs={"request.internal_id": rid, "request.mode": self._pdt_mode,
+                                "gen_ai.usage.output_tokens": int(request.num_output_tokens)})
         if delay:
             st.t_kv_ready = t
             self._pdt_holds[rid] = (t, st)

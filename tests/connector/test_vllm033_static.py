@@ -14,8 +14,10 @@ import pytest
 
 from pdtrace.connector import vllm_compat
 
-_PREFIXES = ("vllm/distributed/kv_transfer/kv_connector/v1/nixl/", "vllm/distributed/kv_transfer/kv_connector/v1/base.py",
-             "vllm/v1/engine/async_llm.py", "vllm/v1/engine/output_processor.py")
+# the NIXL connector package (hooked classes and their bases) plus every module a hook names
+_PREFIXES = ("vllm/distributed/kv_transfer/kv_connector/v1/nixl/",
+             "vllm/distributed/kv_transfer/kv_connector/v1/base.py") + tuple(
+    sorted({vllm_compat.module_name(h).replace(".", "/") + ".py" for h in vllm_compat.HOOKS}))
 
 
 def _wheel():
