@@ -107,8 +107,17 @@ def check_shared_id(p_headers: dict, d_headers: dict) -> None:
 
 
 def _chunk_has_token(obj: dict) -> bool:
+    """True if an SSE chunk (parsed JSON) carries at least one generated token.
+
+    Completions: vLLM sends a choice chunk only when it has new tokens (or, after
+    the first, a finish), so a ``text`` key counts even when empty: a token that
+    ends inside a multi-byte character detokenizes to "" (vLLM's
+    ``serving_completion`` stream loop skips empty chunks only before the first
+    token). Chat: the first chunk announces the role with no token, so only
+    content, reasoning or logprobs count.
+    """
     for ch in obj.get("choices") or ():
-        if ch.get("text"):
+        if "text" in ch:
             return True
         d = ch.get("delta") or {}
         if d.get("content") or d.get("reasoning_content") or d.get("reasoning"):
