@@ -6,22 +6,28 @@ block, 16× the default model) and runs UCX over ``tcp,self``. The known answer
 is the transport's bandwidth, measured **separately**, outside vLLM, with the
 same NIXL/UCX stack (:mod:`nixlbw`: two processes, the lab's progress-thread
 delay, READs of 2 MiB blocks in 1 MiB descriptors like the engines' K/V
-descriptors), once before and once after the lab's probes, while the lab's
-engines sit idle beside it (same CPU contention as the probes).
+descriptors), before each round of the lab's probes and after the last,
+while the lab's engines sit idle beside it (same CPU contention as the probes).
 
 Probes: ``REPEATS`` sequential requests (one at a time, so transfers do not
 share the link) for each prompt length in ``PROMPT_TOKENS`` (2-16 blocks, 4-32
-MiB), fresh random token prompts (no prefix-cache hit). For each size the
-median of the traced ``kv.transfer`` durations (NIXL's own transfer time,
-which is what the span measures) is compared with the standalone median at the
-same byte count, and the slope of both (s per byte = 1 / bandwidth).
+MiB), fresh random token prompts (no prefix-cache hit). Per size, the fastest
+of the traced ``kv.transfer`` durations (NIXL's own transfer time, which is
+what the span measures) and of the standalone READs: other processes' load
+only adds time, and medians moved by 3x between runs on this machine. The
+known answer is the *growth*: from 4 to 32 MiB, ``kv.transfer`` grows by
+≈ 28 MiB ÷ the standalone bandwidth, and the slopes (s per byte = 1 /
+bandwidth) of the lab's and the standalone per-size minima agree. Absolute durations are not compared: in the lab each READ also carries
+a fixed cost the standalone loop does not have (intercepts of 14 and 22 ms in
+two runs; likely D's polling: NIXL's duration ends when D's engine step checks
+the handle, while the standalone loop polls every 0.5 ms).
 
-Tolerance: a factor of 2 on the per-size medians and on the slopes. Why so
+Tolerance: a factor of 2 on the growth and on the slopes. Why so
 wide: TCP on loopback is CPU-bound (kernel copies on both ends) and this
 machine's 2 cores are shared with other engineers' engines; the standalone run
 alone showed single 4 MiB READs taking 2.4-64 ms and 32 MiB READs 24-149 ms
-(see BENCHMARKS.md), so medians of a few transfers still move by tens of
-percent between minutes. The default transport moves the same bytes ≈ 40×
+(see BENCHMARKS.md), and even per-size minima of a few transfers move by tens
+of percent between minutes. The default transport moves the same bytes ≈ 40×
 faster (≈ 20 GB/s standalone), so a factor 2 still rejects a span that does
 not follow the transport (e.g. one measuring the default path or the post only).
 """
@@ -57,10 +63,11 @@ def heavy(tmp_path_factory):
     with Lab(cfg) as lab:
         lt.warm_up(lab, [16 + rng.randrange(vocab - 16) for _ in range(300)])
         bench = lambda: nixlbw.measure(sizes_blocks=(2, 4, 8, 16), block_bytes=block_bytes,  # noqa: E731
-                                       desc_bytes=block_bytes // 2, repeats=3, tls="tcp,self")
-        pts = bench()["points"]
+                                       desc_bytes=block_bytes // 2, repeats=2, tls="tcp,self")
+        pts = []
         ids = []
-        for rep in range(REPEATS):
+        for rep in range(REPEATS):  # interleaved: standalone READs, then one probe per size
+            pts += bench()["points"]
             for n in PROMPT_TOKENS:
                 ids.append(lt.one(lab, [16 + rng.randrange(vocab - 16) for _ in range(n)], max_tokens=2))
         pts += bench()["points"]
@@ -79,6 +86,15 @@ def _medians(points) -> dict[int, float]:
     return {b: statistics.median(v) for b, v in sorted(by.items())}
 
 
+def _minima(points) -> dict[int, float]:
+    """Per size, the fastest transfer: contention from other processes only adds time, so the
+    minimum is the least-disturbed sample of the transport (medians moved 3x between runs)."""
+    by = {}
+    for b, s in points:
+        by.setdefault(b, []).append(s)
+    return {b: min(v) for b, v in sorted(by.items())}
+
+
 def test_profile_moves_16x_bytes_per_token(heavy):
     assert heavy["kv_bytes_per_token"] == 16 * 1024
     lt.check_transfer_bytes(heavy["tr"], heavy["ids"], heavy["kv_bytes_per_token"])
@@ -90,21 +106,25 @@ def test_kv_transfer_follows_the_separately_measured_bandwidth(heavy):
     lab_pts = [(by[x]["bytes"], by[x]["dur_ns"] / 1e9) for x in heavy["ids"]]
     # the span is [post, post + NIXL's transfer duration]: its length is the NIXL duration
     assert all(abs(by[x]["dur_ns"] - by[x]["xfer_ns"]) <= 1000 for x in heavy["ids"])
-    lab_med = _medians(lab_pts)
-    sa_med = _medians(heavy["standalone"])
+    print("medians (ms): lab", {b >> 20: round(v * 1e3, 1) for b, v in _medians(lab_pts).items()},
+          "standalone", {b >> 20: round(v * 1e3, 1) for b, v in _medians(heavy["standalone"]).items()})
+    lab_med = _minima(lab_pts)
+    sa_med = _minima(heavy["standalone"])
     fixed_sa, bw_sa = nixlbw.fit(list(sa_med.items()))
     fixed_lab, bw_lab = nixlbw.fit(list(lab_med.items()))
-    expect = {b: max(fixed_sa, 0.0) + b / bw_sa for b in lab_med}  # the standalone line at the lab's sizes
-    lines = [f"{b / 2**20:5.0f} MiB: kv.transfer median {lab_med[b] * 1e3:7.2f} ms, standalone line "
+    expect = {b: max(fixed_sa, 0.0) + b / bw_sa for b in lab_med}  # the standalone line at the lab's sizes (printed)
+    lines = [f"{b / 2**20:5.0f} MiB: kv.transfer min {lab_med[b] * 1e3:7.2f} ms, standalone line "
              f"{expect[b] * 1e3:7.2f} ms (bytes/bandwidth {b / bw_sa * 1e3:7.2f} ms)" for b in lab_med]
-    lines += [f"standalone {b / 2**20:5.0f} MiB: median {v * 1e3:7.2f} ms" for b, v in sa_med.items()]
+    lines += [f"standalone {b / 2**20:5.0f} MiB: min {v * 1e3:7.2f} ms" for b, v in sa_med.items()]
     print("\n".join(lines))
-    print(f"bandwidth (slope of the per-size medians): standalone {bw_sa / 1e9:.3f} GB/s (fixed {fixed_sa * 1e3:.2f} ms), "
+    print(f"bandwidth (slope of the per-size minima): standalone {bw_sa / 1e9:.3f} GB/s (fixed {fixed_sa * 1e3:.2f} ms), "
           f"lab kv.transfer {bw_lab / 1e9:.3f} GB/s (fixed {fixed_lab * 1e3:.2f} ms)")
-    for b in lab_med:
-        r = lab_med[b] / expect[b]
-        assert 1 / FACTOR <= r <= FACTOR, (b, lab_med[b], expect[b])
-    assert 1 / FACTOR <= bw_lab / bw_sa <= FACTOR, (bw_lab, bw_sa)
-    # growth with size: the 16-block transfer takes clearly longer than the 2-block one
+    # the known answer is the growth: from the smallest to the largest transfer, kv.transfer grows by
+    # ≈ (bytes difference) ÷ the separately measured bandwidth; and the slopes agree
     sizes = sorted(lab_med)
-    assert lab_med[sizes[-1]] > 3 * lab_med[sizes[0]], lab_med
+    grow = lab_med[sizes[-1]] - lab_med[sizes[0]]
+    want = (sizes[-1] - sizes[0]) / bw_sa
+    print(f"growth {sizes[0] / 2**20:.0f} -> {sizes[-1] / 2**20:.0f} MiB: kv.transfer +{grow * 1e3:.1f} ms, "
+          f"bytes / bandwidth +{want * 1e3:.1f} ms (ratio {grow / want:.2f})")
+    assert 1 / FACTOR <= grow / want <= FACTOR, (grow, want)
+    assert 1 / FACTOR <= bw_lab / bw_sa <= FACTOR, (bw_lab, bw_sa)
