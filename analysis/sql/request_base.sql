@@ -12,6 +12,11 @@
 -- prefill_response_ns (pull only): the router's receipt of P's response, the
 -- end of its prefill-leg router.wait, else the start of its decode-leg
 -- router.dispatch; P's leg is over for the critical path at that instant.
+-- output_tokens: the router's gen_ai.usage.output_tokens when it recorded one,
+-- else D's: the request.finished event D's scheduler records when it finishes
+-- a sampled request normally (gen_ai.usage.output_tokens = tokens D
+-- generated), the largest value of the request's latest attempt that has one
+-- (a re-dispatched or recomputed attempt generates its tokens anew).
 
 -- Request keys that a router span names as its other leg's id (whole store,
 -- never restricted by an incremental refresh).
@@ -60,7 +65,11 @@ WITH rt AS (
            CASE WHEN bool_or(connector ILIKE '%push%') THEN 'push'
                 WHEN bool_or(connector ILIKE '%nixl%') THEN 'pull' END AS connector_mode,
            bool_or(name = 'dest.register') AS saw_registration,
-           sum(attr_int['kv.descriptors']) FILTER (WHERE record = 'span' AND name = 'kv.transfer') AS kv_descriptors
+           sum(attr_int['kv.descriptors']) FILTER (WHERE record = 'span' AND name = 'kv.transfer') AS kv_descriptors,
+           -- (attempt, tokens) compared in that order: the latest attempt's largest count
+           (max({'a': attempt, 'v': attr_int['gen_ai.usage.output_tokens']})
+                FILTER (WHERE record = 'event' AND name = 'request.finished' AND role = 'decode'
+                        AND attr_int['gen_ai.usage.output_tokens'] IS NOT NULL)).v AS decode_output_tokens
     FROM _timed
     WHERE role IN ('prefill', 'decode') AND rkey IN (SELECT rkey FROM _scope_keys)
     GROUP BY rkey
@@ -75,7 +84,7 @@ SELECT coalesce(rt.rkey, en.rkey) AS rkey,
        coalesce(rt.prompt_tokens, en.prompt_tokens) AS prompt_tokens,
        coalesce(rt.cached_tokens, en.cached_tokens) AS cached_tokens,
        coalesce(rt.prompt_tokens, en.prompt_tokens) - coalesce(rt.cached_tokens, en.cached_tokens, 0) AS uncached_tokens,
-       rt.output_tokens,
+       coalesce(rt.output_tokens, en.decode_output_tokens) AS output_tokens,
        CASE WHEN rt.has_root THEN rt.arrival_ns ELSE en.first_ns END AS arrival_ns,
        rt.first_token_ns, rt.last_token_ns, rt.root_end_ns, rt.root_status,
        greatest(coalesce(rt.router_attempt, 0), coalesce(en.attempt, 0)) + 1 AS attempts,

@@ -2,7 +2,10 @@
 -- requires: request_base, incomplete
 --
 -- One row per request. TTFT only for complete requests (first token
--- written); TPOT = (last token - first token) / (output tokens - 1). A
+-- written); TPOT = (last token - first token) / (output tokens - 1), both
+-- tokens as the router wrote them. output_tokens is the router's
+-- gen_ai.usage.output_tokens when it recorded one, else D's count from its
+-- request.finished event (latest attempt; module request_base). A
 -- request with a first token but no last token is `hung`: it keeps its TTFT,
 -- has no TPOT, and its hang (time since the first token until the router's
 -- root ended or the last record) is reported in hang_ms.
@@ -31,12 +34,12 @@ COMMENT ON COLUMN requests.mode IS 'handoff mode: pull | push | unknown';
 COMMENT ON COLUMN requests.prompt_tokens IS 'prompt tokens (tokens)';
 COMMENT ON COLUMN requests.cached_tokens IS 'prompt tokens served from the prefix cache (tokens)';
 COMMENT ON COLUMN requests.uncached_tokens IS 'prompt tokens computed: prompt - cached (tokens)';
-COMMENT ON COLUMN requests.output_tokens IS 'generated tokens (tokens)';
+COMMENT ON COLUMN requests.output_tokens IS 'generated tokens: the router''s gen_ai.usage.output_tokens, else D''s request.finished count of the latest attempt (tokens)';
 COMMENT ON COLUMN requests.arrival_ns IS 'request received by the router (ns since the Unix epoch, router clock)';
 COMMENT ON COLUMN requests.first_token_ns IS 'first token chunk written by the router (ns since the Unix epoch); NULL if none';
 COMMENT ON COLUMN requests.last_token_ns IS 'last token chunk written (ns since the Unix epoch)';
 COMMENT ON COLUMN requests.ttft_ms IS 'first_token - arrival on the router clock (ms); NULL for incomplete requests';
-COMMENT ON COLUMN requests.tpot_ms IS '(last token - first token) / (output tokens - 1) (ms per token)';
+COMMENT ON COLUMN requests.tpot_ms IS '(router last token - router first token) / (output_tokens - 1) (ms per token); NULL without output_tokens > 1 or a last token';
 COMMENT ON COLUMN requests.status IS 'complete (first token written) | incomplete';
 COMMENT ON COLUMN requests.cause IS 'cause of an incomplete request (see incomplete_requests.cause)';
 COMMENT ON COLUMN requests.detail IS 'evidence for the cause';

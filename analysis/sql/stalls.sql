@@ -197,7 +197,7 @@ COMMENT ON COLUMN request_stalls.run_id IS 'deployment run id';
 COMMENT ON COLUMN request_stalls.request_id IS 'base request id X';
 COMMENT ON COLUMN request_stalls.prompt_index IS 'prompt index i';
 COMMENT ON COLUMN request_stalls.mode IS 'pull | push | unknown';
-COMMENT ON COLUMN request_stalls.output_tokens IS 'generated tokens (tokens)';
+COMMENT ON COLUMN request_stalls.output_tokens IS 'generated tokens (requests.output_tokens: router, else D''s request.finished) (tokens)';
 COMMENT ON COLUMN request_stalls.arrival_ns IS 'request received by the router (ns since the Unix epoch, router clock)';
 COMMENT ON COLUMN request_stalls.tpot_ms IS '(last token - first token) / (output tokens - 1) (ms per token)';
 COMMENT ON COLUMN request_stalls.stall_ns IS 'excess of stalled steps it decoded in, caused by other requests (duration ns)';

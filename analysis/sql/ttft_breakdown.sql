@@ -118,7 +118,7 @@ COMMENT ON COLUMN ttft_breakdown.recomputed IS 'true if the prompt was recompute
 COMMENT ON COLUMN ttft_breakdown.prompt_tokens IS 'prompt tokens (tokens)';
 COMMENT ON COLUMN ttft_breakdown.cached_tokens IS 'prompt tokens from the prefix cache (tokens)';
 COMMENT ON COLUMN ttft_breakdown.uncached_tokens IS 'prompt tokens computed (tokens)';
-COMMENT ON COLUMN ttft_breakdown.output_tokens IS 'generated tokens (tokens)';
+COMMENT ON COLUMN ttft_breakdown.output_tokens IS 'generated tokens (requests.output_tokens: router, else D''s request.finished) (tokens)';
 COMMENT ON COLUMN ttft_breakdown.arrival_ns IS 'request received by the router (ns since the Unix epoch)';
 COMMENT ON COLUMN ttft_breakdown.first_token_ns IS 'first token written by the router (ns since the Unix epoch)';
 COMMENT ON COLUMN ttft_breakdown.prefill_engine IS 'prefill engine id';
