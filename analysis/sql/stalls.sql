@@ -11,17 +11,29 @@
 -- baseline depends on the steps before it on its engine), so the dashboard
 -- reads tables, not the store's files.
 --
--- Decode stalls (DESIGN.md §3). For each decode.step on an engine:
+-- Decode stalls (DESIGN.md §3: a step's excess over the median of recent
+-- steps of the same batch shape with no connector work or prefill tokens,
+-- shared among the step's causes). For each decode.step on an engine:
 --   shape     = number of requests with decode tokens in the step (step.batch 'X:d1' entries)
---   clean     = no connector work on the forward thread (connector.* children),
---               no prefill ('p') and no recompute ('r') tokens in the step
+--   handoff connector work = a connector.* child of the step (connector work
+--               on the forward thread) that served a handoff: its
+--               connector.request_ids names at least one request (the requests
+--               whose KV it loaded or saved, or whose transfer it saw finish).
+--               A child naming none is routine work -- vLLM calls
+--               get_transfer_results / get_finished (connector.poll), and
+--               start_load_kv / wait_for_save, on every step whether or not a
+--               transfer is in flight -- and is part of every step's normal
+--               cost, so it is neither "connector work" for cleanliness nor a
+--               cause: DESIGN's "no connector work" means no handoff's work.
+--   clean     = no handoff connector work, no prefill ('p') and no recompute
+--               ('r') tokens in the step (routine connector work allowed)
 --   baseline  = median duration of the last _stall_baseline_steps() clean
 --               steps of the same engine and shape before this step (the
 --               median of all clean steps of that shape when none precede)
 --   excess    = max(0, duration - baseline) for a step with a cause; 0 for a clean step
 -- The excess is shared among the step's causes in proportion to their time:
---   connector spans get their measured duration (split equally among the
---   request ids in connector.request_ids); the rest of the excess goes to
+--   handoff connector spans get their measured duration (split equally among
+--   the request ids in connector.request_ids); the rest of the excess goes to
 --   prefill/recompute entries in proportion to their tokens. When the
 --   connector time alone exceeds the excess, it is scaled down to the excess.
 --   Excess with no cause left to carry it is 'unexplained' (culprit NULL).
@@ -44,7 +56,9 @@ CREATE OR REPLACE VIEW _step_entries AS SELECT * FROM _mat_step_entries;
 CREATE OR REPLACE VIEW _step_conn AS
 SELECT s.span_id AS step_span_id, c.span_id, c.stage, c.end_ns - c.start_ns AS dur_ns,
        c.attr_str['vllm.method'] AS method,
-       coalesce(c.attr_str['connector.request_ids'], '') AS request_ids
+       coalesce(c.attr_str['connector.request_ids'], '') AS request_ids,
+       -- served a handoff: names at least one request (empty list entries ignored)
+       regexp_matches(coalesce(c.attr_str['connector.request_ids'], ''), '[^;]') AS served
 FROM _steps s JOIN spans c ON c.parent_span_id = s.span_id AND c.stage LIKE 'connector.%';
 
 CREATE OR REPLACE VIEW _step_stats AS
@@ -54,11 +68,16 @@ WITH e AS (
            coalesce(sum(tokens) FILTER (WHERE kind = 'r'), 0) AS recompute_tokens
     FROM _step_entries GROUP BY span_id
 ), c AS (
-    SELECT step_span_id, sum(dur_ns) AS connector_ns FROM _step_conn GROUP BY step_span_id
+    SELECT step_span_id, sum(dur_ns) AS connector_ns,
+           coalesce(sum(dur_ns) FILTER (WHERE served), 0) AS handoff_connector_ns,
+           count(*) FILTER (WHERE served) AS handoff_spans
+    FROM _step_conn GROUP BY step_span_id
 )
 SELECT s.*, coalesce(e.shape, 0) AS shape, coalesce(e.prefill_tokens, 0) AS prefill_tokens,
        coalesce(e.recompute_tokens, 0) AS recompute_tokens, coalesce(c.connector_ns, 0) AS connector_ns,
-       coalesce(c.connector_ns, 0) = 0 AND coalesce(e.prefill_tokens, 0) = 0 AND coalesce(e.recompute_tokens, 0) = 0 AS clean
+       coalesce(c.handoff_connector_ns, 0) AS handoff_connector_ns,
+       coalesce(c.handoff_spans, 0) = 0 AND coalesce(e.prefill_tokens, 0) = 0
+           AND coalesce(e.recompute_tokens, 0) = 0 AS clean
 FROM _steps s LEFT JOIN e ON e.span_id = s.span_id LEFT JOIN c ON c.step_span_id = s.span_id;
 
 CREATE OR REPLACE VIEW _calc_step_baseline AS
@@ -84,8 +103,9 @@ WITH st AS (
     FROM _step_baseline
 ), conn AS (
     SELECT c.step_span_id, c.stage AS kind, c.method, nullif(_base_request_id(r.id), '') AS culprit,
-           c.dur_ns / greatest(len(string_split(c.request_ids, ';')), 1) AS t_ns
+           c.dur_ns / len(list_filter(string_split(c.request_ids, ';'), lambda x: x <> '')) AS t_ns
     FROM _step_conn c, unnest(string_split(c.request_ids, ';')) AS r(id)
+    WHERE c.served AND r.id <> ''
 ), comp AS (
     SELECT span_id AS step_span_id, CASE kind WHEN 'p' THEN 'prefill' ELSE 'recompute' END AS kind,
            NULL::VARCHAR AS method, request_id AS culprit, tokens
@@ -118,28 +138,38 @@ CREATE OR REPLACE VIEW decode_stall_causes AS SELECT * FROM _mat_decode_stall_ca
 
 CREATE OR REPLACE VIEW decode_stalls AS
 WITH top AS (
-    SELECT step_span_id, arg_max(culprit_request_id, share_ns) AS top_culprit, arg_max(kind, share_ns) AS top_kind
+    -- the largest cause (arg_max over one row order: culprit and kind from the same row)
+    SELECT step_span_id, arg_max({'c': culprit_request_id, 'k': kind}, share_ns) AS top
     FROM decode_stall_causes GROUP BY step_span_id
 )
 SELECT b.engine_id, b.step_id, b.start_ns, b.end_ns, b.dur_ns, b.dur_ns / 1e6 AS dur_ms,
        b.shape, b.baseline_ns, b.baseline_ns / 1e6 AS baseline_ms,
        CASE WHEN b.clean OR b.baseline_ns IS NULL THEN 0 ELSE greatest(b.dur_ns - b.baseline_ns, 0) END AS excess_ns,
        CASE WHEN b.clean OR b.baseline_ns IS NULL THEN 0 ELSE greatest(b.dur_ns - b.baseline_ns, 0) END / 1e6 AS excess_ms,
-       b.connector_ns, b.connector_ns / 1e6 AS connector_ms, b.prefill_tokens, b.recompute_tokens, b.clean,
-       t.top_culprit AS culprit_request_id, t.top_kind AS culprit_kind, b.span_id AS step_span_id
+       b.connector_ns, b.connector_ns / 1e6 AS connector_ms,
+       b.handoff_connector_ns, b.handoff_connector_ns / 1e6 AS handoff_connector_ms,
+       b.prefill_tokens, b.recompute_tokens, b.clean,
+       t.top.c AS culprit_request_id, t.top.k AS culprit_kind, b.span_id AS step_span_id
 FROM _step_baseline b LEFT JOIN top t ON t.step_span_id = b.span_id;
 
--- Per victim request id: the stall excess other requests' work cost it, and the top culprit.
+-- Per victim request id: the stall excess other requests' work cost it, and the
+-- top culprit: the request whose work (all kinds summed) cost it the most, with
+-- that request's largest kind.
 CREATE OR REPLACE VIEW _calc_stall_victims AS
 WITH victims AS (
     SELECT e.request_id, c.culprit_request_id, c.kind, sum(c.share_ns) AS ns
     FROM _step_entries e JOIN decode_stall_causes c ON c.step_span_id = e.span_id
     WHERE e.kind = 'd' AND c.culprit_request_id IS DISTINCT FROM e.request_id
     GROUP BY ALL
+), per_culprit AS (
+    SELECT request_id, culprit_request_id, sum(ns) AS ns, arg_max(kind, ns) AS kind
+    FROM victims GROUP BY ALL
 )
-SELECT request_id, sum(ns) AS stall_ns, arg_max(culprit_request_id, ns) AS top_culprit,
-       arg_max(kind, ns) AS top_kind, max(ns) AS top_ns
-FROM victims GROUP BY request_id;
+SELECT request_id, sum(ns) AS stall_ns,
+       arg_max(culprit_request_id, ns) FILTER (WHERE culprit_request_id IS NOT NULL) AS top_culprit,
+       arg_max(kind, ns) FILTER (WHERE culprit_request_id IS NOT NULL) AS top_kind,
+       max(ns) FILTER (WHERE culprit_request_id IS NOT NULL) AS top_ns
+FROM per_culprit GROUP BY request_id;
 CREATE TABLE IF NOT EXISTS _mat_stall_victims AS SELECT * FROM _calc_stall_victims LIMIT 0;
 
 CREATE OR REPLACE VIEW request_stalls AS
@@ -168,7 +198,7 @@ COMMENT ON VIEW decode_stall_causes IS 'Per stalled decode step and cause: the s
 COMMENT ON COLUMN decode_stall_causes.engine_id IS 'decode engine id';
 COMMENT ON COLUMN decode_stall_causes.step_id IS 'engine step counter (step.id)';
 COMMENT ON COLUMN decode_stall_causes.start_ns IS 'step start (ns since the Unix epoch, router clock)';
-COMMENT ON COLUMN decode_stall_causes.kind IS 'connector.load | connector.poll | connector.save | prefill | recompute | unexplained';
+COMMENT ON COLUMN decode_stall_causes.kind IS 'connector.load | connector.poll | connector.save (work serving a handoff) | prefill | recompute | unexplained';
 COMMENT ON COLUMN decode_stall_causes.method IS 'vLLM connector method for connector causes (vllm.method)';
 COMMENT ON COLUMN decode_stall_causes.culprit_request_id IS 'request whose handoff/prefill/recompute caused it (NULL: unexplained)';
 COMMENT ON COLUMN decode_stall_causes.share_ns IS 'share of the step''s excess (duration ns)';
@@ -184,11 +214,13 @@ COMMENT ON COLUMN decode_stalls.baseline_ns IS 'median of recent clean steps of 
 COMMENT ON COLUMN decode_stalls.baseline_ms IS 'baseline_ns in ms';
 COMMENT ON COLUMN decode_stalls.excess_ns IS 'duration - baseline for a step with a cause, else 0 (duration ns)';
 COMMENT ON COLUMN decode_stalls.excess_ms IS 'excess_ns in ms';
-COMMENT ON COLUMN decode_stalls.connector_ns IS 'connector work on the forward thread in the step (duration ns)';
+COMMENT ON COLUMN decode_stalls.connector_ns IS 'all connector work on the forward thread in the step, routine polling included (duration ns)';
 COMMENT ON COLUMN decode_stalls.connector_ms IS 'connector_ns in ms';
+COMMENT ON COLUMN decode_stalls.handoff_connector_ns IS 'connector work that served a handoff (connector.request_ids names a request): the stall cause part of connector_ns (duration ns)';
+COMMENT ON COLUMN decode_stalls.handoff_connector_ms IS 'handoff_connector_ns in ms';
 COMMENT ON COLUMN decode_stalls.prefill_tokens IS 'co-scheduled prefill tokens (tokens)';
 COMMENT ON COLUMN decode_stalls.recompute_tokens IS 'recompute tokens (tokens)';
-COMMENT ON COLUMN decode_stalls.clean IS 'true if the step had no connector work, prefill or recompute tokens (a baseline step)';
+COMMENT ON COLUMN decode_stalls.clean IS 'true if the step had no connector work serving a handoff, no prefill and no recompute tokens (a baseline step; routine polling allowed)';
 COMMENT ON COLUMN decode_stalls.culprit_request_id IS 'request with the largest share of the excess';
 COMMENT ON COLUMN decode_stalls.culprit_kind IS 'kind of the largest cause (see decode_stall_causes.kind)';
 
@@ -206,5 +238,5 @@ COMMENT ON COLUMN request_stalls.stall_tpot_ms IS 'stall_ns spread over its toke
 COMMENT ON COLUMN request_stalls.tpot_without_stalls_ms IS 'TPOT minus stall_tpot_ms (ms per token)';
 COMMENT ON COLUMN request_stalls.top_culprit_request_id IS 'request whose work cost it the most';
 COMMENT ON COLUMN request_stalls.top_culprit_kind IS 'kind of that work (connector.* | prefill | recompute)';
-COMMENT ON COLUMN request_stalls.top_culprit_ms IS 'stall time from the top culprit (ms)';
+COMMENT ON COLUMN request_stalls.top_culprit_ms IS 'stall time from the top culprit, all its kinds (ms)';
 COMMENT ON COLUMN request_stalls.rkey IS 'request join key';

@@ -102,3 +102,82 @@ def test_j_connector_work_shares_the_excess(analyse):
     assert causes["connector.load"]["share_ms"] == 150 and causes["connector.load"]["culprit_request_id"] == "Z"
     assert causes["recompute"]["share_ms"] == 450
     assert sum(r["share_ms"] for r in causes.values()) == 600
+
+
+# M. Routine polling on every step (what real stores look like): vLLM calls
+#   start_load_kv, wait_for_save and get_transfer_results on every step, so
+#   every decode.step has idle connector children naming no request. A, B, C
+#   decode 101 tokens (100 steps of 20 ms, the idle children included). Step
+#   30 takes 80: it carries request H's handoff, a 60 ms connector.load serving
+#   H. Step 31 takes 20.2: its poll sees H's transfer finish (0.3 ms serving H,
+#   more than the 0.2 excess: scaled down to it). H decodes elsewhere.
+#   Answer: baseline 20 on every step; excess 60 and 0.2, all H's; each
+#   victim's TPOT 20.602 = 20 + 0.602 from H's handoff.
+def _case_m():
+    c = Case()
+    for rid in "ABC":
+        c.router_request(rid, 0, 4000, "pull", first_token_ms=1000, last_token_ms=3060.2, output_tokens=101)
+    c.router_request("H", 1500, 4000, "pull", first_token_ms=1700, last_token_ms=1900, output_tokens=3)
+    t = 1000
+    for k in range(100):
+        dur = {30: 80, 31: 20.2}.get(k, 20)
+        sid = c.span("decode", "decode.step", t, t + dur, engine="d0", rank=0,
+                     attrs={"step.id": k, "step.batch": "A:d1;B:d1;C:d1", "step.decode_tokens": 3})
+        idle = [("connector.save", "wait_for_save", 0.001), ("connector.poll", "get_transfer_results", 0.04)]
+        if k == 30:
+            c.span("decode", "connector.load", t, t + 60, engine="d0", rank=0, parent=sid,
+                   attrs={"vllm.method": "start_load_kv", "connector.request_ids": "cmpl-H-0-1a2b3c4d"})
+        else:
+            idle.append(("connector.load", "start_load_kv", 0.01))
+        for name, method, ms in idle:
+            a = {"vllm.method": method, "step.id": k}
+            if k == 31 and name == "connector.poll":
+                ms, a["connector.request_ids"] = 0.3, "H"
+            c.span("decode", name, t + dur - ms, t + dur, engine="d0", rank=0, parent=sid, attrs=a)
+        t += dur
+    return c
+
+
+def test_m_routine_polling_is_not_a_stall_cause(analyse):
+    tr = analyse(_case_m())
+    agg = tr.query("SELECT count(*) AS n, count(baseline_ms) AS with_baseline, count(*) FILTER (WHERE clean) AS clean, "
+                   "count(*) FILTER (WHERE connector_ns > 0) AS with_connector FROM decode_stalls")[0]
+    assert agg == {"n": 100, "with_baseline": 100, "clean": 98, "with_connector": 100}
+    st = tr.query("SELECT * FROM decode_stalls WHERE excess_ns > 0 ORDER BY step_id")
+    assert [(r["step_id"], r["baseline_ns"], r["excess_ns"]) for r in st] == [
+        (30, 20_000_000, 60_000_000), (31, 20_000_000, 200_000)]
+    assert [(r["culprit_request_id"], r["culprit_kind"]) for r in st] == [("H", "connector.load"), ("H", "connector.poll")]
+    assert st[0]["handoff_connector_ns"] == 60_000_000 and st[0]["connector_ns"] == 60_041_000
+    assert st[1]["handoff_connector_ns"] == 300_000
+    causes = tr.query("SELECT step_id, kind, culprit_request_id, share_ns FROM decode_stall_causes ORDER BY step_id")
+    assert causes == [
+        {"step_id": 30, "kind": "connector.load", "culprit_request_id": "H", "share_ns": 60_000_000},
+        {"step_id": 31, "kind": "connector.poll", "culprit_request_id": "H", "share_ns": 200_000},
+    ]
+    rs = {r["request_id"]: r for r in tr.query("SELECT * FROM request_stalls")}
+    for rid in "ABC":
+        assert round(rs[rid]["tpot_ms"], 9) == 20.602
+        assert rs[rid]["stall_ns"] == 60_200_000 and round(rs[rid]["stall_tpot_ms"], 9) == 0.602
+        assert round(rs[rid]["tpot_without_stalls_ms"], 9) == 20.0
+        assert rs[rid]["top_culprit_request_id"] == "H" and rs[rid]["top_culprit_kind"] == "connector.load"
+        assert rs[rid]["top_culprit_ms"] == 60.2
+    assert rs["H"]["stall_ns"] == 0
+
+
+def test_m_idle_connector_work_takes_no_share_beside_a_recompute(analyse):
+    """Case J with an idle poll on every step: the recompute still carries all 600 ms."""
+    c = _case_j()
+    for r in list(c.rows[("decode", "d0")]):
+        if r["name"] == "decode.step":
+            c.span("decode", "connector.poll", 0, 0.05, engine="d0", rank=0, parent=r["span_id"],
+                   attrs={"vllm.method": "get_transfer_results"})
+    for r in c.rows[("decode", "d0")]:
+        if r["name"] == "connector.poll":
+            step = next(s for s in c.rows[("decode", "d0")] if s["span_id"] == r["parent_span_id"])
+            r["start_ns"], r["end_ns"] = step["end_ns"] - 50_000, step["end_ns"]
+    tr = analyse(c)
+    causes = tr.query("SELECT kind, culprit_request_id, share_ns FROM decode_stall_causes")
+    assert causes == [{"kind": "recompute", "culprit_request_id": "R", "share_ns": 600_000_000}]
+    rs = {r["request_id"]: r for r in tr.query("SELECT * FROM request_stalls")}
+    for rid in "ABC":
+        assert rs[rid]["stall_ms"] == 600 and round(rs[rid]["tpot_ms"], 6) == 26.0
