@@ -16,10 +16,11 @@ WITH c AS (
     WHERE NOT c.is_filler
       AND NOT EXISTS (SELECT 1 FROM _tt_cand p WHERE p.rkey = c.rkey AND p.span_id = c.parent_span_id)
 )
-SELECT c.rkey, c.stage, sum((c.e0 - c.s0) - coalesce(t.oe - t.s0, 0))::BIGINT AS hidden_ns
+-- clip_ns: the part of a P stage cut off because D's handoff chain was on the path then (ttft_segments rule 7)
+SELECT c.rkey, c.stage, sum((c.e0 - c.s0) + c.clip_ns - coalesce(t.oe - t.s0, 0))::BIGINT AS hidden_ns
 FROM c LEFT JOIN _tt_top t ON t.rkey = c.rkey AND t.span_id = c.span_id
 GROUP BY c.rkey, c.stage
-HAVING sum((c.e0 - c.s0) - coalesce(t.oe - t.s0, 0)) > 0;
+HAVING sum((c.e0 - c.s0) + c.clip_ns - coalesce(t.oe - t.s0, 0)) > 0;
 
 CREATE TABLE IF NOT EXISTS _mat_ttft_hidden AS SELECT * FROM _calc_ttft_hidden LIMIT 0;
 CREATE OR REPLACE VIEW ttft_hidden AS

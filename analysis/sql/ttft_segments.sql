@@ -38,6 +38,23 @@
 --     descendants are not split out (their parent owns their time).
 --  5. Waits (router.wait) own only instants no stage covers; what remains is
 --     an `unattributed` segment named by its neighbours.
+--  Two rules adjust candidates before 4 (in step 3's query):
+--  6. kv.ready runs from the end of the request's kv.transfer (the kept,
+--     slowest rank's) when it is recorded as starting later: DESIGN.md §2
+--     defines it as transfer finished -> seen by the poll on every rank ->
+--     promoted. Push: D starts it at the write-done notification, so the
+--     notification's way and D's wait for its next poll are readiness
+--     (coordination), not a gap.
+--  7. D's chain before P's response (push; DESIGN.md §3: the handoff's path
+--     runs join -> handoff.prep -> kv.transfer -> kv.ready ->
+--     decode.first_step to the first token; P's response matters only as the
+--     router's wait for it before streaming, bug case D). A P-branch stage
+--     that is not a post-join stage and ends after the handoff started J
+--     (P's API server writing its response: prefill.frontend's out part)
+--     cannot own time before D's chain ends (the latest end of the post-join
+--     stages): its start moves to that end (to its own end when it ends
+--     earlier) and the cut part (clip_ns) counts as hidden. After D's chain
+--     it is the router's other join input: latest end wins, as in 4.
 --
 --   arrival                                                        first token
 --   |dispatch|----- prefill.compute -----|                                  |
@@ -83,12 +100,27 @@ WITH allc AS MATERIALIZED (
     SELECT a.* FROM allc a LEFT JOIN ranks r ON r.rkey = a.rkey AND r.engine_id IS NOT DISTINCT FROM a.engine_id
     WHERE a.tp_rank IS NULL OR a.tp_rank = r.crit_rank
 ), j AS (
-    SELECT rkey, min(s0) AS join_ns FROM ranked WHERE _post_join_stage(stage_group) GROUP BY rkey
-), pre AS MATERIALIZED (
-    SELECT ranked.*, j.join_ns,
-           coalesce(ranked.branch IN ('prefill', 'decode') AND NOT _post_join_stage(ranked.stage_group)
-                    AND ranked.e0 <= j.join_ns, false) AS is_pre
+    SELECT rkey, min(s0) AS join_ns, max(e0) AS chain_end_ns,
+           max(e0) FILTER (WHERE stage = 'kv.transfer') AS xfer_end_ns
+    FROM ranked WHERE _post_join_stage(stage_group) GROUP BY rkey
+), pre0 AS (
+    SELECT ranked.* REPLACE (
+               -- rule 6: kv.ready runs from the transfer's end
+               CASE WHEN ranked.stage = 'kv.ready' AND j.xfer_end_ns < ranked.s0
+                    THEN greatest(j.xfer_end_ns, ranked.arrival_ns) ELSE ranked.s0 END AS s0),
+           j.join_ns,
+           -- rule 7: P's work after the handoff started that is not the handoff
+           coalesce(ranked.branch = 'prefill' AND NOT _post_join_stage(ranked.stage_group)
+                    AND ranked.e0 > j.join_ns AND ranked.s0 < j.chain_end_ns, false) AS p_late,
+           j.chain_end_ns
     FROM ranked LEFT JOIN j ON j.rkey = ranked.rkey
+), pre AS MATERIALIZED (
+    SELECT pre0.* EXCLUDE (p_late, chain_end_ns) REPLACE (
+               CASE WHEN p_late THEN least(chain_end_ns, e0) ELSE s0 END AS s0),
+           CASE WHEN p_late THEN least(chain_end_ns, e0) - s0 ELSE 0 END AS clip_ns,
+           coalesce(pre0.branch IN ('prefill', 'decode') AND NOT _post_join_stage(pre0.stage_group)
+                    AND pre0.e0 <= pre0.join_ns, false) AS is_pre
+    FROM pre0
 ), br AS (
     SELECT rkey, arg_max(branch, (e0, branch = 'prefill')) AS crit_role FROM pre WHERE is_pre GROUP BY rkey
 ), b0 AS (
@@ -96,7 +128,7 @@ WITH allc AS MATERIALIZED (
     WHERE p.is_pre GROUP BY p.rkey
 )
 SELECT pre.rkey, pre.span_id, pre.parent_span_id, pre.stage, pre.category, pre.stage_group, pre.is_filler,
-       pre.role, pre.engine_id, pre.tp_rank, pre.attempt, pre.s0, pre.e0, pre.arrival_ns,
+       pre.role, pre.engine_id, pre.tp_rank, pre.attempt, pre.s0, pre.e0, pre.arrival_ns, pre.clip_ns,
        NOT coalesce(pre.is_pre AND pre.branch <> br.crit_role AND pre.e0 > b0.b0, false) AS kept
 FROM pre LEFT JOIN br ON br.rkey = pre.rkey LEFT JOIN b0 ON b0.rkey = pre.rkey;
 CREATE TABLE IF NOT EXISTS _mat_tt_cand AS SELECT * FROM _calc_tt_cand LIMIT 0;

@@ -335,3 +335,79 @@ def test_l_late_prefill_response_write_does_not_hide_the_transfer(analyse):
     assert segs[9]["dur_ns"] == 3_200_000          # the whole kv.transfer is on the path
     # the clipped tail (101-110) is after P's leg ended: neither exposed nor hidden
     assert tr.query("SELECT stage FROM ttft_hidden WHERE request_id = 'l1'") == []
+
+
+# ---------------------------------------------------------------------------
+# N. P's late response write hides D's transfer (push, concurrent legs, as on
+#   the push lab stores). P's API server writes its response (prefill.frontend,
+#   out part) from 20.5 while D's chain runs: P's writer posts the WRITE
+#   (handoff.prep 20-22, kv.transfer 22-25), D sees the write-done notification
+#   at 30 (kv.ready 30-33), first step 33-45. kv.ready runs from the transfer's
+#   end (DESIGN.md §2: transfer finished -> seen by the poll -> promoted).
+#   router |disp 0-1|........ router.wait P .........|                    * 60
+#   P       |fe 1-2|q 2-5|-- compute 5-20 --|prep|xfer 22-25|
+#   P                                        |fe out 20.5-39 (n1) / 20.5-55 (n2)|
+#   D       |fe 1-2|q 2-4|reg 4-10|                       |ready 30-33|first step 33-45|fe|
+# Without the rule, P's out part (ends last among them) owns [20.5, 33]: transfer 0.
+# n1: P's response is in at 40, D's stream (decode.frontend 45-58) is the later
+#   input: TTFT 60 = queue 3 + compute 27 + transfer 3 + coordination 27 (incl.
+#   kv.ready 8 and decode.frontend 13); P's whole out part (18.5) is hidden.
+# n2: P's response is written until 55 (router gets it at 56), after D's chain:
+#   the router's join follows P's response, which owns [45, 55] (bug case D with
+#   P's frontend recorded); its 24.5 before D's chain ended is hidden.
+def _case_n(rid, p_out_end, router_p_response, d_fe_end):
+    c = Case()
+    root = c.router_request(rid, 0, 70, "push", first_token_ms=60)
+    for leg in ("prefill", "decode"):
+        c.span("router", "router.dispatch", 0, 1, rid=rid, parent=root, attrs={"router.leg": leg})
+    c.span("router", "router.wait", 1, router_p_response, rid=rid, parent=root, attrs={"router.leg": "prefill"})
+    c.span("router", "router.wait", router_p_response, 60, rid=rid, parent=root, attrs={"router.leg": "decode"})
+    c.span("prefill", "prefill.frontend", 1, 2, rid=rid, engine="p0")
+    c.span("prefill", "prefill.queue", 2, 5, rid=rid, engine="p0")
+    c.span("prefill", "prefill.compute", 5, 20, rid=rid, engine="p0")
+    c.span("prefill", "prefill.frontend", 20.5, p_out_end, rid=rid, engine="p0")
+    c.span("prefill", "handoff.prep", 20, 22, rid=rid, engine="p0", rank=0)
+    c.span("prefill", "kv.transfer", 22, 25, rid=rid, engine="p0", rank=0, attrs={"kv.op": "WRITE", "peer.engine_id": "d0"})
+    c.span("decode", "decode.frontend", 1, 2, rid=rid, engine="d0")
+    c.span("decode", "decode.queue", 2, 4, rid=rid, engine="d0")
+    c.span("prefill", "dest.register", 4, 10, rid=rid, engine="p0", rank=0)
+    c.span("decode", "kv.ready", 30, 33, rid=rid, engine="d0", rank=0)
+    c.span("decode", "decode.first_step", 33, 45, rid=rid, engine="d0")
+    c.span("decode", "decode.frontend", 45, d_fe_end, rid=rid, engine="d0")
+    return c
+
+
+def test_n_push_prefill_response_write_does_not_hide_d_chain(analyse):
+    tr = analyse(_case_n("n1", p_out_end=39, router_p_response=40, d_fe_end=58))
+    b = _tiles(tr, "n1")
+    assert b["ttft_ns"] == 60_000_000
+    assert (b["queue_ns"], b["compute_ns"], b["transfer_ns"], b["coordination_ns"]) == (
+        3_000_000, 27_000_000, 3_000_000, 27_000_000)
+    assert b["unattributed_ns"] == 0 and b["router_wait_ms"] == 2 and b["readiness_lag_ms"] == 8
+    segs = _segs(tr, "n1")
+    assert [(s["stage"], s["dur_ns"]) for s in segs] == [
+        ("router.dispatch", 1_000_000), ("prefill.frontend", 1_000_000), ("prefill.queue", 3_000_000),
+        ("prefill.compute", 15_000_000), ("handoff.prep", 2_000_000), ("kv.transfer", 3_000_000),
+        ("kv.ready", 8_000_000), ("decode.first_step", 12_000_000), ("decode.frontend", 13_000_000),
+        ("router.wait", 2_000_000)]
+    hid = {r["stage"]: r["hidden_ns"] for r in tr.query("SELECT stage, hidden_ns FROM ttft_hidden")}
+    assert hid["prefill.frontend"] == 18_500_000     # P's out part ran while D's chain was on the path
+    assert hid["dest.register"] == 6_000_000 and hid["decode.queue"] == 2_000_000
+
+
+def test_n_push_late_prefill_response_is_the_router_join_after_d_chain(analyse):
+    tr = analyse(_case_n("n2", p_out_end=55, router_p_response=56, d_fe_end=47))
+    b = _tiles(tr, "n2")
+    assert b["ttft_ns"] == 60_000_000
+    assert (b["queue_ns"], b["compute_ns"], b["transfer_ns"], b["coordination_ns"]) == (
+        3_000_000, 27_000_000, 3_000_000, 27_000_000)
+    assert b["unattributed_ns"] == 0 and b["router_wait_ms"] == 5
+    segs = _segs(tr, "n2")
+    assert [(s["stage"], s["dur_ns"]) for s in segs] == [
+        ("router.dispatch", 1_000_000), ("prefill.frontend", 1_000_000), ("prefill.queue", 3_000_000),
+        ("prefill.compute", 15_000_000), ("handoff.prep", 2_000_000), ("kv.transfer", 3_000_000),
+        ("kv.ready", 8_000_000), ("decode.first_step", 12_000_000), ("prefill.frontend", 10_000_000),
+        ("router.wait", 1_000_000), ("router.wait", 4_000_000)]
+    hid = {r["stage"]: r["hidden_ns"] for r in tr.query("SELECT stage, hidden_ns FROM ttft_hidden")}
+    assert hid["prefill.frontend"] == 24_500_000
+    assert hid["decode.frontend"] == 1_000_000 + 2_000_000   # in part behind P's branch, out part behind P's response
