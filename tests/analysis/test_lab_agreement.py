@@ -11,9 +11,9 @@ printed, not asserted.
 from __future__ import annotations
 
 import importlib.util
-import os
 from pathlib import Path
 
+import labkit
 import pytest
 
 pytestmark = [pytest.mark.lab, pytest.mark.timeout(1800)]
@@ -31,13 +31,7 @@ def _bench_module():
 
 @pytest.fixture(scope="module")
 def agreement(tmp_path_factory):
-    from pdtrace.connector.lab import env as lab_env
-    found = lab_env.problems(import_check=False)
-    if found:
-        msg = "lab environment not ready: " + "; ".join(p.what for p in found)
-        if os.environ.get("PDTRACE_LAB_REQUIRED") == "1":
-            pytest.fail(msg)
-        pytest.skip(msg)
+    labkit.require_lab()
     mod = _bench_module()
     s = mod.run(tmp_path_factory.mktemp("agree") / "run", n=N, mode="pull", prefix="bench-")
     print(mod.render(s))

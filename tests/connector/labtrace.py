@@ -14,14 +14,12 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import os
 import urllib.error
 import urllib.request
 from pathlib import Path
 
-import pytest
+import labkit
 
-from pdtrace.connector.lab import env as lab_env
 from pdtrace.connector.lab import metrics, replay, workload
 from pdtrace.connector.lab.launcher import Lab, LabConfig
 from pdtrace.connector.lab.model import make_model, model_info
@@ -33,29 +31,7 @@ N_REPLAY = 20
 BLOCK_TOKENS = 128  # vLLM's CPU block size (tokens per KV block in the lab's engines)
 
 
-def post(url: str, body: dict, headers: dict | None = None, timeout: float = 300) -> dict:
-    """POST JSON and return the JSON answer (raises on HTTP errors)."""
-    req = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json", **(headers or {})})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.loads(r.read())
-
-
-def post_status(url: str, body: dict, headers: dict | None = None, timeout: float = 300) -> tuple[int, dict]:
-    """POST JSON; return (HTTP status, JSON body), also for HTTP errors."""
-    try:
-        return 200, post(url, body, headers, timeout)
-    except urllib.error.HTTPError as e:
-        raw = e.read()
-        try:
-            return e.code, json.loads(raw)
-        except ValueError:
-            return e.code, {"raw": raw.decode(errors="replace")}
-
-
-def get_json(url: str, timeout: float = 30) -> dict:
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return json.loads(r.read())
+post, post_status, get_json = labkit.post, labkit.post_status, labkit.get_json
 
 
 def traced_cfg(model: Path, run_dir: Path, trace: bool, mode: str = "pull", env: dict | None = None,
@@ -68,12 +44,7 @@ def traced_cfg(model: Path, run_dir: Path, trace: bool, mode: str = "pull", env:
 
 def lab_model(profile: str = "default") -> Path:
     """The lab model of ``profile`` (shared cache); skip — or fail under ``PDTRACE_LAB_REQUIRED=1`` — without the lab."""
-    found = lab_env.problems(import_check=False)
-    if found:
-        msg = "lab environment not ready: " + "; ".join(p.what for p in found)
-        if os.environ.get("PDTRACE_LAB_REQUIRED") == "1":
-            pytest.fail(msg)
-        pytest.skip(msg)
+    labkit.require_lab()
     return make_model(profile)
 
 

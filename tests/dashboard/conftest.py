@@ -21,6 +21,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import labkit
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -60,16 +61,7 @@ def hand_stores(tmp_path_factory):
     return {name: build_store(root / name, **kw) for name, kw in HAND.items()}
 
 
-def _lab_ready() -> None:
-    """Skip (or, with PDTRACE_LAB_REQUIRED=1, fail) when the lab environment is not installed."""
-    from pdtrace.connector.lab import env as lab_env
-
-    found = lab_env.problems(import_check=False)
-    if found:
-        msg = "lab environment not ready: " + "; ".join(p.what for p in found) + " (run `pdtrace lab setup`)"
-        if os.environ.get("PDTRACE_LAB_REQUIRED") == "1":
-            pytest.fail(msg)
-        pytest.skip(msg)
+_lab_ready = labkit.require_lab
 
 
 def _run_traced_lab(mode: str, model: Path, wl, root: Path) -> dict:

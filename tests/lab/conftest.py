@@ -9,14 +9,11 @@ Without the lab environment the lab tests are skipped with the reason, unless
 """
 from __future__ import annotations
 
-import json
-import os
-import urllib.request
 from pathlib import Path
 
+import labkit
 import pytest
 
-from pdtrace.connector.lab import env as lab_env
 from pdtrace.connector.lab import workload
 from pdtrace.connector.lab.launcher import Lab, LabConfig
 from pdtrace.connector.lab.model import make_model, model_info
@@ -25,24 +22,9 @@ LOGPROB_TOL = 0.05  # nats: max |Δ logprob| over the reference's top-k tokens (
 TOP_K = 5
 
 
-def post(url: str, body: dict, headers: dict | None = None, timeout: float = 300) -> tuple[int, dict]:
-    """POST JSON, return (status, JSON body) — also for HTTP errors."""
-    req = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        raw = e.read()
-        try:
-            return e.code, json.loads(raw)
-        except ValueError:
-            return e.code, {"raw": raw.decode(errors="replace")}
-
-
-def get_json(url: str, timeout: float = 30) -> dict:
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return json.loads(r.read())
+#: (HTTP status, JSON body) of a POST, also for HTTP errors; GET's JSON (shared with every lab test)
+post = labkit.post_status
+get_json = labkit.get_json
 
 
 def top_logprobs(resp: dict) -> dict[int, float]:
@@ -63,12 +45,7 @@ def first_token_body(prompt: list[int]) -> dict:
 
 @pytest.fixture(scope="session")
 def lab_ready():
-    found = lab_env.problems(import_check=False)
-    if found:
-        msg = "lab environment not ready: " + "; ".join(p.what for p in found) + " (run `pdtrace lab setup`)"
-        if os.environ.get("PDTRACE_LAB_REQUIRED") == "1":
-            pytest.fail(msg)
-        pytest.skip(msg)
+    labkit.require_lab()
 
 
 @pytest.fixture(scope="session")

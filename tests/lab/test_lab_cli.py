@@ -8,8 +8,8 @@ prints no report; and the reason for ``--no-trace`` (no engines needed).
 from __future__ import annotations
 
 import json
-import os
 
+import labkit
 import pytest
 
 from pdtrace.connector.lab.run import LabOptions, no_report_reason
@@ -27,13 +27,7 @@ def test_stock_lab_run_says_there_is_no_report(tmp_path):
     from click.testing import CliRunner
 
     from pdtrace.cli.main import main
-    from pdtrace.connector.lab import env as lab_env
-    found = lab_env.problems(import_check=False)
-    if found:
-        msg = "lab environment not ready: " + "; ".join(p.what for p in found)
-        if os.environ.get("PDTRACE_LAB_REQUIRED") == "1":
-            pytest.fail(msg)
-        pytest.skip(msg)
+    labkit.require_lab()
     out = tmp_path / "stock"
     res = CliRunner().invoke(main, ["lab", "--mode", "pull", "--connector", "stock", "--max-requests", "3",
                                     "--out", str(out), "--no-progress"])
