@@ -76,14 +76,6 @@ class Window:
 ALL = Window()
 
 
-class ConsoleError(ValueError):
-    """A console query was refused (not a single read-only statement)."""
-
-
-#: Statement types the SQL console runs.
-CONSOLE_STATEMENTS = ("SELECT", "EXPLAIN")
-
-
 class Trace:
     """One trace directory, opened through the analysis' connection module (:mod:`pdtrace.analysis.db`).
 
@@ -578,32 +570,6 @@ def attribute_share_change(t: Trace, incident: Window, baseline: Window) -> pd.D
 # ---------------------------------------------------------------------------
 # SQL console and view docs
 # ---------------------------------------------------------------------------
-
-def run_console(t: Trace, sql: str, max_rows: int = 10_000) -> tuple[pd.DataFrame, bool]:
-    """Run one read-only statement typed by the operator; return (at most ``max_rows`` rows, truncated?).
-
-    Only a single SELECT (incl. WITH, FROM-first, SUMMARIZE, DESCRIBE) or EXPLAIN
-    statement runs; anything else raises :class:`ConsoleError` before it reaches
-    DuckDB. File access outside the trace directory is refused by DuckDB itself.
-    Raises duckdb.Error for a bad query.
-    """
-    cur = t.cursor()
-    try:
-        stmts = cur.extract_statements(sql)
-        if len(stmts) != 1:
-            raise ConsoleError(f"one statement at a time, got {len(stmts)}")
-        kind = stmts[0].type.name
-        if kind not in CONSOLE_STATEMENTS:
-            raise ConsoleError(f"read-only console: {kind} statements are not allowed (SELECT or EXPLAIN only)")
-        res = cur.execute(stmts[0].query)
-        if res.description is None:
-            return pd.DataFrame(), False
-        cols = [d[0] for d in res.description]
-        rows = res.fetchmany(max_rows + 1)
-        return pd.DataFrame(rows[:max_rows], columns=cols), len(rows) > max_rows
-    finally:
-        cur.close()
-
 
 def view_docs(t: Trace) -> pd.DataFrame:
     """Public views and their documented columns: view, view_doc, column, type, column_doc."""

@@ -15,7 +15,6 @@ from typing import Any, Callable
 
 import streamlit as st
 
-from pdtrace.instrument.stages import CATEGORIES
 
 from . import data
 
