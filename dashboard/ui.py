@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 import streamlit as st
 
+from pdtrace.instrument.stages import CATEGORIES  # noqa: F401 - re-exported for the pages (ui.CATEGORIES)
 
 from . import data
 
