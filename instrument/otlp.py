@@ -29,8 +29,9 @@ import pyarrow as pa
 
 log = logging.getLogger("pdtrace")
 
-#: Tables waiting for export before new ones are dropped.
-QUEUE_TABLES = 64
+#: Tables waiting for export before new ones are dropped (the writer submits groups of
+#: up to 8,192 rows: 512 groups bound the queue at ~4M spans).
+QUEUE_TABLES = 512
 
 
 class OtlpExporter:

@@ -111,6 +111,18 @@ def write_table(directory: str | os.PathLike, table: pa.Table, name: str | None 
     ``manual-<host>-<pid>-<uuid>.parquet``; an existing file of that name is
     replaced. Raises OSError on I/O failure (the temporary file is removed).
     """
+    return write_tables(directory, [table], name)
+
+
+def write_tables(directory: str | os.PathLike, tables: Iterable[pa.Table], name: str | None = None) -> Path:
+    """Write the tables (same schema, in order) as one complete store file; return its path.
+
+    Like :func:`write_table`, through a temporary name and a rename; each
+    table becomes one or more row groups (the recorder's writer passes groups
+    of ~8,192 rows, so no step has to join a whole flush into one table).
+    Encoding runs in pyarrow without the GIL. Raises OSError on I/O failure
+    and ValueError for an empty ``tables`` (the temporary file is removed).
+    """
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     if name is None:
@@ -118,7 +130,17 @@ def write_table(directory: str | os.PathLike, table: pa.Table, name: str | None 
     final = d / name
     tmp = d / f".{name}.tmp"
     try:
-        pq.write_table(table, tmp, compression=COMPRESSION)
+        w = None
+        try:
+            for t in tables:
+                if w is None:
+                    w = pq.ParquetWriter(tmp, t.schema, compression=COMPRESSION)
+                w.write_table(t)
+        finally:
+            if w is not None:
+                w.close()
+        if w is None:
+            raise ValueError("write_tables: no table to write")
         os.replace(tmp, final)
     except BaseException:
         try:

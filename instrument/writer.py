@@ -48,6 +48,9 @@ CHUNK = 512
 #: Longest stretch (ns) the writer runs Python/arrow conversion before yielding.
 HOLD_NS = 400_000
 
+#: Chunk tables (of CHUNK records) joined into one group, i.e. one Parquet row group (8,192 rows).
+CONCAT_GROUP = 16
+
 #: Sleep (s) at a yield point: a real sleep, so a thread blocked on the GIL wakes
 #: and takes it (``sleep(0)`` re-takes the GIL before a waiter can wake).
 YIELD_S = 0.00005
@@ -331,6 +334,25 @@ class Writer(threading.Thread):
         self._yield()
         return pa.Table.from_arrays(arrays, schema=schema.SCHEMA)
 
+    def _groups(self, tables: list[pa.Table]) -> list[pa.Table]:
+        """The flush's chunk tables joined in groups of :data:`CONCAT_GROUP` (zero-copy), yielding between groups.
+
+        Joining all of a full buffer's ~800 chunk tables at once holds the GIL
+        for milliseconds (the cost grows with the chunks of every column); a
+        group of 16 is a short step. Each group is one row group in the file.
+        """
+        out = []
+        for i in range(0, len(tables), CONCAT_GROUP):
+            out.append(pa.concat_tables(tables[i:i + CONCAT_GROUP]))
+            self._yield()
+        return out
+
+    def _paced(self, groups: list[pa.Table]):
+        """Iterate ``groups`` for :func:`store.write_tables`, starting a new GIL stretch after each GIL-free encode."""
+        for g in groups:
+            yield g
+            self._mark()
+
     def _resource_columns(self, res: dict, n: int) -> dict[str, pa.Array]:
         """The constant columns (resource attributes, schema_version) for ``n`` rows, built once.
 
@@ -383,14 +405,15 @@ class Writer(threading.Thread):
         rows = self._pending_rows
         self._pending.append(self._convert(self._meta_records(final, rows)))
         self._yield()
-        table = pa.concat_tables(self._pending)
+        groups = self._groups(self._pending)
         self._pending, self._pending_rows = [], 0
         if self.otlp is not None:
-            self.otlp.submit(table)
+            for g in groups:
+                self.otlp.submit(g)
         name = self._file_name("p")
         try:
             self._yield()
-            store.write_table(self.dir, table, name)  # pyarrow releases the GIL while encoding
+            store.write_tables(self.dir, self._paced(groups), name)  # encoding runs without the GIL
             self._mark()
         except OSError as exc:
             self.write_errors += 1
@@ -399,8 +422,8 @@ class Writer(threading.Thread):
                             "spans are dropped and counted, tracing goes on", self.dir, exc.strerror or exc)
             return
         self.written += rows
-        self._parts.append((name, table))
-        self._parts_bytes += table.nbytes
+        self._parts.append((name, groups))
+        self._parts_bytes += sum(g.nbytes for g in groups)
         due = (self.cfg.rotate_s > 0 and time.monotonic() - self._segment_started >= self.cfg.rotate_s)
         if final or due or self._parts_bytes >= self.cfg.rotate_bytes:
             self._merge_parts()
@@ -412,7 +435,7 @@ class Writer(threading.Thread):
             return
         try:
             self._yield()
-            store.write_table(self.dir, pa.concat_tables([t for _, t in parts]), self._file_name("s"))
+            store.write_tables(self.dir, self._paced([g for _, gs in parts for g in gs]), self._file_name("s"))
             self._mark()
         except OSError as exc:
             self.write_errors += 1
