@@ -22,14 +22,18 @@ a fixed cost the standalone loop does not have (intercepts of 14 and 22 ms in
 two runs; likely D's polling: NIXL's duration ends when D's engine step checks
 the handle, while the standalone loop polls every 0.5 ms).
 
-Tolerance: a factor of 2 on the growth and on the slopes. Why so
-wide: TCP on loopback is CPU-bound (kernel copies on both ends) and this
-machine's 2 cores are shared with other engineers' engines; the standalone run
-alone showed single 4 MiB READs taking 2.4-64 ms and 32 MiB READs 24-149 ms
-(see BENCHMARKS.md), and even per-size minima of a few transfers move by tens
-of percent between minutes. The default transport moves the same bytes ≈ 40×
-faster (≈ 20 GB/s standalone), so a factor 2 still rejects a span that does
-not follow the transport (e.g. one measuring the default path or the post only).
+Tolerance: a factor of 3 on the growth and on the slopes. Why so
+wide: TCP on loopback is CPU-bound (kernel copies on both ends). In the lab
+those copies share each engine's core with its forward and progress threads,
+so the lab's READs were consistently slower than the standalone loop's: lab /
+standalone bandwidth 0.59 (0.83 vs 1.41 GB/s) and 0.49 (0.84 vs 1.70 GB/s, a
+CI run on an otherwise idle machine, growth ratio 2.02), then 1.03 (1.88 vs
+1.82 GB/s, growth ratio 0.95) on the same idle machine 20 minutes later: a
+factor-2 bound sat right on the spread. The standalone run alone
+showed single 4 MiB READs taking 2.4-64 ms and 32 MiB READs 24-149 ms (see
+BENCHMARKS.md). The default transport moves the same bytes ≈ 40× faster (≈ 20
+GB/s standalone) and a post-only span would not grow at all, so a factor 3
+still rejects a span that does not follow the transport.
 """
 from __future__ import annotations
 
@@ -47,7 +51,7 @@ pytestmark = [pytest.mark.lab, pytest.mark.timeout(1200)]
 
 PROMPT_TOKENS = (256, 512, 1024, 2048)  # → 2, 4, 8, 16 blocks of 2 MiB transferred (4-32 MiB)
 REPEATS = 3
-FACTOR = 2.0
+FACTOR = 3.0
 
 
 @pytest.fixture(scope="module")
