@@ -404,7 +404,10 @@ class Router:
             return await self._relay_decode(request, path, D, d_body, d_headers, d_dispatch, ctx, p_task)
         finally:
             if not p_task.done():
-                if ctx.get("done"):
+                # D already sent the client a token (its stream may have ended, or the client closed the
+                # connection right after the last chunk, which cancels this handler before "done" is
+                # set): let P's leg end on its own so its router.wait is recorded
+                if ctx.get("done") or ctx.get("first_token_ns") is not None:
                     self._finish_in_background(p_task)
                 else:
                     p_task.cancel()
