@@ -257,8 +257,7 @@ class Writer(threading.Thread):
          rid, pidx, attempt, rank, thread, attrs) = zip(*recs)
         offset = self._anchor.offset_ns
         res = self.tracer.resource
-        cols: dict[str, pa.Array] = {}
-        cols["schema_version"] = self._resource_columns(res, n)["schema_version"]
+        cols: dict[str, pa.Array] = dict(self._resource_columns(res, n))  # schema_version + resource columns
         cols["record"] = pa.DictionaryArray.from_arrays(pa.array(rtype, pa.int32()), _RTYPES)
         cols["record_id"] = pa.array(record_id, pa.uint64())
         cols["span_id"] = pa.array(span_id, pa.uint64())
@@ -329,7 +328,6 @@ class Writer(threading.Thread):
         self._yield()
         cols["attr_str"] = pa.MapArray.from_arrays(pa.array(os_, pa.int32()), pa.array(ks, pa.string()), pa.array(vs, pa.string()))
         self._yield()
-        cols.update(self._resource_columns(res, n))
         arrays = [cols[c].cast(_T[c]) if cols[c].type != _T[c] else cols[c] for c, _, _ in schema.COLUMNS]
         self._yield()
         return pa.Table.from_arrays(arrays, schema=schema.SCHEMA)
