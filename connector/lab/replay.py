@@ -53,7 +53,7 @@ class ClientRecord:
         return self.status == "ok"
 
 
-class _Clock:
+class ReplayClock:
     """Epoch ns from the monotonic clock, anchored once."""
 
     def __init__(self):
@@ -74,7 +74,7 @@ def _count_tokens(obj: dict, prev: int) -> tuple[int, int]:
 
 
 async def send_one(session: aiohttp.ClientSession, url: str, req: ReplayRequest, rec: ClientRecord,
-                   clock: _Clock, timeout_s: float, extra_headers: dict | None = None,
+                   clock: ReplayClock, timeout_s: float, extra_headers: dict | None = None,
                    extra_body: dict | None = None) -> ClientRecord:
     """Send one streaming completion and fill ``rec``; never raises (status says what happened)."""
     body = {"model": "lab", "prompt": req.prompt, "max_tokens": req.max_tokens, "ignore_eos": True,
@@ -132,7 +132,7 @@ async def replay(workload: Workload, router_url: str, *, timeout_s: float = 300.
     """Replay ``workload`` open-loop against ``router_url``; return one record per request (in order)."""
     from tqdm import tqdm
 
-    clock = _Clock()
+    clock = ReplayClock()
     url = router_url.rstrip("/") + "/v1/completions"
     recs = [ClientRecord(r.index, r.trace_index, len(r.prompt), r.max_tokens, r.shared_prefix_tokens)
             for r in workload.requests]
