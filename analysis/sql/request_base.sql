@@ -10,7 +10,8 @@
 -- a router span links it to another id (router.linked_request_id: the legs
 -- were sent different ids) -- then it belongs to the linking request.
 -- prefill_response_ns (pull only): the router's receipt of P's response, the
--- end of its prefill-leg router.wait, else the start of its decode-leg
+-- end of its prefill-leg router.wait (unless that wait ended in error: cut
+-- short, it is not P's answer), else the start of its decode-leg
 -- router.dispatch; P's leg is over for the critical path at that instant.
 -- output_tokens: the router's gen_ai.usage.output_tokens when it recorded one,
 -- else D's: the request.finished event D's scheduler records when it finishes
@@ -44,7 +45,7 @@ WITH rt AS (
                FILTER (WHERE attr_str['router.linked_request_id'] IS NOT NULL) AS linked_ids,
            max(attempt) AS router_attempt,
            coalesce(max(c_end_ns) FILTER (WHERE record = 'span' AND name = 'router.wait'
-                                           AND attr_str['router.leg'] = 'prefill'),
+                                           AND attr_str['router.leg'] = 'prefill' AND status_code <> 2),
                     min(c_start_ns) FILTER (WHERE record = 'span' AND name = 'router.dispatch'
                                              AND attr_str['router.leg'] = 'decode')) AS p_response_ns,
            count(*) FILTER (WHERE record = 'span' AND name = 'router.request') > 0 AS has_root

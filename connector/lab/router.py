@@ -55,7 +55,6 @@ import collections
 import itertools
 import json
 import logging
-import os
 import secrets
 import signal
 import time
@@ -200,6 +199,13 @@ class Router:
                                      timeout=ClientTimeout(total=None, sock_connect=10))
 
     async def _cleanup(self, app):
+        # P legs still finishing in the background get a few seconds to end with P's answer, then are
+        # cancelled (their router.wait is then recorded as an error) before the session closes
+        if self._bg:
+            _, pending = await asyncio.wait(set(self._bg), timeout=5.0)
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
         if self.session:
             await self.session.close()
 
@@ -338,7 +344,6 @@ class Router:
         hold = hooks and request.headers.get(HOLD_HEADER) == "1"
         split = hooks and request.headers.get(FAULT_HEADER) == "split-id"
 
-        t0 = _now()
         p_dispatch = sp.start("router.dispatch", x, start_ns=ctx["t_recv"], parent=root, pidx=pidx,
                               attrs={"router.leg": "prefill", "router.upstream": P["url"][7:]}) if root else 0
         p_headers = self._leg_headers(x, p_dispatch, ctx["sampled"])
@@ -375,11 +380,17 @@ class Router:
         async def p_leg():
             t_sent = _now()
             sp.end(p_dispatch, end_ns=t_sent)
-            _, t_p = await self._post_json(P["url"] + path, p_body, p_headers, "prefill")
+            # opened now so that a leg cut short (cancelled, failed) still leaves its wait, as an error
+            p_wait = sp.start("router.wait", x, start_ns=t_sent, parent=root, pidx=pidx,
+                              attrs={"router.leg": "prefill"}) if root else 0
+            try:
+                _, t_p = await self._post_json(P["url"] + path, p_body, p_headers, "prefill")
+            except BaseException as e:
+                sp.end(p_wait, end_ns=_now(), error=e)
+                raise
             if serial:
                 ctx["engine_wait_ns"] += t_p - t_sent  # P's round trip is on the TTFT path
-            if root:
-                sp.record("router.wait", x, t_sent, t_p, {"router.leg": "prefill"}, parent=root, pidx=pidx)
+            sp.end(p_wait, end_ns=t_p)
             return t_p
 
         t_d0 = ctx["t_recv"]
@@ -408,16 +419,17 @@ class Router:
                 # connection right after the last chunk, which cancels this handler before "done" is
                 # set): let P's leg end on its own so its router.wait is recorded
                 if ctx.get("done") or ctx.get("first_token_ns") is not None:
-                    self._finish_in_background(p_task)
+                    self._finish_in_background(p_task, self.timeout_s)
                 else:
                     p_task.cancel()
                     await asyncio.gather(p_task, return_exceptions=True)
 
-    def _finish_in_background(self, task: asyncio.Task, limit_s: float = 10.0) -> None:
+    def _finish_in_background(self, task: asyncio.Task, limit_s: float) -> None:
         """D already answered the client but P's HTTP answer is still on its way (P's API server can
-        lag under load): let P's leg end on its own — at most ``limit_s`` s — so its ``router.wait``
-        is recorded, instead of cancelling it (the handler itself may be cancelled once the client
-        closes its connection)."""
+        lag under load; on the lab's VM every non-engine process was seen frozen for 5-8 s): let P's
+        leg end on its own — at most ``limit_s`` s, the per-request timeout — so its ``router.wait``
+        ends at P's answer, instead of cancelling it (the handler itself may be cancelled once the
+        client closes its connection). Cancelled after all, the wait is recorded as an error."""
         self._bg.add(task)
         timer = asyncio.get_running_loop().call_later(limit_s, task.cancel)
 

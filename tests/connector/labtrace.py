@@ -87,6 +87,26 @@ def one(lab: Lab, prompt, max_tokens: int = 4, headers: dict | None = None) -> s
     return x
 
 
+def send_and_go_away(lab: Lab, prompt, after_s: float = 0.05) -> None:
+    """POST one completion to the router and close the connection ``after_s`` s later, unanswered.
+
+    A real client going away: the router's handler is cancelled (aiohttp's
+    ``handler_cancellation``) while it still waits for P when P's prefill takes
+    longer than ``after_s`` (a 7,000-token prompt takes P ≥ 120 ms here).
+    """
+    import socket
+    import time
+    from urllib.parse import urlsplit
+
+    u = urlsplit(lab.router_url)
+    body = json.dumps({"model": "lab", "prompt": list(prompt), "max_tokens": 2, "ignore_eos": True}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {u.hostname}:{u.port}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    with socket.create_connection((u.hostname, u.port), timeout=10) as s:
+        s.sendall(head + body)
+        time.sleep(after_s)
+
+
 def warm_up(lab: Lab, prompt, tries: int = 2) -> str:
     """First request of the P/D pair (first contact: the handshake). Returns the router's id for it."""
     last = None

@@ -8,7 +8,8 @@ Two labs, each started once for the module and stopped before the next:
    prompts, then the dispatch perturbation: ``SEQ`` new 3,000-token prompts one at a time
    with the router dispatching both legs concurrently, the router restarted
    with ``push_dispatch="serial"`` (D only after P answered; same engines), and
-   ``SEQ`` other new prompts of that length one at a time. vLLM's
+   ``SEQ`` other new prompts of that length one at a time, and one 7,000-token
+   request whose client goes away 50 ms after sending it. vLLM's
    ``vllm:nixl_*`` counters are read from P — in push the prefill engine owns
    the WRITE handles and records them (D's stay 0) — before the lab stops.
 2. tracing off (same traced classes, no ``PDTRACE_DIR``): the same greedy
@@ -62,7 +63,16 @@ def seq_prompts(model_dir):
 
 
 @pytest.fixture(scope="module")
-def traced_run(model_dir, wl, greedy_prompts, seq_prompts, tmp_path_factory):
+def gone_prompt(model_dir):
+    """7,000 random tokens: P's prefill outlasts the 50 ms after which the client goes away."""
+    import random
+    vocab = model_info(model_dir)["vocab_size"]
+    rng = random.Random(12)
+    return [16 + rng.randrange(vocab - 16) for _ in range(7000)]
+
+
+@pytest.fixture(scope="module")
+def traced_run(model_dir, wl, greedy_prompts, seq_prompts, gone_prompt, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("push-traced")
     cfg = lt.traced_cfg(model_dir, run_dir, trace=True, mode="push", push_join_timeout_s=60.0,
                         router_timeout_s=300.0)
@@ -74,6 +84,7 @@ def traced_run(model_dir, wl, greedy_prompts, seq_prompts, tmp_path_factory):
         lab.restart_router(push_dispatch="serial")
         assert lt.get_json(lab.router_url + "/health")["push_dispatch"] == "serial"
         serial = [lt.one(lab, p, max_tokens=2) for p in seq_prompts[1]]
+        lt.send_and_go_away(lab, gone_prompt)  # a client gone while the router waits for P (serial)
         p_metrics = metrics.scrape(lab.prefills[0].url)
         d_metrics = metrics.scrape(lab.decodes[0].url)
     tr = lt.open_trace(run_dir)
@@ -88,7 +99,7 @@ def _replay_ids(run) -> list[str]:
 
 
 def test_every_request_has_one_router_root_and_joined_engine_spans(traced_run):
-    n_total = 1 + lt.N_REPLAY + len(traced_run["greedy"]) + 2 * SEQ
+    n_total = 1 + lt.N_REPLAY + len(traced_run["greedy"]) + 2 * SEQ + 1  # + the client that went away
     lt.check_joined(traced_run["tr"], set(_replay_ids(traced_run)), n_total)
 
 
@@ -104,6 +115,20 @@ def test_every_stage_once_per_attempt_and_rank(traced_run):
         legs.setdefault(r["request_id"], []).append(r["legs"])
     for x in ids:
         assert legs[x] == [["decode", "prefill"], ["decode", "prefill"]], (x, legs.get(x))
+
+
+def test_p_leg_cut_short_leaves_its_wait_as_an_error(traced_run):
+    """The client went away while the (serial) router waited for P: the root ends 499 and P's leg's
+    router.wait is still there, ended at the cancellation with status error (CancelledError)."""
+    tr = traced_run["tr"]
+    gone = tr.query("SELECT request_id FROM spans WHERE stage = 'router.request' "
+                    "AND attr_int['http.response.status_code'] = 499")
+    assert len(gone) == 1, gone
+    waits = tr.query("SELECT attr_str['router.leg'] AS leg, status_code, status_message, dur_ns FROM spans "
+                     "WHERE request_id = ? AND stage = 'router.wait'", [gone[0]["request_id"]])
+    assert [(w["leg"], w["status_code"], w["status_message"]) for w in waits] == \
+        [("prefill", 2, "CancelledError")], waits
+    assert waits[0]["dur_ns"] > 0
 
 
 def test_causal_order(traced_run):

@@ -1,5 +1,4 @@
 """Engine-free checks of the traced connectors' parts: safety, per-step report, middleware, compat switch."""
-import asyncio
 
 import pytest
 
