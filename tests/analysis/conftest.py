@@ -1,5 +1,4 @@
-import warnings
-
+"""Fixtures of the analysis tests: a hand-built Case written to a fresh store and analysed."""
 import pytest
 
 from pdtrace.analysis import db

@@ -1,6 +1,5 @@
 """Bad input: bad files skipped and named, duplicates counted once, views documented, read-only queries."""
 import shutil
-import warnings
 
 import duckdb
 import pyarrow as pa
@@ -9,7 +8,6 @@ import pytest
 
 from pdtrace.analysis import db, loader
 from pdtrace.instrument import schema, store
-from pdtrace_case_builder import Case
 from test_ttft_cases import _case_h
 
 

@@ -2,8 +2,6 @@
 
 Times are ms from the arrival of each request at the router unless noted.
 """
-import pytest
-
 from pdtrace_case_builder import Case, ns
 
 
@@ -263,7 +261,6 @@ def test_g_monotonic_handshake_sample_converted_through_anchors(analyse):
             r["attrs"] = {"clock.offset_ns": 3_000_000, "clock.rtt_bound_ns": 10_000_000,
                           "clock.peer_engine_id": "p0", "clock.domain": "monotonic"}
     # monotonic clocks: D's reads wall - 1000 s, P's wall (already +250 ms) - 1000 s - 3 ms
-    from pdtrace_case_builder import ns
     rows.append({"record": "clock", "name": "clock.anchor", "start_ns": ns(0),
                  "attrs": {"clock.mono_ns": ns(0) - 1_000_000_000_000}})
     c.rows[("prefill", "p0")].append({"record": "clock", "name": "clock.anchor", "start_ns": ns(250),

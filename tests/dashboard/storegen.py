@@ -75,7 +75,6 @@ def build_store(directory: str | Path, n_requests: int = 60, mode: str = "pull",
     run_id = run_id or f"run-{mode}-{seed}"
     sid = _Ids(seed * 10_000_000)
     router, pre, dec = [], [], []
-    steps_by_req: dict[str, list[tuple[int, int]]] = {}
     connector_work: list[tuple[int, int, str]] = []  # (start, end, request id) on D's forward thread
     decoding: list[tuple[str, int, int]] = []  # (request id, first token ns, last token ns)
     inc_lo, inc_hi = incident if incident else (2.0, 2.0)

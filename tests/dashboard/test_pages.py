@@ -194,7 +194,7 @@ def test_compare_two_directories(app, views, hand_stores):
         e = _one(views(hand_stores[name]), "SELECT quantile_cont(ttft_ms, 0.5) AS p50 FROM requests")
         assert vals[4 * i] == fmt_ms(e["p50"])
     pct = _df(at, "prompt_bucket", "trace")
-    assert set(pct["trace"]) == {f"pull (pull)", f"push (push)"}
+    assert set(pct["trace"]) == {"pull (pull)", "push (push)"}
 
 
 def test_stalls_page(app, views, store_dir):

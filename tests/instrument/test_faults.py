@@ -11,7 +11,6 @@ import textwrap
 import time
 
 import duckdb
-import pytest
 
 from pdtrace.instrument import store
 
@@ -58,7 +57,6 @@ print(json.dumps(st))
 
 
 def test_dir_deleted_mid_run_process_goes_on(child, tmp_path):
-    import shutil
     d = tmp_path / "t"
     code = PRELUDE + f"""
 import shutil

@@ -1,6 +1,5 @@
 """OTLP export against a real OTLP/HTTP receiver on loopback that decodes the protobuf."""
 import gzip
-import json
 import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer

@@ -1,5 +1,4 @@
 """The recorder writes what call sites record, with the right values, and never raises."""
-import os
 import time
 
 import duckdb
