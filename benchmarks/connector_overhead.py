@@ -3,6 +3,7 @@
 Usage (repo root, lab environment installed)::
 
     .venv/bin/python benchmarks/connector_overhead.py [--rounds 4] [--requests 20] [--out runs/overhead]
+        [--no-self-cpu] [--on-env PDTRACE_SAMPLE=0 --on-env PDTRACE_STEP_SAMPLE=0]
 
 Two labs run side by side for the whole benchmark, both with pdtrace's traced
 pull connector and frontend middleware: "on" has ``PDTRACE_DIR`` set (every
@@ -90,7 +91,7 @@ def self_cpu_share(trace_dir: Path) -> dict:
 
     files = [str(f) for f in store.store_files(trace_dir)]
     con = duckdb.connect()
-    con.execute("CREATE VIEW r AS SELECT * FROM read_parquet(?, union_by_name=true)", [files])
+    con.read_parquet(files, union_by_name=True).create_view("r")  # (a CREATE VIEW cannot take parameters)
     out = {}
     for role, step in (("prefill", "prefill.step"), ("decode", "decode.step")):
         row = con.execute(
@@ -116,9 +117,18 @@ def main():
     ap.add_argument("--no-self-cpu", dest="self_cpu", action="store_false",
                     help="do not set PDTRACE_SELF_CPU=1 in the traced lab (its two clock reads per hook "
                          "are then not part of the measured overhead, and no per-step CPU share is printed)")
+    ap.add_argument("--on-env", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra environment of the traced lab (repeatable), e.g. PDTRACE_SAMPLE=0 "
+                         "PDTRACE_STEP_SAMPLE=0 to split the cost of recording from the cost of the "
+                         "traced code paths themselves")
     ap.add_argument("--out", type=Path, default=Path("runs") / f"overhead-{time.strftime('%Y%m%dT%H%M%S')}")
     a = ap.parse_args()
     from pdtrace.connector.data import AZURE_CONV
+
+    try:
+        on_env = dict(kv.split("=", 1) for kv in a.on_env)
+    except ValueError:
+        ap.error("--on-env takes KEY=VALUE")
 
     model = make_model("default")
     wl = workload.build("azure-conv", AZURE_CONV, vocab_size=model_info(model)["vocab_size"], length_scale=0.25,
@@ -130,7 +140,8 @@ def main():
         cfgs[cond] = LabConfig(model=model, mode="pull", run_dir=d, trace_dir=(d if cond == "on" else None),
                                connector_class="TracedNixlPullConnector",
                                connector_module="pdtrace.connector.traced", extra_args=["--middleware", MIDDLEWARE],
-                               extra_env=({"PDTRACE_SELF_CPU": "1"} if cond == "on" and a.self_cpu else {}))
+                               extra_env=({**({"PDTRACE_SELF_CPU": "1"} if a.self_cpu else {}), **on_env}
+                                          if cond == "on" else {}))
     res = {"on": {"ttft": [], "tpot": [], "failed": 0}, "off": {"ttft": [], "tpot": [], "failed": 0}}
     rounds = []
     t0 = time.monotonic()
