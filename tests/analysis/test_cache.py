@@ -40,3 +40,41 @@ def test_late_clock_evidence_recomputes_affected_requests(tmp_path):
         after = tr.query("SELECT clock_offset_ns FROM spans WHERE stage = 'prefill.compute'")[0]["clock_offset_ns"]
         assert before == 249_000_000 and after == 250_000_000     # least correction, then the sample
         assert tr.query("SELECT compute_ms FROM ttft_breakdown")[0]["compute_ms"] == 127
+
+
+def test_batched_refresh_equals_one_pass(tmp_path):
+    """A refresh larger than ``batch_requests`` runs in time-ordered batches, each reading only its
+    requests' files; every view equals the one-pass result, linked ids (case K) included."""
+    import os
+    import time
+
+    from test_handoff_cases import _case_j
+    from test_incomplete import _case_e, _case_k
+    from test_ttft_cases import _case_c, _case_d, _case_i, _case_l
+
+    d = tmp_path / "s"
+    cases = [("a", _case_a), ("c", _case_c), ("d", _case_d), ("h", _case_h), ("i", _case_i), ("l", _case_l),
+             ("e", _case_e), ("k", _case_k), ("j", _case_j)]
+    for n, (prefix, make) in enumerate(cases):
+        for p in make().write(d, prefix=f"{prefix}-"):
+            t = time.time_ns() - (len(cases) - n) * 10**9  # files of later cases are newer
+            os.utime(p, ns=(t, t))
+    views = {
+        "ttft_breakdown": _Q,
+        "ttft_segments": "SELECT * EXCLUDE (rkey) FROM ttft_segments ORDER BY request_id, seq",
+        "requests": "SELECT * FROM requests ORDER BY request_id",
+        "incomplete_requests": "SELECT * EXCLUDE (rkey) FROM incomplete_requests ORDER BY request_id",
+        "request_stalls": "SELECT * FROM request_stalls ORDER BY request_id",
+    }
+    with db.open_trace(d) as one:
+        want = {v: one.query(q) for v, q in views.items()}
+        n_req = len(want["requests"])
+    assert n_req >= 15 and len(want["ttft_breakdown"]) >= 8 and want["incomplete_requests"]
+    for size in (1, 4):
+        tr = db.Trace(d)
+        tr.batch_requests = size
+        with tr:
+            r = tr.refresh()
+            assert r.dirty_requests >= n_req
+            for v, q in views.items():
+                assert tr.query(q) == want[v], (size, v)
