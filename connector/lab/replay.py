@@ -53,7 +53,7 @@ class ClientRecord:
         return self.status == "ok"
 
 
-class ReplayClock:
+class _Clock:
     """Epoch ns from the monotonic clock, anchored once."""
 
     def __init__(self):
@@ -74,7 +74,7 @@ def _count_tokens(obj: dict, prev: int) -> tuple[int, int]:
 
 
 async def send_one(session: aiohttp.ClientSession, url: str, req: ReplayRequest, rec: ClientRecord,
-                   clock: ReplayClock, timeout_s: float, extra_headers: dict | None = None,
+                   clock: _Clock, timeout_s: float, extra_headers: dict | None = None,
                    extra_body: dict | None = None) -> ClientRecord:
     """Send one streaming completion and fill ``rec``; never raises (status says what happened)."""
     body = {"model": "lab", "prompt": req.prompt, "max_tokens": req.max_tokens, "ignore_eos": True,
@@ -128,14 +128,20 @@ async def send_one(session: aiohttp.ClientSession, url: str, req: ReplayRequest,
 
 
 async def replay(workload: Workload, router_url: str, *, timeout_s: float = 300.0, progress: bool = True,
-                 extra_headers: dict | None = None) -> list[ClientRecord]:
-    """Replay ``workload`` open-loop against ``router_url``; return one record per request (in order)."""
+                 extra_headers: dict | None = None, live: list | None = None) -> list[ClientRecord]:
+    """Replay ``workload`` open-loop against ``router_url``; return one record per request (in order).
+
+    ``live``: a list that receives the records before the first request is sent; they fill in
+    place while the requests run (tokens as they arrive), so a caller can watch them.
+    """
     from tqdm import tqdm
 
-    clock = ReplayClock()
+    clock = _Clock()
     url = router_url.rstrip("/") + "/v1/completions"
     recs = [ClientRecord(r.index, r.trace_index, len(r.prompt), r.max_tokens, r.shared_prefix_tokens)
             for r in workload.requests]
+    if live is not None:
+        live.extend(recs)
     bar = tqdm(total=len(recs), desc=f"replay {workload.name}", unit="req", disable=not progress,
                dynamic_ncols=True)
     conn = aiohttp.TCPConnector(limit=0)

@@ -4,13 +4,12 @@ from __future__ import annotations
 import asyncio
 import time
 
-import aiohttp
 import pytest
 
 from conftest import LOGPROB_TOL, check_logprobs, check_replay, post, start_lab
 
 from pdtrace.connector.lab import procs, replay
-from pdtrace.connector.lab.workload import ReplayRequest
+from pdtrace.connector.lab.workload import ReplayRequest, Workload
 
 pytestmark = [pytest.mark.lab, pytest.mark.timeout(1800)]
 JOIN_TIMEOUT_S = 15.0
@@ -85,29 +84,22 @@ def test_kill_decode_mid_run(push_lab):
     n, max_tokens = 4, 6000
     reqs = [ReplayRequest(i, i, 0.05 * i, [16 + (i * 13 + k) % 1500 for k in range(120)], max_tokens)
             for i in range(n)]
+    wl = Workload("kill-d", "-", "synthetic", 1.0, 1.0, 0, reqs, len(reqs), False)
     pids = lab.pids()
     all_pids = set(pids.values()) | {k.pid for p in pids.values() for k in procs.descendants(p)}
     ports = lab.ports() + [lab.router_port]
 
     async def run():
-        # send_one fills each record while its stream runs, so the client's own tokens can trigger the kill
-        clock = replay.ReplayClock()
-        recs = [replay.ClientRecord(r.index, r.trace_index, len(r.prompt), r.max_tokens, 0) for r in reqs]
-        url = lab.router_url + "/v1/completions"
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
-            async def one(req, rec):
-                await asyncio.sleep(req.arrival_s)
-                return await replay.send_one(session, url, req, rec, clock, 240.0)
-
-            t_start = time.monotonic()
-            tasks = [asyncio.create_task(one(q, r)) for q, r in zip(reqs, recs)]
-            kill_at = t_start + reqs[-1].arrival_s + KILL_AFTER_S
-            while time.monotonic() < kill_at and not all(r.token_times_ns for r in recs):
-                await asyncio.sleep(0.02)
-            at_kill = [len(r.token_times_ns) for r in recs]
-            t_kill = time.monotonic() - t_start
-            await asyncio.to_thread(lab.kill, "decode-0")
-            await asyncio.gather(*tasks)
+        recs = []  # filled while the streams run: the client's own tokens can trigger the kill
+        t_start = time.monotonic()
+        task = asyncio.create_task(replay.replay(wl, lab.router_url, timeout_s=240, progress=False, live=recs))
+        kill_at = t_start + reqs[-1].arrival_s + KILL_AFTER_S
+        while time.monotonic() < kill_at and not (recs and all(r.token_times_ns for r in recs)):
+            await asyncio.sleep(0.02)
+        at_kill = [len(r.token_times_ns) for r in recs]
+        t_kill = time.monotonic() - t_start
+        await asyncio.to_thread(lab.kill, "decode-0")
+        await task
         print(f"killed D {t_kill:.2f} s after the first send; client tokens then: {at_kill}")
         return recs, time.monotonic()
 
