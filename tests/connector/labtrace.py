@@ -94,17 +94,19 @@ def send_and_go_away(lab: Lab, prompt, after_s: float = 0.05) -> None:
     ``handler_cancellation``) while it still waits for P when P's prefill takes
     longer than ``after_s`` (a 7,000-token prompt takes P ≥ 120 ms here).
     """
-    import socket
-    import time
-    from urllib.parse import urlsplit
+    import aiohttp
 
-    u = urlsplit(lab.router_url)
-    body = json.dumps({"model": "lab", "prompt": list(prompt), "max_tokens": 2, "ignore_eos": True}).encode()
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {u.hostname}:{u.port}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
-    with socket.create_connection((u.hostname, u.port), timeout=10) as s:
-        s.sendall(head + body)
-        time.sleep(after_s)
+    body = {"model": "lab", "prompt": list(prompt), "max_tokens": 2, "ignore_eos": True}
+
+    async def go():
+        async with aiohttp.ClientSession() as session:
+            try:
+                async with asyncio.timeout(after_s):  # cancelling the request closes its connection
+                    await session.post(lab.router_url + "/v1/completions", json=body)
+            except TimeoutError:
+                pass
+
+    asyncio.run(go())
 
 
 def warm_up(lab: Lab, prompt, tries: int = 2) -> str:
