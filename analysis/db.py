@@ -259,11 +259,17 @@ class Trace:
 
     # -- refresh ----------------------------------------------------------------
     def scan(self) -> tuple[dict[str, tuple[int, int]], list[tuple[str, str]]]:
-        """List the directory: ({readable file: (size, mtime_ns)}, [(skipped file, reason)])."""
+        """List the directory: ({readable file: (size, mtime_ns)}, [(skipped file, reason)]).
+
+        pdtrace files that are not spans (``FileCheck.artifact``: the lab client's
+        records) are in neither list.
+        """
         good: dict[str, tuple[int, int]] = {}
         bad: list[tuple[str, str]] = []
         for p in _store.store_files(self.directory):
             chk = _store.check_file(p)
+            if chk.artifact:  # another pdtrace file (the lab's client records): not spans, not bad
+                continue
             if not chk.ok:
                 bad.append((str(p), chk.reason))
                 continue

@@ -47,6 +47,12 @@ SCHEMA_MAJOR = 1
 #: Parquet key-value metadata key that carries :data:`SCHEMA_VERSION`.
 VERSION_KEY = b"pdtrace.schema_version"
 
+#: Parquet key-value metadata key naming a pdtrace file that is *not* a span
+#: store file (e.g. ``b"client-records"``: the lab client's per-request view,
+#: written beside the spans). Readers of the store pass over such files without
+#: a warning; a Parquet file with neither key is foreign and is warned about.
+ARTIFACT_KEY = b"pdtrace.artifact"
+
 #: OTLP span kinds (opentelemetry-proto ``Span.SpanKind`` numbering).
 KIND_INTERNAL, KIND_SERVER, KIND_CLIENT, KIND_PRODUCER, KIND_CONSUMER = 1, 2, 3, 4, 5
 

@@ -167,12 +167,17 @@ def write_rows(directory: str | os.PathLike, rows: Iterable[Mapping[str, object]
 
 @dataclass(frozen=True)
 class FileCheck:
-    """Outcome of :func:`check_file`: ``ok`` or the ``reason`` a reader must skip ``path``."""
+    """Outcome of :func:`check_file`: ``ok`` or the ``reason`` a reader must skip ``path``.
+
+    ``artifact`` names another pdtrace file kind (``schema.ARTIFACT_KEY``, e.g.
+    ``"client-records"``): not spans, skipped without a warning.
+    """
 
     path: Path
     ok: bool
     reason: str = ""
     version: str | None = None
+    artifact: str | None = None
 
 
 def check_file(path: str | os.PathLike) -> FileCheck:
@@ -180,7 +185,8 @@ def check_file(path: str | os.PathLike) -> FileCheck:
 
     Reads only the Parquet footer. Never raises for a bad file: returns a
     FileCheck with ``ok=False`` and a reason ('empty file', 'not a Parquet
-    file: ...', 'not a pdtrace store file', 'schema 2.0: newer major, skipped').
+    file: ...', 'not a pdtrace store file', 'schema 2.0: newer major, skipped',
+    or, with ``artifact`` set, 'pdtrace client-records file, not spans').
     """
     p = Path(path)
     try:
@@ -192,6 +198,10 @@ def check_file(path: str | os.PathLike) -> FileCheck:
     kv = meta.metadata or {}
     raw = kv.get(schema.VERSION_KEY)
     if raw is None:
+        kind = kv.get(schema.ARTIFACT_KEY)
+        if kind is not None:
+            name = kind.decode(errors="replace")
+            return FileCheck(p, False, f"pdtrace {name} file, not spans", artifact=name)
         return FileCheck(p, False, "not a pdtrace store file (no schema version)")
     version = raw.decode(errors="replace")
     try:

@@ -64,6 +64,26 @@ def test_bad_files_skipped_and_named(tmp_path):
     tr.close()
 
 
+def test_lab_client_records_are_not_a_bad_store_file(tmp_path):
+    """The lab writes its client's view (client/requests.parquet) inside the trace dir: no warning, not skipped."""
+    import warnings
+
+    from pdtrace.connector.lab.replay import ClientRecord, write_records
+
+    d = tmp_path / "s"
+    _case_h().write(d)
+    rec = ClientRecord(0, 0, 12, 4, 0, send_ns=1, first_token_ns=2, end_ns=3, token_times_ns=[2, 3], status="ok")
+    path = write_records([rec], d / "client", "run-1")
+    assert store.check_file(path).artifact == "client-records"
+    assert pq.read_table(path).column("status").to_pylist() == ["ok"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", db.SkippedFileWarning)
+        tr = db.open_trace(d)
+    assert tr.query("SELECT count(*) AS n FROM store_files WHERE NOT ok")[0]["n"] == 0
+    assert tr.query("SELECT ttft_ms FROM ttft_breakdown")[0]["ttft_ms"] == 4070
+    tr.close()
+
+
 def test_duplicated_spans_counted_once_and_compaction_is_safe(tmp_path):
     d = tmp_path / "s"
     paths = _case_h().write(d)
