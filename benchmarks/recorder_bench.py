@@ -14,6 +14,7 @@ Prints:
   6. the buffer's memory bound, bytes per buffered record and at the default cap
 
 Run:  .venv/bin/python benchmarks/recorder_bench.py [--quick]
+      .venv/bin/python benchmarks/recorder_bench.py --gil-pinned   (figure 4 only, threads pinned apart)
 Each figure is a median over rounds; a single round hides scheduler noise
 (the machine has 2 cores and the writer thread shares them).
 """
@@ -110,9 +111,16 @@ def bench_otel_sdk(n: int, rounds: int) -> float | None:
     return v
 
 
-def bench_gil(d: str, records: int) -> dict:
-    """Longest gap between iterations of a busy thread, alone and while the writer flushes."""
+def bench_gil(d: str, records: int, busy_core: int | None = None) -> dict:
+    """Longest gap between iterations of a busy thread, alone and while the writer flushes.
+
+    ``busy_core``: pin the busy thread to that core (the caller has pinned this
+    process's other threads, and so the writer and pyarrow's pool, elsewhere):
+    the thread then waits only for the GIL, never for a core this process holds.
+    """
     def busy(stop: threading.Event, gaps: list):
+        if busy_core is not None:
+            os.sched_setaffinity(0, {busy_core})  # Linux: 0 = the calling thread only
         last = pc()
         seen = []
         while not stop.is_set():
@@ -152,6 +160,29 @@ def bench_gil(d: str, records: int) -> dict:
     return {"alone": min(alone), "writer": min(writer), "stretch_cpu_ns": max(stretches)}
 
 
+def gil_pinned(records: int) -> None:
+    """Print the GIL figure with the busy thread and the rest of the process on separate cores.
+
+    The main thread is pinned to the last core before any other thread starts,
+    so the writer and pyarrow's thread pool inherit it; the busy thread moves
+    itself to the first core. On a shared machine a gap is then a wait for the
+    GIL or the whole VM being descheduled, not the writer taking the core.
+    """
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise SystemExit("--gil-pinned needs 2 cores")
+    for tid in os.listdir("/proc/self/task"):  # threads already started (imports) too; later ones inherit
+        os.sched_setaffinity(int(tid), {cores[-1]})
+    with tempfile.TemporaryDirectory() as d:
+        gil = bench_gil(d, records, busy_core=cores[0])
+    print(f"pinned: busy thread on core {cores[0]}, writer + pyarrow on core {cores[-1]}")
+    for label, key in (("alone", "alone"), ("while the writer flushes a full buffer", "writer")):
+        mx, p999, over = gil[key]
+        print(f"busy thread's gaps, {label}: max {mx / 1e6:.3f} ms, p99.9 {p999 / 1e6:.3f} ms, "
+              f"{over} gaps > 1 ms" + ("   (goal: max <= 1 ms)" if key == "writer" else ""))
+    print(f"writer's longest CPU stretch between GIL releases: {gil['stretch_cpu_ns'] / 1e6:.3f} ms")
+
+
 def bench_throughput(d: str, records: int) -> float:
     """Spans/s the writer converts and writes to Parquet, the process pinned to one core."""
     try:
@@ -189,7 +220,12 @@ def bench_memory(n: int = 20000) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer rounds (CI smoke run)")
+    ap.add_argument("--gil-pinned", action="store_true",
+                    help="only the GIL figure, with the busy thread on one core and every other thread "
+                         "of the process (writer, pyarrow) on another: separates GIL waits from CPU sharing")
     args = ap.parse_args()
+    if args.gil_pinned:
+        return gil_pinned(100_000 if args.quick else 400_000)
     n, rounds = (200, 50) if args.quick else (200, 400)
     with tempfile.TemporaryDirectory() as d:
         cs = bench_call_sites(d, n, rounds)
