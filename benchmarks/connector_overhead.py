@@ -20,6 +20,11 @@ bootstrap confidence intervals (requests resampled within each condition,
 TPOT is the client's (last token − first token) / (tokens − 1); it is 0 when
 D's API server, lagging, sends all tokens of a request in one chunk.
 
+Also printed: vLLM's own per-request means inside each engine (TTFT as the
+engine sees it, queue, prefill, decode, end to end; from its Prometheus
+histograms) for both labs, to say on which engine and in which phase the
+difference lands.
+
 Also printed (unless ``--no-self-cpu``): pdtrace's own CPU time per engine
 step, which the "on" lab measures itself with ``PDTRACE_SELF_CPU=1`` (thread
 CPU clock around every connector hook, written on each step span as
@@ -37,7 +42,7 @@ import random
 import time
 from pathlib import Path
 
-from pdtrace.connector.lab import replay, workload
+from pdtrace.connector.lab import metrics, replay, workload
 from pdtrace.connector.lab.launcher import Lab, LabConfig
 from pdtrace.connector.lab.model import make_model, model_info
 
@@ -109,6 +114,31 @@ def self_cpu_share(trace_dir: Path) -> dict:
     return out
 
 
+#: vLLM's own per-request histograms (seconds), read from each engine's /metrics: where the time went
+#: inside an engine, measured by vLLM itself, so on vs off can be compared per engine.
+VLLM_HISTOGRAMS = ("time_to_first_token_seconds", "request_queue_time_seconds", "request_prefill_time_seconds",
+                   "request_decode_time_seconds", "e2e_request_latency_seconds")
+
+
+def engine_means(lab) -> dict:
+    """{'prefill'|'decode': {histogram: mean ms, 'requests': count}} from vLLM's Prometheus histograms.
+
+    Means over every request the engine served (warm-up included, the same in
+    both labs). A histogram the installed vLLM does not export is left out.
+    """
+    out = {}
+    for role, engines in (("prefill", lab.prefills), ("decode", lab.decodes)):
+        m = metrics.scrape(engines[0].url)
+        row = {}
+        for h in VLLM_HISTOGRAMS:
+            n = metrics.total(m, f"vllm:{h}_count")
+            if n:
+                row[h] = metrics.total(m, f"vllm:{h}_sum") / n * 1e3
+                row.setdefault("requests", n)
+        out[role] = row
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=4)
@@ -164,7 +194,9 @@ def main():
             print(f"round {r} ({'/'.join(order)}): TTFT p50 on {row['on']['ttft_p50']:.1f} off "
                   f"{row['off']['ttft_p50']:.1f} ms; TPOT p50 on {row['on']['tpot_p50']:.2f} off "
                   f"{row['off']['tpot_p50']:.2f} ms", flush=True)
-    out = {"rounds": rounds, "requests_per_round": a.requests, "failed": {c: res[c]["failed"] for c in res}}
+        engines = {cond: engine_means(labs[cond]) for cond in ("on", "off")}
+    out = {"rounds": rounds, "requests_per_round": a.requests, "failed": {c: res[c]["failed"] for c in res},
+           "vllm_engine_means_ms": engines}
     print(f"\n{a.rounds} rounds x {a.requests} requests per condition; failed: on {res['on']['failed']}, "
           f"off {res['off']['failed']}")
     print(f"{'metric':<10}{'on':>10}{'off':>10}{'ratio':>9}  95% CI")
@@ -175,6 +207,13 @@ def main():
                                   "ci95": [lo, hi]}
             print(f"{k.upper() + ' ' + name:<10}{pct(res['on'][k], q):>10.2f}{pct(res['off'][k], q):>10.2f}"
                   f"{p:>9.3f}  [{lo:.3f}, {hi:.3f}]")
+    print("\nvLLM's own per-request means inside each engine (ms; from its Prometheus histograms, all requests):")
+    print(f"{'engine':<9}{'histogram':<32}{'on':>10}{'off':>10}{'on-off':>9}")
+    for role in ("prefill", "decode"):
+        for h in VLLM_HISTOGRAMS:
+            on, off = engines["on"][role].get(h), engines["off"][role].get(h)
+            if on is not None and off is not None:
+                print(f"{role:<9}{h:<32}{on:>10.2f}{off:>10.2f}{on - off:>9.2f}")
     if a.self_cpu:
         out["self_cpu"] = sc = self_cpu_share((a.out / "on").resolve())
         print("\npdtrace's own CPU per engine step (thread CPU clock; goal <= 1 % of a decode step):")
