@@ -15,6 +15,7 @@ Prints:
 
 Run:  .venv/bin/python benchmarks/recorder_bench.py [--quick]
       .venv/bin/python benchmarks/recorder_bench.py --gil-pinned   (figure 4 only, threads pinned apart)
+      .venv/bin/python benchmarks/recorder_bench.py --gil-control  (the same, a plain-Python thread for the writer)
 Each figure is a median over rounds; a single round hides scheduler noise
 (the machine has 2 cores and the writer thread shares them).
 """
@@ -183,6 +184,65 @@ def gil_pinned(records: int) -> None:
     print(f"writer's longest CPU stretch between GIL releases: {gil['stretch_cpu_ns'] / 1e6:.3f} ms")
 
 
+def gil_control(seconds: float = 2.0) -> None:
+    """Print the busy thread's gaps beside a plain-Python thread in the writer's rhythm (pinned apart).
+
+    The control thread works 400 µs, then sleeps 50 µs, like the writer between
+    yield points; "with releases" it also drops and re-takes the GIL every few
+    µs inside that work (``zlib.crc32`` of 20 kB, ``time.sleep(0)``), as
+    pyarrow's ``with nogil`` sections do. If these stay near 1 ms while the
+    writer's flush does not, the writer's stalls are not CPython's GIL
+    hand-over as such (BENCHMARKS.md, Recorder).
+    """
+    import zlib
+
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise SystemExit("--gil-control needs 2 cores")
+    for tid in os.listdir("/proc/self/task"):
+        os.sched_setaffinity(int(tid), {cores[-1]})
+    blob = os.urandom(20_000)
+
+    def busy(stop: threading.Event, out: list):
+        os.sched_setaffinity(0, {cores[0]})
+        last, worst, over = pc(), 0, 0
+        while not stop.is_set():
+            x = 0
+            for _ in range(50):
+                x += 1
+            now = pc()
+            g = now - last
+            worst = max(worst, g)
+            over += g > 1_000_000
+            last = now
+        out.append((worst, over))
+
+    def control(stop: threading.Event, releases: bool):
+        while not stop.is_set():
+            t = pc()
+            while pc() - t < 400_000:
+                for _ in range(20):
+                    pass
+                if releases:
+                    zlib.crc32(blob)
+                    time.sleep(0)
+            time.sleep(0.00005)
+
+    for releases in (False, True):
+        stop, out = threading.Event(), []
+        threads = [threading.Thread(target=busy, args=(stop, out)),
+                   threading.Thread(target=control, args=(stop, releases))]
+        for th in threads:
+            th.start()
+        time.sleep(seconds)
+        stop.set()
+        for th in threads:
+            th.join()
+        label = "with brief GIL releases" if releases else "plain Python"
+        print(f"busy thread's gaps beside a control thread ({label}, 400 us work / 50 us sleep): "
+              f"max {out[0][0] / 1e6:.3f} ms, {out[0][1]} gaps > 1 ms")
+
+
 def bench_throughput(d: str, records: int) -> float:
     """Spans/s the writer converts and writes to Parquet, the process pinned to one core."""
     try:
@@ -223,7 +283,12 @@ def main() -> None:
     ap.add_argument("--gil-pinned", action="store_true",
                     help="only the GIL figure, with the busy thread on one core and every other thread "
                          "of the process (writer, pyarrow) on another: separates GIL waits from CPU sharing")
+    ap.add_argument("--gil-control", action="store_true",
+                    help="only the control: the busy thread beside a plain-Python thread in the writer's "
+                         "rhythm, pinned apart (is CPython's GIL hand-over itself the limit?)")
     args = ap.parse_args()
+    if args.gil_control:
+        return gil_control()
     if args.gil_pinned:
         return gil_pinned(100_000 if args.quick else 400_000)
     n, rounds = (200, 50) if args.quick else (200, 400)
