@@ -161,6 +161,30 @@ def bench_gil(d: str, records: int, busy_core: int | None = None) -> dict:
     return {"alone": min(alone), "writer": min(writer), "stretch_cpu_ns": max(stretches)}
 
 
+def pin_apart(option: str) -> list[int]:
+    """Pin every thread of this process to the last core (later threads inherit it); return the cores.
+
+    The busy thread moves itself to the first core (``bench_gil(busy_core=...)``).
+    Raises SystemExit naming ``option`` on a machine with fewer than 2 cores.
+    """
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise SystemExit(f"{option} needs 2 cores")
+    for tid in os.listdir("/proc/self/task"):  # threads already started (imports) too
+        os.sched_setaffinity(int(tid), {cores[-1]})
+    return cores
+
+
+def print_gil(gil: dict) -> None:
+    """Print :func:`bench_gil`'s result: the busy thread's gaps (ms) and the writer's longest CPU stretch."""
+    for label, key in (("alone", "alone"), ("while the writer flushes a full buffer", "writer")):
+        mx, p999, over = gil[key]
+        print(f"busy thread's gaps, {label}: max {mx / 1e6:.3f} ms, p99.9 {p999 / 1e6:.3f} ms, "
+              f"{over} gaps > 1 ms" + ("   (goal: max <= 1 ms)" if key == "writer" else ""))
+    print(f"writer's longest CPU stretch between GIL releases: {gil['stretch_cpu_ns'] / 1e6:.3f} ms "
+          "(thread CPU time; goal <= 1 ms)")
+
+
 def gil_pinned(records: int) -> None:
     """Print the GIL figure with the busy thread and the rest of the process on separate cores.
 
@@ -169,19 +193,11 @@ def gil_pinned(records: int) -> None:
     itself to the first core. On a shared machine a gap is then a wait for the
     GIL or the whole VM being descheduled, not the writer taking the core.
     """
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < 2:
-        raise SystemExit("--gil-pinned needs 2 cores")
-    for tid in os.listdir("/proc/self/task"):  # threads already started (imports) too; later ones inherit
-        os.sched_setaffinity(int(tid), {cores[-1]})
+    cores = pin_apart("--gil-pinned")
     with tempfile.TemporaryDirectory() as d:
         gil = bench_gil(d, records, busy_core=cores[0])
     print(f"pinned: busy thread on core {cores[0]}, writer + pyarrow on core {cores[-1]}")
-    for label, key in (("alone", "alone"), ("while the writer flushes a full buffer", "writer")):
-        mx, p999, over = gil[key]
-        print(f"busy thread's gaps, {label}: max {mx / 1e6:.3f} ms, p99.9 {p999 / 1e6:.3f} ms, "
-              f"{over} gaps > 1 ms" + ("   (goal: max <= 1 ms)" if key == "writer" else ""))
-    print(f"writer's longest CPU stretch between GIL releases: {gil['stretch_cpu_ns'] / 1e6:.3f} ms")
+    print_gil(gil)
 
 
 def gil_control(seconds: float = 2.0) -> None:
@@ -196,11 +212,7 @@ def gil_control(seconds: float = 2.0) -> None:
     """
     import zlib
 
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < 2:
-        raise SystemExit("--gil-control needs 2 cores")
-    for tid in os.listdir("/proc/self/task"):
-        os.sched_setaffinity(int(tid), {cores[-1]})
+    cores = pin_apart("--gil-control")
     blob = os.urandom(20_000)
 
     def busy(stop: threading.Event, out: list):
@@ -304,11 +316,7 @@ def main() -> None:
     print(f"tracing on, record() explicit times:   {cs['record_ns']:8.1f} ns")
     if sdk is not None:
         print(f"opentelemetry-sdk start/end + BSP:     {sdk:8.1f} ns   ratio sdk/pdtrace = {sdk / cs['open_close_ns']:.1f}x (goal >= 10x)")
-    for label, key in (("alone", "alone"), ("while the writer flushes a full buffer", "writer")):
-        mx, p999, over = gil[key]
-        print(f"busy thread's gaps, {label}: max {mx / 1e6:.3f} ms, p99.9 {p999 / 1e6:.3f} ms, "
-              f"{over} gaps > 1 ms" + ("   (goal: max <= 1 ms)" if key == "writer" else ""))
-    print(f"writer's longest CPU stretch between GIL releases: {gil['stretch_cpu_ns'] / 1e6:.3f} ms (thread CPU time; goal <= 1 ms)")
+    print_gil(gil)
     print(f"writer throughput into Parquet, 1 core:{thr:10.0f} spans/s (goal >= 200000)")
     print(f"buffer memory: {mem:.0f} B/record; default cap {cap} records -> {mem * cap / 2**20:.1f} MiB bound")
 
