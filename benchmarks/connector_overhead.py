@@ -29,7 +29,7 @@ Also printed (unless ``--no-self-cpu``): pdtrace's own CPU time per engine
 step, which the "on" lab measures itself with ``PDTRACE_SELF_CPU=1`` (thread
 CPU clock around every connector hook, written on each step span as
 ``step.pdtrace_cpu_ns``), as a share of the step (goal: ≤ 1 % of a decode
-step), and the pdtrace-writer thread's CPU as a share of each engine
+step), and the CPU of the pdtrace-writer thread and of its sink process as a share of each engine
 process's wall time. The self-measurement's own clock reads are part of the
 "on" condition, so the on/off ratios slightly overstate the overhead.
 """
@@ -87,8 +87,8 @@ def self_cpu_share(trace_dir: Path) -> dict:
     previous step span, thread CPU clock) divided by the sum of the steps'
     durations, plus the median and p99 of the per-step ratio; and the
     pdtrace-writer thread's CPU (``recorder.writer_cpu_ns``, last stats row of
-    each engine process) divided by that process's traced wall time. Shares
-    in %. Reads the Parquet files directly (raw rows, no analysis views).
+    each engine process) and its sink process's CPU (``recorder.sink_cpu_ns``),
+    each divided by that process's traced wall time. Shares in %. Reads the Parquet files directly (raw rows, no analysis views).
     """
     import duckdb
 
@@ -105,12 +105,14 @@ def self_cpu_share(trace_dir: Path) -> dict:
             "SELECT count(*), sum(cpu) / sum(dur) * 100, median(cpu / dur) * 100, "
             "quantile_cont(cpu / dur, 0.99) * 100, median(dur) / 1e6, median(cpu) / 1e3 "
             "FROM s WHERE cpu IS NOT NULL AND dur > 0", [step, role]).fetchall()[0]
-        w = con.execute(
-            "SELECT sum(cpu) / sum(wall) * 100 FROM (SELECT pid, max(attr_int['recorder.writer_cpu_ns']) AS cpu, "
+        w, sink = con.execute(
+            "SELECT sum(cpu) / sum(wall) * 100, sum(sink) / sum(wall) * 100 FROM (SELECT pid, "
+            "max(attr_int['recorder.writer_cpu_ns']) AS cpu, max(attr_int['recorder.sink_cpu_ns']) AS sink, "
             "max(end_ns) - min(start_ns) AS wall FROM r WHERE role = ? GROUP BY pid HAVING cpu IS NOT NULL)",
             [role]).fetchall()[0][0]
         out[role] = {"steps": row[0], "share_pct": row[1], "median_step_pct": row[2], "p99_step_pct": row[3],
-                     "median_step_ms": row[4], "median_cpu_us": row[5], "writer_pct_of_wall": w}
+                     "median_step_ms": row[4], "median_cpu_us": row[5], "writer_pct_of_wall": w,
+                     "sink_pct_of_wall": sink}
     return out
 
 
@@ -224,7 +226,8 @@ def main():
             print(f"  {role}: {v['steps']} steps, median step {v['median_step_ms']:.2f} ms, median pdtrace CPU "
                   f"{v['median_cpu_us']:.1f} us; share {v['share_pct']:.3f} % (per step: median "
                   f"{v['median_step_pct']:.3f} %, p99 {v['p99_step_pct']:.3f} %); writer thread "
-                  f"{(v['writer_pct_of_wall'] or 0):.3f} % of the engine process's wall time")
+                  f"{(v['writer_pct_of_wall'] or 0):.3f} % and its sink process {(v['sink_pct_of_wall'] or 0):.3f} % "
+                  "of the engine process's wall time")
     (a.out / "overhead.json").write_text(json.dumps(out, indent=2))
     print(f"written {a.out / 'overhead.json'}; p50 goal: upper bound <= 1.05 "
           f"(TTFT {'met' if out['ttft_p50']['ci95'][1] <= 1.05 else 'missed'}, "

@@ -9,15 +9,18 @@ Prints:
   3. OpenTelemetry SDK start_span/end with a BatchSpanProcessor, measured the
      same way, and the ratio SDK / pdtrace
   4. writer GIL holds: the longest gap seen by a busy Python thread while the
-     writer converts and writes a full buffer, vs the same thread alone
-  5. writer throughput into Parquet, spans/s, with the process pinned to one core
+     writer thread hands a full buffer to the sink process (which converts and
+     writes it), vs the same thread alone; and the writer thread's longest
+     stretch of CPU between two GIL releases
+  5. throughput into Parquet, spans/s, with the process and its sink pinned
+     to one core
   6. the buffer's memory bound, bytes per buffered record and at the default cap
 
 Run:  .venv/bin/python benchmarks/recorder_bench.py [--quick]
       .venv/bin/python benchmarks/recorder_bench.py --gil-pinned   (figure 4 only, threads pinned apart)
       .venv/bin/python benchmarks/recorder_bench.py --gil-control  (the same, a plain-Python thread for the writer)
 Each figure is a median over rounds; a single round hides scheduler noise
-(the machine has 2 cores and the writer thread shares them).
+(the machine has 2 cores and the writer thread and the sink share them).
 """
 from __future__ import annotations
 
@@ -116,7 +119,7 @@ def bench_gil(d: str, records: int, busy_core: int | None = None) -> dict:
     """Longest gap between iterations of a busy thread, alone and while the writer flushes.
 
     ``busy_core``: pin the busy thread to that core (the caller has pinned this
-    process's other threads, and so the writer and pyarrow's pool, elsewhere):
+    process's other threads, and so the writer thread and its sink process, elsewhere):
     the thread then waits only for the GIL, never for a core this process holds.
     """
     def busy(stop: threading.Event, gaps: list):
@@ -189,26 +192,25 @@ def gil_pinned(records: int) -> None:
     """Print the GIL figure with the busy thread and the rest of the process on separate cores.
 
     The main thread is pinned to the last core before any other thread starts,
-    so the writer and pyarrow's thread pool inherit it; the busy thread moves
+    so the writer thread and the sink it starts inherit it; the busy thread moves
     itself to the first core. On a shared machine a gap is then a wait for the
     GIL or the whole VM being descheduled, not the writer taking the core.
     """
     cores = pin_apart("--gil-pinned")
     with tempfile.TemporaryDirectory() as d:
         gil = bench_gil(d, records, busy_core=cores[0])
-    print(f"pinned: busy thread on core {cores[0]}, writer + pyarrow on core {cores[-1]}")
+    print(f"pinned: busy thread on core {cores[0]}, writer thread + sink process on core {cores[-1]}")
     print_gil(gil)
 
 
 def gil_control(seconds: float = 2.0) -> None:
     """Print the busy thread's gaps beside a plain-Python thread in the writer's rhythm (pinned apart).
 
-    The control thread works 400 µs, then sleeps 50 µs, like the writer between
-    yield points; "with releases" it also drops and re-takes the GIL every few
+    The control thread works 400 µs, then sleeps 50 µs, the rhythm of the
+    in-process writer pdtrace had before the sink (session 4); "with releases" it also drops and re-takes the GIL every few
     µs inside that work (``zlib.crc32`` of 20 kB, ``time.sleep(0)``), as
-    pyarrow's ``with nogil`` sections do. If these stay near 1 ms while the
-    writer's flush does not, the writer's stalls are not CPython's GIL
-    hand-over as such (BENCHMARKS.md, Recorder).
+    pyarrow's ``with nogil`` sections do. It measures what CPython's GIL
+    hand-over alone costs a waiting thread on this machine (BENCHMARKS.md, Recorder).
     """
     import zlib
 
@@ -256,7 +258,7 @@ def gil_control(seconds: float = 2.0) -> None:
 
 
 def bench_throughput(d: str, records: int) -> float:
-    """Spans/s the writer converts and writes to Parquet, the process pinned to one core."""
+    """Spans/s from the buffer into Parquet files, the process pinned to one core (its sink inherits the pin)."""
     try:
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     except (AttributeError, OSError):
@@ -294,7 +296,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer rounds (CI smoke run)")
     ap.add_argument("--gil-pinned", action="store_true",
                     help="only the GIL figure, with the busy thread on one core and every other thread "
-                         "of the process (writer, pyarrow) on another: separates GIL waits from CPU sharing")
+                         "of the process (writer thread) and its sink on another: separates GIL waits from CPU sharing")
     ap.add_argument("--gil-control", action="store_true",
                     help="only the control: the busy thread beside a plain-Python thread in the writer's "
                          "rhythm, pinned apart (is CPython's GIL hand-over itself the limit?)")

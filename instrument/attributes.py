@@ -102,6 +102,9 @@ _ALLOWED: dict[str, Attr] = {
 #: Public read-only view of the allowlist: {key: Attr}.
 ALLOWED = _ALLOWED
 
+#: Number of :func:`register` calls so far (the writer re-sends the allowlist to its sink when it changes).
+registrations = 0
+
 
 def register(key: str, typ: type, doc: str, max_len: int = 256) -> None:
     """Add ``key`` to the allowlist with Python type ``typ`` (int, float or str).
@@ -114,7 +117,9 @@ def register(key: str, typ: type, doc: str, max_len: int = 256) -> None:
     old = _ALLOWED.get(key)
     if old is not None and old.type is not typ:
         raise ValueError(f"attribute {key!r} already registered as {old.type.__name__}")
+    global registrations
     _ALLOWED[key] = Attr(typ, doc, max_len)
+    registrations += 1
 
 
 def error_attrs(exc: BaseException, code: object | None = None) -> dict[str, str]:

@@ -14,7 +14,7 @@ variable                       default    meaning
 ``PDTRACE_FLUSH_INTERVAL_S``   ``1.0``    writer flush interval (s); a SIGKILL loses at most this
 ``PDTRACE_ROTATE_S``           ``60``     merge a process's per-flush files into one segment
                                           file at least this often (s)
-``PDTRACE_ROTATE_BYTES``       ``67108864`` ... or when their in-memory size exceeds this (bytes)
+``PDTRACE_ROTATE_BYTES``       ``67108864`` ... or when the sink holds this many bytes of them (Arrow buffers)
 ``PDTRACE_ANCHOR_INTERVAL_S``  ``10``     write a (monotonic, wall) clock anchor this often (s)
 ``PDTRACE_RUN_ID``             (unset)    run id written on every row (resource)
 ``PDTRACE_ROLE``               (unset)    role resource (router/prefill/decode/...) if the

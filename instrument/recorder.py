@@ -3,7 +3,8 @@
 Contract (the *processor* role of OpenTelemetry's SDK): every method is
 thread-safe, never blocks on I/O and never raises into the caller. A record is
 a tuple appended to a bounded deque; a background thread
-(:mod:`pdtrace.instrument.writer`) converts and writes. When the deque is
+(:mod:`pdtrace.instrument.writer`) hands the records to a helper process
+(:mod:`pdtrace.instrument.sink`) that converts and writes. When the deque is
 full the record is dropped and counted.
 
 Use from a call site::
@@ -120,7 +121,7 @@ class Tracer:
             if not cfg.enabled:
                 self.on = False
                 return self
-            from .writer import Writer  # deferred: the writer pulls in pyarrow
+            from .writer import Writer  # deferred: only a traced process needs it
 
             self._writer = Writer(self, cfg)
             self._writer.start()
@@ -333,8 +334,11 @@ class Tracer:
     # --------------------------------------------------------------- fork/signals
     def _after_fork_in_child(self) -> None:
         # A forked child never writes into its parent's file: new ids, new buffer,
-        # its own writer (the parent's thread does not exist in the child).
+        # its own writer and sink (the parent's thread does not exist in the child;
+        # its pipe ends are closed here so the parent's sink still sees end of file).
         self._lock = threading.Lock()
+        if self._writer is not None:
+            self._writer.detach_after_fork()
         self._writer = None
         self._pid = os.getpid()
         if not self.on:

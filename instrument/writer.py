@@ -1,127 +1,123 @@
-"""The background writer: drains the recorder's buffer, converts, writes Parquet.
+"""The ``pdtrace-writer`` thread: drains the recorder's buffer and hands the records to the sink process.
 
-Contract (the *exporter* role of OpenTelemetry's SDK): all I/O and all
-conversion happen here, on the ``pdtrace-writer`` daemon thread, never on a
-caller's thread.
+Contract (the *exporter* role of OpenTelemetry's SDK): no caller's thread
+ever waits for it. It pickles records in chunks of :data:`CHUNK` and sends
+them over a pipe to the process's sink (:mod:`pdtrace.instrument.sink`),
+started at the first use; the sink converts them to Arrow and writes Parquet.
+Conversion is ~10× the CPU of pickling, and pyarrow's work in a traced process
+held its GIL for up to 5 ms at a time (page faults in fresh Arrow buffers);
+here the writer holds the GIL only to pickle one chunk (~0.1 ms) and releases
+it while the pipe write blocks. BENCHMARKS.md (Recorder) has the figures.
 
-Files. Every flush interval (PDTRACE_FLUSH_INTERVAL_S, default 1 s) the rows
-drained since the last flush are written as one complete *part* file
-(``<role>-<host>-<pid>-<start>-p<seq>.parquet``), through a temporary name
-and a rename, so a SIGKILL loses at most one interval and leaves no partial
-file. At least every PDTRACE_ROTATE_S (or PDTRACE_ROTATE_BYTES of parts) the
-process's parts are merged into one *segment* file (``-s<seq>.parquet``) and
-then deleted; a reader that lists the directory between the rename and the
-deletes sees those rows twice, which readers remove by ``record_id``.
+Every flush interval (PDTRACE_FLUSH_INTERVAL_S, default 1 s), on a flush
+request and at stop, the writer sends a *tick*; the sink writes one part file
+and answers with its counters, which :meth:`Writer.stats` reports. A SIGKILL
+of the traced process loses only the records not yet sent (at most one
+interval): the sink sees end of file and writes what it has.
 
-GIL. A thread waiting for the GIL only forces a switch after the
-interpreter's switch interval (5 ms by default), and pdtrace does not change
-that process-wide setting. So the writer yields on its own: conversion runs in
-chunks of :data:`CHUNK` records with yield points (:meth:`Writer._yield`)
-between steps, and whenever it has held the GIL for :data:`HOLD_NS` it
-sleeps :data:`YIELD_S`, long enough for a waiting thread to take the GIL.
-Parquet encoding and compression run in pyarrow's C++ code without the GIL.
-The longest stall a busy thread sees is measured in BENCHMARKS.md.
-
-Failures. An OSError while writing (directory not writable, deleted, disk
-full) drops that file's rows, counts them (``dropped``, ``write_errors``) and
-logs one warning per kind of error; the writer keeps running and retries at
-the next interval (re-creating the directory).
+Values the sink could not rebuild (objects of non-builtin types in attribute
+dicts) are pickled as None and so dropped and counted as wrong-typed
+attributes. The allowlist is the traced process's: keys that plug-ins
+register there are sent to the sink before the next records. If the sink
+cannot start or dies, records are dropped and counted (``dropped``) with one
+warning; the next send starts a new sink (after a failed start, one flush
+interval later).
 """
 from __future__ import annotations
 
+import io
 import logging
 import os
+import pickle
+import subprocess
+import sys
 import threading
 import time
+from multiprocessing.connection import Connection
 
-import numpy as np
-import pyarrow as pa
-
-from . import attributes, clock, schema, store
-from .recorder import R_CLOCK, R_EVENT, R_SPAN, R_STATS
+from . import attributes
 
 log = logging.getLogger("pdtrace")
 
-#: Records converted per step before the writer yields the GIL.
+#: Records pickled and sent per message (~0.27 µs each to pickle, measured in BENCHMARKS.md).
 CHUNK = 512
 
-#: Longest stretch (ns) the writer runs Python/arrow conversion before yielding.
-HOLD_NS = 400_000
+#: Seconds the writer waits for the sink's answer to a tick before going on.
+ACK_TIMEOUT_S = 30.0
 
-#: Chunk tables (of CHUNK records) joined into one group, i.e. one Parquet row group (8,192 rows).
-CONCAT_GROUP = 16
 
-#: Sleep (s) at a yield point: a real sleep, so a thread blocked on the GIL wakes
-#: and takes it (``sleep(0)`` re-takes the GIL before a waiter can wake).
-YIELD_S = 0.00005
+class _RecordPickler(pickle.Pickler):
+    """Pickles record tuples; any object of a non-builtin type becomes None.
 
-_RTYPES = pa.array(list(schema.RECORD_TYPES), pa.string())
-_T = {name: typ for name, typ, _ in schema.COLUMNS}
+    ``reducer_override`` is only consulted for objects pickle has no built-in
+    path for (so not for int, float, str, bool, None, tuple, list, dict), so
+    the common case costs nothing extra; classes are replaced too (they would
+    need an import in the sink).
+    """
 
-attributes.register("clock.mono_ns", int, "monotonic reading of a clock anchor (ns)")
-attributes.register("clock.uncertainty_ns", int, "half the read window of a clock anchor (ns)")
-attributes.register("clock.read_cost_ns", int, "median cost of one monotonic clock read (ns)")
-attributes.register("clock.test_offset_ns", int, "TEST ONLY wall shift applied to this process's anchors (ns)")
-attributes.register("clock.source", str, "implementation of the monotonic clock")
-for _k in ("recorded", "dropped", "written", "write_errors", "export_errors", "dropped_attributes"):
-    attributes.register(f"recorder.{_k}", int, f"recorder counter '{_k}', cumulative since process start (records)")
-attributes.register("recorder.writer_cpu_ns", int,
-                    "CPU time of the pdtrace-writer thread since it started (thread CPU clock), ns")
+    def reducer_override(self, obj):
+        if obj is type(None) or obj is type:  # the replacement's own parts
+            return NotImplemented
+        return (type(None), ())
+
+
+def _dumps(msg) -> bytes:
+    """Pickle a message; inside records (``recs``) non-builtin objects become None."""
+    if msg[0] != "recs":
+        return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+    f = io.BytesIO()
+    _RecordPickler(f, protocol=pickle.HIGHEST_PROTOCOL).dump(msg)
+    return f.getvalue()
+
+
+def stats(traced: dict, sink: dict) -> dict[str, int]:
+    """All recorder counters from the writer's (``traced``) and the sink's (``sink``) halves.
+
+    recorded (records offered to the recorder) = dropped + written + pending;
+    dropped = dropped in the traced process (buffer full, sink unreachable) +
+    rows of failed writes; sink_cpu_ns is the current sink process's CPU time.
+    ``traced["base"]`` holds the counters of earlier sinks of the same
+    process (a sink that died is replaced), added in.
+    """
+    base = traced.get("base") or {}
+
+    def both(k: str) -> int:
+        return sink.get(k, 0) + base.get(k, 0)
+
+    return {"recorded": traced.get("recorded", 0), "dropped": traced.get("dropped", 0) + both("dropped"),
+            "written": both("written"), "write_errors": both("write_errors"),
+            "export_errors": both("export_errors"), "dropped_attributes": both("dropped_attributes"),
+            "writer_cpu_ns": traced.get("writer_cpu_ns", 0), "sink_cpu_ns": sink.get("sink_cpu_ns", 0)}
 
 
 class Writer(threading.Thread):
-    """The ``pdtrace-writer`` thread of one recorder (one per process)."""
+    """The ``pdtrace-writer`` thread of one recorder (one per process), and its sink process."""
 
     def __init__(self, tracer, cfg) -> None:
         super().__init__(name="pdtrace-writer", daemon=True)
         self.tracer = tracer
         self.cfg = cfg
-        self.dir = cfg.trace_dir
         self._stop_evt = threading.Event()
         self._flush_req = threading.Event()
         self._flush_done = threading.Condition()
         self._flush_gen = 0
-        self._pending: list[pa.Table] = []
-        self._pending_rows = 0
-        self._parts: list[tuple[str, pa.Table]] = []
-        self._parts_bytes = 0
-        self._segment_started = time.monotonic()
-        self._seq = 0
         self._start_tag = time.strftime("%Y%m%dT%H%M%S")
-        self._anchor = clock.take_anchor(cfg.test_wall_offset_ns)
-        self._anchor_due = 0.0
-        self._read_cost = clock.read_cost_ns()
-        self._clock_source = clock.clock_source()
-        self.written = 0
+        self._proc: subprocess.Popen | None = None
+        self._out: Connection | None = None
+        self._in: Connection | None = None
+        self._res_sent = None
+        self._attrs_sent = -1  # attributes.registrations when the allowlist was last sent
+        self._sink_retry_at = 0.0
+        self._sinks_started = 0
+        self._sink: dict[str, int] = {}  # the current sink's counters, as of its last answer
+        self._base: dict[str, int] = {}  # the counters of sinks that have gone away
+        self._sent = 0  # records sent to the current sink
         self.drained = 0
         self.dropped_in_writer = 0
-        self.write_errors = 0
-        self.dropped_attributes = 0
         self._warned: set[str] = set()
-        self._held_since = time.perf_counter_ns()
-        self._cpu_mark = 0
         self.max_stretch_cpu_ns = 0
-        self._trace_ids: dict[str, str] = {}
-        self._res_cache: tuple | None = None
-        self.otlp = None
-        if cfg.otlp:
-            try:
-                from .otlp import OtlpExporter
-
-                self.otlp = OtlpExporter(cfg)
-            except Exception as exc:  # missing package or bad settings: Parquet goes on
-                self._warn_once("otlp-init", "pdtrace: OTLP export disabled (%s: %s)", type(exc).__name__, exc)
 
     # ------------------------------------------------------------- control
-    def counters(self) -> dict[str, int]:
-        """written, write_errors, export_errors, dropped_attributes (cumulative)."""
-        return {
-            "written": self.written,
-            "write_errors": self.write_errors,
-            "export_errors": self.otlp.errors if self.otlp is not None else 0,
-            "dropped_attributes": self.dropped_attributes,
-        }
-
     def cpu_ns(self) -> int:
         """CPU time (ns, thread CPU clock) this writer thread has used so far; 0 if unavailable."""
         try:
@@ -129,20 +125,19 @@ class Writer(threading.Thread):
         except (AttributeError, OSError, TypeError, OverflowError):
             return 0
 
-    def stats(self) -> dict[str, int]:
-        """All recorder counters (see Tracer.stats); ``recorded`` = dropped + written + pending."""
-        st = self.counters()
-        st["writer_cpu_ns"] = self.cpu_ns()
-        st["dropped"] = self.tracer.dropped_count() + self.dropped_in_writer
-        st["recorded"] = st["dropped"] + st["written"] + self.pending()
-        return st
+    def _traced(self) -> dict[str, int]:
+        """The traced process's half of the counters (see sink.stats)."""
+        caller_dropped = self.tracer.dropped_count()
+        return {"recorded": caller_dropped + len(self.tracer._buf) + self.drained,
+                "dropped": caller_dropped + self.dropped_in_writer, "writer_cpu_ns": self.cpu_ns(),
+                "base": self._base}
 
-    def pending(self) -> int:
-        """Records drained or buffered but not yet written or dropped."""
-        return len(self.tracer._buf) + self._pending_rows
+    def stats(self) -> dict[str, int]:
+        """All recorder counters (see Tracer.stats), the sink's as of its last answer."""
+        return stats(self._traced(), self._sink)
 
     def flush(self, timeout: float) -> bool:
-        """Ask for a flush now and wait up to ``timeout`` s for it; False on timeout."""
+        """Ask for a flush now and wait up to ``timeout`` s for the sink to write it; False on timeout."""
         deadline = time.monotonic() + timeout
         with self._flush_done:
             target = self._flush_gen + 1
@@ -156,15 +151,22 @@ class Writer(threading.Thread):
         return True
 
     def stop(self, timeout: float) -> bool:
-        """Final flush (merging parts into a segment), then end the thread; False on timeout."""
+        """Final flush (the sink merges parts into a segment and exits), then end the thread; False on timeout."""
         self._stop_evt.set()
         self.tracer._wake.set()
         if self.is_alive() and threading.current_thread() is not self:
             self.join(timeout)
-        ok = not self.is_alive()
-        if self.otlp is not None:
-            ok = self.otlp.shutdown(max(0.1, timeout / 2)) and ok
-        return ok
+        return not self.is_alive()
+
+    def detach_after_fork(self) -> None:
+        """In a forked child: close the parent's pipe ends without a word to its sink."""
+        for c in (self._out, self._in):
+            if c is not None:
+                try:
+                    os.close(c.fileno())
+                except OSError:
+                    pass
+        self._out = self._in = self._proc = None
 
     def _warn_once(self, key: str, msg: str, *args) -> None:
         if key not in self._warned:
@@ -173,19 +175,13 @@ class Writer(threading.Thread):
 
     # ---------------------------------------------------------------- loop
     def run(self) -> None:
-        # Pay pyarrow's one-time initialisation now, not in the middle of the first flush.
-        try:
-            self._convert([(R_SPAN, 0, 0, None, "warm-up", 1, 0, 0, 0, None, "w", 0, 0, None, "w",
-                            {"step.id": 1, "kv.op": "READ"})])
-        except Exception:
-            pass
+        self._start_sink()  # now, so its start-up (~0.5 s: imports) overlaps the first interval
         interval = self.cfg.flush_interval_s
         next_flush = time.monotonic() + interval
         wake = self.tracer._wake
         while True:
             wake.wait(max(0.0, next_flush - time.monotonic()))
             wake.clear()
-            self._mark()
             stopping = self._stop_evt.is_set()
             # A flush request counts as served only by a drain that began after it.
             asked = self._flush_req.is_set()
@@ -195,260 +191,140 @@ class Writer(threading.Thread):
                 self._drain()
                 now = time.monotonic()
                 if stopping or asked or now >= next_flush:
-                    self._write_part(final=stopping)
+                    self._tick(final=stopping)
                     next_flush = now + interval
             except Exception as exc:  # never let the thread die: count and go on
-                self.write_errors += 1
                 self._warn_once(f"loop-{type(exc).__name__}", "pdtrace: writer error %s: %s", type(exc).__name__, exc)
             if asked or stopping:
                 with self._flush_done:
                     self._flush_gen += 1
                     self._flush_done.notify_all()
             if stopping:
+                self._close()
                 return
 
     def _drain(self) -> None:
+        """Send every buffered record to the sink, :data:`CHUNK` per message."""
         buf = self.tracer._buf
         n = len(buf)
         pop = buf.popleft
         while n > 0:
             k = min(n, CHUNK)
+            cpu0 = time.thread_time_ns()
             chunk = [pop() for _ in range(k)]
             n -= k
             self.drained += k
-            self._pending.append(self._convert(chunk))
-            self._pending_rows += k
-            self._yield()
+            if self._send(("recs", chunk), cpu0):
+                self._sent += k
+            else:
+                self.dropped_in_writer += k
 
-    def _mark(self) -> None:
-        """Start a new stretch of GIL-holding work (after a wait or a GIL-free call)."""
-        self._held_since = time.perf_counter_ns()
-        self._cpu_mark = time.thread_time_ns()
-
-    def _yield(self) -> None:
-        """Release the GIL briefly if the writer has held it for HOLD_NS or more.
-
-        Also keeps ``max_stretch_cpu_ns``: the longest run of this thread's CPU
-        time between two releases (an upper bound of a GIL hold that, unlike
-        wall time, other processes on the machine cannot inflate).
-        """
-        now = time.perf_counter_ns()
-        if now - self._held_since >= HOLD_NS:
-            cpu = time.thread_time_ns()
-            if cpu - self._cpu_mark > self.max_stretch_cpu_ns:
-                self.max_stretch_cpu_ns = cpu - self._cpu_mark
-            time.sleep(YIELD_S)
-            self._held_since = time.perf_counter_ns()
-            self._cpu_mark = time.thread_time_ns()
-
-    # ---------------------------------------------------------- conversion
-    def _trace_id(self, rid: str) -> str:
-        t = self._trace_ids.get(rid)
-        if t is None:
-            if len(self._trace_ids) > 65536:
-                self._trace_ids.clear()
-            t = self._trace_ids[rid] = self.tracer.trace_id(rid)
-        return t
-
-    def _convert(self, recs: list[tuple]) -> pa.Table:
-        """Turn record tuples (recorder.py layout) into a table of schema.SCHEMA."""
-        n = len(recs)
-        (rtype, record_id, span_id, parent, name, kind, start, end, status, msg,
-         rid, pidx, attempt, rank, thread, attrs) = zip(*recs)
-        offset = self._anchor.offset_ns
+    def _send(self, msg, cpu0: int | None = None) -> bool:
+        """Send one message to the sink (starting one if needed); False if it is unreachable."""
+        if self._out is None and not self._start_sink():
+            return False
         res = self.tracer.resource
-        cols: dict[str, pa.Array] = dict(self._resource_columns(res, n))  # schema_version + resource columns
-        cols["record"] = pa.DictionaryArray.from_arrays(pa.array(rtype, pa.int32()), _RTYPES)
-        cols["record_id"] = pa.array(record_id, pa.uint64())
-        cols["span_id"] = pa.array(span_id, pa.uint64())
-        cols["parent_span_id"] = pa.array(parent, pa.uint64())
-        self._yield()
-        cols["name"] = pa.array(name, pa.string()).dictionary_encode()
-        cols["kind"] = pa.array(kind, pa.int8())
-        cols["start_ns"] = pa.array(np.asarray(start, dtype=np.int64) + offset)
-        cols["end_ns"] = pa.array(np.asarray(end, dtype=np.int64) + offset)
-        self._yield()
-        cols["status_code"] = pa.array(status, pa.int8())
-        cols["status_message"] = pa.array(msg, pa.string())
-        rid_arr = pa.array(rid, pa.string())
-        cols["request_id"] = rid_arr
-        d = rid_arr.dictionary_encode()
-        tids = pa.array([self._trace_id(x) for x in d.dictionary.to_pylist()], pa.string())
-        cols["trace_id"] = tids.take(d.indices) if len(tids) else pa.nulls(n, pa.string())
-        self._yield()
-        cols["prompt_index"] = pa.array(pidx, pa.int32())
-        cols["attempt"] = pa.array(attempt, pa.int32())
-        default_rank = res.get("tp_rank")
-        if default_rank is not None:
-            rank = [default_rank if r is None else r for r in rank]
-        cols["tp_rank"] = pa.array(rank, pa.int16())
-        cols["thread"] = pa.array(thread, pa.string()).dictionary_encode()
-        oi, ki, vi = [0], [], []
-        of, kf, vf = [0], [], []
-        os_, ks, vs = [0], [], []
-        allowed = attributes.ALLOWED
-        dropped = 0
-        yield_ = self._yield
-        for j, a in enumerate(attrs):
-            if not j & 255:
-                yield_()
-            if a:
-                for k, v in a.items():
-                    spec = allowed.get(k)
-                    if spec is None:
-                        dropped += 1
-                        continue
-                    t = spec.type
-                    tv = type(v)
-                    if t is int:
-                        if tv is int or tv is bool:
-                            ki.append(k)
-                            vi.append(int(v))
-                        else:
-                            dropped += 1
-                    elif t is str:
-                        if tv is str:
-                            ks.append(k)
-                            vs.append(v if len(v) <= spec.max_len else v[: spec.max_len])
-                        else:
-                            dropped += 1
-                    elif tv is float or tv is int:
-                        kf.append(k)
-                        vf.append(float(v))
-                    else:
-                        dropped += 1
-            oi.append(len(ki))
-            of.append(len(kf))
-            os_.append(len(ks))
-        self.dropped_attributes += dropped
-        self._yield()
-        cols["attr_int"] = pa.MapArray.from_arrays(pa.array(oi, pa.int32()), pa.array(ki, pa.string()), pa.array(vi, pa.int64()))
-        self._yield()
-        cols["attr_float"] = pa.MapArray.from_arrays(pa.array(of, pa.int32()), pa.array(kf, pa.string()), pa.array(vf, pa.float64()))
-        self._yield()
-        cols["attr_str"] = pa.MapArray.from_arrays(pa.array(os_, pa.int32()), pa.array(ks, pa.string()), pa.array(vs, pa.string()))
-        self._yield()
-        arrays = [cols[c].cast(_T[c]) if cols[c].type != _T[c] else cols[c] for c, _, _ in schema.COLUMNS]
-        self._yield()
-        return pa.Table.from_arrays(arrays, schema=schema.SCHEMA)
+        try:
+            if res is not self._res_sent:
+                self._out.send_bytes(_dumps(("res", res)))
+                self._res_sent = res
+            if attributes.registrations != self._attrs_sent:  # keys registered by plug-ins in this process
+                n = attributes.registrations
+                self._out.send_bytes(_dumps(("attrs", dict(attributes.ALLOWED))))
+                self._attrs_sent = n
+            data = _dumps(msg)
+            if cpu0 is not None:  # the stretch of GIL-holding work since the last release
+                self.max_stretch_cpu_ns = max(self.max_stretch_cpu_ns, time.thread_time_ns() - cpu0)
+            self._out.send_bytes(data)  # blocks while the pipe is full, without the GIL
+            return True
+        except (OSError, ValueError) as exc:
+            self._sink_lost(exc)
+            return False
 
-    def _groups(self, tables: list[pa.Table]) -> list[pa.Table]:
-        """The flush's chunk tables joined in groups of :data:`CONCAT_GROUP` (zero-copy), yielding between groups.
+    def _tick(self, final: bool) -> None:
+        """Ask the sink to write a part file (and, if ``final``, to merge and exit); wait for its counters."""
+        gen = self._flush_gen + 1
+        if not self._send(("tick", gen, self._traced(), final)):
+            return
+        deadline = time.monotonic() + ACK_TIMEOUT_S
+        try:
+            while time.monotonic() < deadline:
+                if not self._in.poll(min(1.0, max(0.0, deadline - time.monotonic()))):
+                    continue
+                kind, g, counters = pickle.loads(self._in.recv_bytes())
+                self._sink = counters
+                if g >= gen:
+                    return
+            self._warn_once("ack-timeout", "pdtrace: the sink did not answer within %.0f s", ACK_TIMEOUT_S)
+        except (EOFError, OSError) as exc:
+            self._sink_lost(exc)
 
-        Joining all of a full buffer's ~800 chunk tables at once holds the GIL
-        for milliseconds (the cost grows with the chunks of every column); a
-        group of 16 is a short step. Each group is one row group in the file.
+    def _start_sink(self) -> bool:
+        """Start this process's sink; False (records dropped, one warning) if it cannot start now.
+
+        After a failed start the next try waits one flush interval.
         """
-        out = []
-        for i in range(0, len(tables), CONCAT_GROUP):
-            out.append(pa.concat_tables(tables[i:i + CONCAT_GROUP]))
-            self._yield()
-        return out
-
-    def _paced(self, groups: list[pa.Table]):
-        """Iterate ``groups`` for :func:`store.write_tables`, starting a new GIL stretch after each GIL-free encode."""
-        for g in groups:
-            yield g
-            self._mark()
-
-    def _resource_columns(self, res: dict, n: int) -> dict[str, pa.Array]:
-        """The constant columns (resource attributes, schema_version) for ``n`` rows, built once.
-
-        Cached for the last (resource dict, n) pair: almost every chunk has
-        :data:`CHUNK` rows, and :meth:`Tracer.set_resource` replaces the dict
-        (the cache keeps a reference, so an identity match cannot be a reused id).
-        """
-        c = self._res_cache
-        if c is None or c[0] is not res or c[1] != n:
-            cols = {"schema_version": _const(schema.SCHEMA_VERSION, n)}
-            for name in schema.RESOURCE_COLUMNS:
-                v = res.get(name)
-                cols[name] = pa.array([v] * n, _T[name]) if name == "pid" else _const(v, n)
-            self._res_cache = c = (res, n, cols)
-        return c[2]
-
-    def _meta_records(self, final: bool, rows: int) -> list[tuple]:
-        """Clock anchor (when due) and recorder stats rows, in record-tuple layout.
-
-        The stats row counts the ``rows`` of the file it is written in as written.
-        """
-        out = []
         now = time.monotonic()
-        ident = threading.current_thread().name
-        if now >= self._anchor_due or final:
-            self._anchor = a = clock.take_anchor(self.cfg.test_wall_offset_ns)
-            self._anchor_due = now + self.cfg.anchor_interval_s
-            out.append((R_CLOCK, self.tracer.new_id(), None, None, "clock.anchor", schema.KIND_INTERNAL,
-                        a.mono_ns, a.mono_ns, 0, None, None, 0, 0, None, ident,
-                        {"clock.mono_ns": a.mono_ns, "clock.uncertainty_ns": a.uncertainty_ns,
-                         "clock.read_cost_ns": self._read_cost, "clock.test_offset_ns": a.test_offset_ns,
-                         "clock.source": self._clock_source}))
-        st = self.stats()
-        st["written"] += rows
-        t = clock.now_ns()
-        out.append((R_STATS, self.tracer.new_id(), None, None, "recorder.stats", schema.KIND_INTERNAL,
-                    t, t, 0, None, None, 0, 0, None, ident, {f"recorder.{k}": v for k, v in st.items()}))
-        return out
-
-    # ------------------------------------------------------------- writing
-    def _file_name(self, kind: str) -> str:
-        self._seq += 1
-        role = str(self.tracer.resource.get("role") or "proc")
-        host = str(self.tracer.resource.get("host") or "host").replace("-", "_")
-        return f"{role}-{host}-{os.getpid()}-{self._start_tag}-{kind}{self._seq:06d}.parquet"
-
-    def _write_part(self, final: bool) -> None:
-        if not self._pending and not final and time.monotonic() < self._anchor_due:
-            return
-        rows = self._pending_rows
-        self._pending.append(self._convert(self._meta_records(final, rows)))
-        self._yield()
-        groups = self._groups(self._pending)
-        self._pending, self._pending_rows = [], 0
-        if self.otlp is not None:
-            for g in groups:
-                self.otlp.submit(g)
-        name = self._file_name("p")
+        if now < self._sink_retry_at:
+            return False
+        self._sink_retry_at = now + self.cfg.flush_interval_s
+        r1 = w1 = r2 = w2 = -1
         try:
-            self._yield()
-            store.write_tables(self.dir, self._paced(groups), name)  # encoding runs without the GIL
-            self._mark()
-        except OSError as exc:
-            self.write_errors += 1
-            self.dropped_in_writer += rows
-            self._warn_once(f"os-{exc.errno}", "pdtrace: cannot write trace file in %s (%s); "
-                            "spans are dropped and counted, tracing goes on", self.dir, exc.strerror or exc)
-            return
-        self.written += rows
-        self._parts.append((name, groups))
-        self._parts_bytes += sum(g.nbytes for g in groups)
-        due = (self.cfg.rotate_s > 0 and time.monotonic() - self._segment_started >= self.cfg.rotate_s)
-        if final or due or self._parts_bytes >= self.cfg.rotate_bytes:
-            self._merge_parts()
+            r1, w1 = os.pipe()
+            r2, w2 = os.pipe()
+            env = {k: v for k, v in os.environ.items() if k != "PDTRACE_DIR"}  # the sink is not traced
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "pdtrace.instrument.sink", str(r1), str(w2)],
+                pass_fds=(r1, w2), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=env, close_fds=True)
+            os.close(r1)
+            os.close(w2)
+            self._out = Connection(w1, readable=False)
+            self._in = Connection(r2, writable=False)
+            self._sinks_started += 1
+            tag = self._start_tag + (f"r{self._sinks_started}" if self._sinks_started > 1 else "")  # unique names
+            self._out.send_bytes(_dumps(("init", self.cfg, self.tracer.resource, os.getpid(), tag)))
+            self._res_sent = self.tracer.resource
+            self._attrs_sent = -1
+            return True
+        except (OSError, ValueError, subprocess.SubprocessError) as exc:
+            if self._proc is not None:
+                self._proc.kill()
+                self._proc = None
+            for fd in (r1, w1, r2, w2):
+                if fd >= 0:
+                    try:
+                        os.close(fd)
+                    except OSError:
+                        pass
+            self._out = self._in = None
+            self._warn_once("sink-start", "pdtrace: cannot start the sink process (%s: %s); "
+                            "spans are dropped and counted", type(exc).__name__, exc)
+            return False
 
-    def _merge_parts(self) -> None:
-        parts, self._parts, self._parts_bytes = self._parts, [], 0
-        self._segment_started = time.monotonic()
-        if len(parts) <= 1:
-            return
-        try:
-            self._yield()
-            store.write_tables(self.dir, self._paced([g for _, gs in parts for g in gs]), self._file_name("s"))
-            self._mark()
-        except OSError as exc:
-            self.write_errors += 1
-            self._warn_once(f"merge-{exc.errno}", "pdtrace: cannot merge trace files in %s (%s); parts kept",
-                            self.dir, exc.strerror or exc)
-            return
-        for name, _ in parts:
+    def _sink_lost(self, exc: BaseException) -> None:
+        """The sink went away: close our ends, warn once; the next send starts a new sink."""
+        code = self._proc.poll() if self._proc is not None else None
+        # what the lost sink had not answered for is lost with it; its counters carry over
+        last = self._sink
+        self.dropped_in_writer += max(0, self._sent - last.get("written", 0) - last.get("dropped", 0))
+        for k, v in last.items():
+            if k != "sink_cpu_ns":
+                self._base[k] = self._base.get(k, 0) + v
+        self._sink, self._sent = {}, 0
+        self._sink_retry_at = 0.0  # the next send may start a new sink at once; a failed start waits
+        self._warn_once("sink-lost", "pdtrace: the sink process is gone (exit code %s, %s: %s); "
+                        "spans are dropped and counted until a new one starts", code, type(exc).__name__, exc)
+        self._close()
+
+    def _close(self) -> None:
+        """Close our pipe ends (the sink sees end of file) and reap a sink that has exited."""
+        for c in (self._out, self._in):
+            if c is not None:
+                c.close()
+        self._out = self._in = None
+        if self._proc is not None:
             try:
-                os.unlink(os.path.join(self.dir, name))
-            except OSError:
-                pass
-
-
-def _const(value, n: int) -> pa.Array:
-    """A dictionary-encoded column holding ``value`` (str or None) n times."""
-    if value is None:
-        return pa.nulls(n, pa.dictionary(pa.int32(), pa.string()))
-    return pa.DictionaryArray.from_arrays(pa.array(np.zeros(n, dtype=np.int32)), pa.array([str(value)]))
+                self._proc.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:
+                pass  # still writing after end of file; it finishes on its own
+        self._proc = None

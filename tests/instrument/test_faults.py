@@ -215,3 +215,59 @@ def test_sampling_same_decision_in_separate_processes(child, tmp_path):
     assert outs[0] == outs[1] == outs[2]
     n = len(outs[0].split(","))
     assert 150 < n < 250
+
+
+def test_sink_killed_spans_dropped_counted_tracing_goes_on(child, tmp_path):
+    """A real SIGKILL of the sink process: the records sent after it died are
+    dropped and counted; one warning; the next message starts a new sink and
+    later spans land. The sink runs niced
+    (+10) and untraced (it starts no sink of its own)."""
+    code = PRELUDE + """
+import signal
+w = tracer._writer
+for i in range(100):
+    tracer.record('decode.step', 'a', i, i + 1)
+tracer.force_flush(30)
+sink = w._proc.pid
+nice = os.getpriority(os.PRIO_PROCESS, sink) - os.getpriority(os.PRIO_PROCESS, 0)
+grandchildren = open(f'/proc/{sink}/task/{sink}/children').read().split()
+os.kill(sink, signal.SIGKILL)
+while os.path.exists(f'/proc/{sink}') and open(f'/proc/{sink}/stat').read().split()[2] != 'Z':
+    time.sleep(0.01)
+for i in range(50):  # sent into the dead sink's pipe: lost; the tick after them starts a new sink
+    tracer.record('decode.step', 'b', i, i + 1)
+tracer.force_flush(30)
+for i in range(30):
+    tracer.record('decode.step', 'c', i, i + 1)
+tracer.force_flush(30)
+print(json.dumps({"stats": tracer.stats(), "nice": nice, "grandchildren": grandchildren,
+                  "new_sink": w._proc.pid != sink}))
+"""
+    r = child(code, {"PDTRACE_DIR": str(tmp_path), "PDTRACE_FLUSH_INTERVAL_S": "60"})
+    assert r.returncode == 0, r.stderr
+    import json
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    st = out["stats"]
+    assert out["nice"] == 10 and out["grandchildren"] == [] and out["new_sink"]
+    assert (st["recorded"], st["written"], st["dropped"]) == (180, 130, 50)
+    assert r.stderr.count("sink process is gone") == 1
+    rows = dict(duckdb.sql(f"select request_id, count(*) from read_parquet('{tmp_path}/*.parquet') "
+                           "where name='decode.step' group by 1").fetchall())
+    assert rows == {"a": 100, "c": 30}
+
+
+def test_foreign_attribute_values_are_dropped_and_counted(tmp_path):
+    """Objects of non-builtin types in attribute dicts (a numpy integer, any object,
+    a class) never reach the sink: they are dropped and counted like wrong-typed values."""
+    import numpy as np
+    from pdtrace.instrument import config, recorder
+
+    t = recorder.Tracer()
+    t.configure(config.from_env({"PDTRACE_DIR": str(tmp_path)}))
+    t.record("decode.step", None, 1, 2, {"step.id": np.int64(3), "kv.bytes": object(), "kv.op": dict,
+                                          "step.num_reqs": 5})
+    t.shutdown()
+    assert t.stats()["dropped_attributes"] == 3
+    (ints, strs), = duckdb.sql(f"select attr_int, attr_str from read_parquet('{tmp_path}/*.parquet') "
+                               "where name='decode.step'").fetchall()
+    assert ints == {"step.num_reqs": 5} and strs == {}

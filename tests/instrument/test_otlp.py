@@ -102,12 +102,12 @@ def test_collector_down_counts_errors_parquet_unaffected(tmp_path):
     for i in range(50):
         t.record("decode.step", None, i, i + 1)
     t.force_flush(10)
-    w = t._writer
     import time
     deadline = time.time() + 30
-    while w.otlp.errors < 50 and time.time() < deadline:
+    while t.stats()["export_errors"] < 50 and time.time() < deadline:
         time.sleep(0.1)
-    assert w.otlp.errors >= 50
+        t.force_flush(10)  # the sink reports its counters when it answers a flush
+    assert t.stats()["export_errors"] >= 50
     t.shutdown(5)
     (n,), = duckdb.sql(f"select count(*) from read_parquet('{tmp_path}/*.parquet') where name='decode.step'").fetchall()
     assert n == 50

@@ -106,9 +106,9 @@ def test_clock_anchor_rows_and_test_offset(tmp_path):
     off = 250_000_000
     t = _tracer(tmp_path, PDTRACE_TEST_WALL_OFFSET_NS=off)
     m = t.now()
+    wall = time.time_ns()
     t.record("prefill.compute", "X", m, m)
     t.shutdown()
-    wall = time.time_ns()
     (s,), = _q(tmp_path, "select start_ns from STORE where name='prefill.compute'")
     assert 200_000_000 < s - wall < 300_000_000  # shifted by +250 ms
     rows = _q(tmp_path, "select start_ns, attr_int['clock.mono_ns'], attr_int['clock.test_offset_ns'], "
@@ -178,3 +178,19 @@ def test_shutdown_twice_and_flush_after_shutdown(tmp_path):
     assert t.shutdown() and t.shutdown()
     assert t.force_flush()
     assert t.record("decode.step", None, 1, 2) == 0
+
+
+def test_keys_registered_in_the_traced_process_reach_the_store(tmp_path):
+    """The sink filters by the traced process's allowlist, including keys a plug-in
+    registers after tracing started (the traced connectors register theirs on import)."""
+    from pdtrace.instrument import attributes
+
+    t = _tracer(tmp_path)
+    t.record("decode.step", None, 1, 2, {"test.plugin_part": "in"})
+    t.force_flush()
+    attributes.register("test.plugin_part", str, "a key registered late, by a test", max_len=4)
+    t.record("decode.step", None, 3, 4, {"test.plugin_part": "outside"})
+    t.shutdown()
+    rows = _q(tmp_path, "select start_ns, attr_str['test.plugin_part'] from STORE where name='decode.step' order by 1")
+    assert [v for _, v in rows] == [None, "outs"]  # unknown before registering; then kept, cut to max_len
+    assert t.stats()["dropped_attributes"] == 1
