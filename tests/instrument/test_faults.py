@@ -271,3 +271,18 @@ def test_foreign_attribute_values_are_dropped_and_counted(tmp_path):
     (ints, strs), = duckdb.sql(f"select attr_int, attr_str from read_parquet('{tmp_path}/*.parquet') "
                                "where name='decode.step'").fetchall()
     assert ints == {"step.num_reqs": 5} and strs == {}
+
+
+def test_traced_process_never_imports_pyarrow(child, tmp_path):
+    """Arrow conversion and Parquet encoding happen only in the sink process: the
+    traced process, with tracing on, records and flushes without importing pyarrow."""
+    code = PRELUDE + """
+for i in range(1000):
+    tracer.record('decode.step', None, i, i + 1, {'step.id': i})
+tracer.force_flush(30)
+print(sorted(m for m in sys.modules if m.split('.')[0] in ('pyarrow', 'pandas', 'numpy')))
+"""
+    r = child(code, {"PDTRACE_DIR": str(tmp_path)})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "[]"
+    assert _count(tmp_path) == 1000
