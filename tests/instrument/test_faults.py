@@ -286,3 +286,23 @@ print(sorted(m for m in sys.modules if m.split('.')[0] in ('pyarrow', 'pandas', 
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().splitlines()[-1] == "[]"
     assert _count(tmp_path) == 1000
+
+
+def test_sink_that_cannot_start_drops_counts_warns_once(child, tmp_path):
+    """No interpreter at sys.executable (a real missing file): the sink cannot start;
+    spans are dropped and counted, one warning, the traced process runs on."""
+    code = "import sys\nsys.executable = '/nonexistent/python3'\n" + PRELUDE + """
+for k in range(3):
+    for i in range(10):
+        tracer.record('decode.step', None, i, i + 1)
+    tracer.force_flush(5)
+    time.sleep(0.25)  # past the flush interval: each round tries a new start
+print(json.dumps(tracer.stats()))
+"""
+    r = child(code, {"PDTRACE_DIR": str(tmp_path / "t"), "PDTRACE_FLUSH_INTERVAL_S": "0.2"})
+    assert r.returncode == 0, r.stderr
+    import json
+    st = json.loads(r.stdout.strip().splitlines()[-1])
+    assert (st["recorded"], st["dropped"], st["written"]) == (30, 30, 0)
+    assert r.stderr.count("cannot start the sink process") == 1
+    assert not (tmp_path / "t").exists()  # the sink creates the directory; none ran
