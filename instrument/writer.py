@@ -278,8 +278,10 @@ class Writer(threading.Thread):
                 pass_fds=(r1, w2), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=env, close_fds=True)
             os.close(r1)
             os.close(w2)
+            r1 = w2 = -1
             self._out = Connection(w1, readable=False)
             self._in = Connection(r2, writable=False)
+            w1 = r2 = -1  # owned by the connections now: never closed twice (the number may be reused)
             self._sinks_started += 1
             tag = self._start_tag + (f"r{self._sinks_started}" if self._sinks_started > 1 else "")  # unique names
             self._out.send_bytes(_dumps(("init", self.cfg, self.tracer.resource, os.getpid(), tag)))
@@ -296,6 +298,9 @@ class Writer(threading.Thread):
                         os.close(fd)
                     except OSError:
                         pass
+            for c in (self._out, self._in):
+                if c is not None:
+                    c.close()
             self._out = self._in = None
             self._warn_once("sink-start", "pdtrace: cannot start the sink process (%s: %s); "
                             "spans are dropped and counted", type(exc).__name__, exc)
