@@ -267,7 +267,10 @@ def serve(inp: Connection, out: Connection) -> None:
                 sink.tick(traced, final)
                 if final:
                     sink.close()
-                out.send_bytes(pickle.dumps(("ack", gen, sink.counters())))
+                try:
+                    out.send_bytes(pickle.dumps(("ack", gen, sink.counters())))
+                except OSError:  # the writer is gone (its process was killed): not a sink error
+                    pass
                 if final:
                     return
             elif kind == "res":
@@ -299,10 +302,7 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     inp = Connection(int(argv[1]), writable=False)
     out = Connection(int(argv[2]), readable=False)
-    try:
-        serve(inp, out)
-    except BrokenPipeError:  # the writer went away before reading its answer
-        pass
+    serve(inp, out)
     return 0
 
 

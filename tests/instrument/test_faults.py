@@ -131,8 +131,16 @@ while True:
         p = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], env=env, stdout=subprocess.PIPE)
         p.stdout.readline()
         time.sleep(delay)
+        sinks = [int(c) for t in os.listdir(f"/proc/{p.pid}/task")
+                 for c in open(f"/proc/{p.pid}/task/{t}/children").read().split()]
+        assert len(sinks) == 1, sinks
         p.send_signal(signal.SIGKILL)
         p.wait()
+        # the sink outlives its traced process: it writes what it received, merges, exits
+        deadline = time.time() + 60
+        while os.path.exists(f"/proc/{sinks[0]}") and time.time() < deadline:
+            time.sleep(0.05)
+        assert not os.path.exists(f"/proc/{sinks[0]}"), "the sink did not exit after its traced process died"
     files = _all_readable(d)
     assert files, "flushes before the kill must have left files"
     assert _count(d) > 0

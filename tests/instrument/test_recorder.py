@@ -186,11 +186,11 @@ def test_keys_registered_in_the_traced_process_reach_the_store(tmp_path):
     from pdtrace.instrument import attributes
 
     t = _tracer(tmp_path)
-    t.record("decode.step", None, 1, 2, {"test.plugin_part": "in"})
+    t.record("decode.step", "before", 1, 2, {"test.plugin_part": "in"})
     t.force_flush()
     attributes.register("test.plugin_part", str, "a key registered late, by a test", max_len=4)
-    t.record("decode.step", None, 3, 4, {"test.plugin_part": "outside"})
+    t.record("decode.step", "after", 3, 4, {"test.plugin_part": "outside"})
     t.shutdown()
-    rows = _q(tmp_path, "select start_ns, attr_str['test.plugin_part'] from STORE where name='decode.step' order by 1")
-    assert [v for _, v in rows] == [None, "outs"]  # unknown before registering; then kept, cut to max_len
+    rows = _q(tmp_path, "select request_id, attr_str['test.plugin_part'] from STORE where name='decode.step' order by 1")
+    assert rows == [("after", "outs"), ("before", None)]  # unknown before registering; then kept, cut to max_len
     assert t.stats()["dropped_attributes"] == 1
