@@ -29,8 +29,8 @@ Also printed (unless ``--no-self-cpu``): pdtrace's own CPU time per engine
 step, which the "on" lab measures itself with ``PDTRACE_SELF_CPU=1`` (thread
 CPU clock around every connector hook, written on each step span as
 ``step.pdtrace_cpu_ns``), as a share of the step (goal: ≤ 1 % of a decode
-step), and the CPU of the pdtrace-writer thread and of its sink process as a share of each engine
-process's wall time. The self-measurement's own clock reads are part of the
+step), and the CPU of the pdtrace-writer thread and of its sink process as
+a share of each engine process's wall time. The self-measurement's own clock reads are part of the
 "on" condition, so the on/off ratios slightly overstate the overhead.
 """
 from __future__ import annotations
@@ -88,7 +88,8 @@ def self_cpu_share(trace_dir: Path) -> dict:
     durations, plus the median and p99 of the per-step ratio; and the
     pdtrace-writer thread's CPU (``recorder.writer_cpu_ns``, last stats row of
     each engine process) and its sink process's CPU (``recorder.sink_cpu_ns``),
-    each divided by that process's traced wall time. Shares in %. Reads the Parquet files directly (raw rows, no analysis views).
+    each divided by that process's traced wall time. Shares in %. Reads the
+    Parquet files directly (raw rows, no analysis views).
     """
     import duckdb
 

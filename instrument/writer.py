@@ -291,17 +291,13 @@ class Writer(threading.Thread):
         except (OSError, ValueError, subprocess.SubprocessError) as exc:
             if self._proc is not None:
                 self._proc.kill()
-                self._proc = None
-            for fd in (r1, w1, r2, w2):
+            for fd in (r1, w1, r2, w2):  # the ends no connection owns yet
                 if fd >= 0:
                     try:
                         os.close(fd)
                     except OSError:
                         pass
-            for c in (self._out, self._in):
-                if c is not None:
-                    c.close()
-            self._out = self._in = None
+            self._close()  # the connections, and reaping the killed sink
             self._warn_once("sink-start", "pdtrace: cannot start the sink process (%s: %s); "
                             "spans are dropped and counted", type(exc).__name__, exc)
             return False
