@@ -1,13 +1,15 @@
 """The ``pdtrace-writer`` thread: drains the recorder's buffer and hands the records to the sink process.
 
 Contract (the *exporter* role of OpenTelemetry's SDK): no caller's thread
-ever waits for it. It pickles records in chunks of :data:`CHUNK` and sends
-them over a pipe to the process's sink (:mod:`pdtrace.instrument.sink`),
+ever waits for it. It pickles records in chunks sized to hold the GIL about
+:data:`HOLD_NS` and sends them over a pipe to the process's sink (:mod:`pdtrace.instrument.sink`),
 started at the first use; the sink converts them to Arrow and writes Parquet.
 Conversion is ~10× the CPU of pickling, and pyarrow's work in a traced process
 held its GIL for up to 5 ms at a time (page faults in fresh Arrow buffers);
-here the writer holds the GIL only to pickle one chunk (~0.1 ms) and releases
-it while the pipe write blocks. BENCHMARKS.md (Recorder) has the figures.
+here the writer holds the GIL only to pickle one chunk (~0.25 ms), releases
+it while the pipe write blocks, and pauses :data:`YIELD_S` after each chunk
+so that a thread waiting for the GIL gets it. BENCHMARKS.md (Recorder) has
+the figures.
 
 Every flush interval (PDTRACE_FLUSH_INTERVAL_S, default 1 s), on a flush
 request and at stop, the writer sends a *tick*; the sink writes one part file
@@ -39,8 +41,20 @@ from . import attributes
 
 log = logging.getLogger("pdtrace")
 
-#: Records pickled and sent per message (~0.27 µs each to pickle, measured in BENCHMARKS.md).
-CHUNK = 512
+#: Target CPU time (ns) of one chunk's GIL-holding work (pop + pickle): the chunk size
+#: follows the measured cost per record (0.3-1.3 µs here, BENCHMARKS.md), between
+#: :data:`CHUNK_MIN` and :data:`CHUNK_MAX` records. Issue 2 bounds a hold at 1 ms.
+HOLD_NS = 250_000
+CHUNK_MIN, CHUNK_MAX = 32, 512
+
+#: Pause (s) after a chunk whose pipe write returned sooner than this (not the
+#: last chunk of a drain), without the GIL. CPython hands the GIL over only when
+#: a waiter has waited its switch interval (5 ms); a pipe write that returns at
+#: once lets the writer re-take the GIL before the waiting thread has woken, so
+#: without the pause an engine thread could wait 5 ms per chunk (the "convoy
+#: effect", bpo-7946; BENCHMARKS.md, Recorder). A write that blocked on a full
+#: pipe has already given waiters that time.
+YIELD_S = 0.0002
 
 #: Seconds the writer waits for the sink's answer to a tick before going on.
 ACK_TIMEOUT_S = 30.0
@@ -116,6 +130,8 @@ class Writer(threading.Thread):
         self.dropped_in_writer = 0
         self._warned: set[str] = set()
         self.max_stretch_cpu_ns = 0
+        self._send_wall_ns = 0  # wall time of the last pipe write, ns
+        self._rec_ns = 1000  # CPU per record sent, ns (first guess; then measured by _drain)
 
     # ------------------------------------------------------------- control
     def cpu_ns(self) -> int:
@@ -204,20 +220,29 @@ class Writer(threading.Thread):
                 return
 
     def _drain(self) -> None:
-        """Send every buffered record to the sink, :data:`CHUNK` per message."""
+        """Send every buffered record to the sink, one chunk (about :data:`HOLD_NS` of work) per message."""
         buf = self.tracer._buf
         n = len(buf)
         pop = buf.popleft
         while n > 0:
-            k = min(n, CHUNK)
+            k = min(n, max(CHUNK_MIN, min(CHUNK_MAX, HOLD_NS // self._rec_ns)))
             cpu0 = time.thread_time_ns()
             chunk = [pop() for _ in range(k)]
             n -= k
             self.drained += k
-            if self._send(("recs", chunk), cpu0):
+            ok = self._send(("recs", chunk), cpu0)
+            cpu1 = time.thread_time_ns()
+            if ok:
                 self._sent += k
             else:
                 self.dropped_in_writer += k
+            del chunk  # freed here: a second stretch with the GIL, after the pipe write
+            cpu2 = time.thread_time_ns()
+            self.max_stretch_cpu_ns = max(self.max_stretch_cpu_ns, cpu2 - cpu1)
+            # cost per record of this chunk (pop, pickle, free; the pipe write's copy is a few µs), smoothed
+            self._rec_ns = max(1, (3 * self._rec_ns + (cpu2 - cpu0) // k) // 4)
+            if n > 0 and self._send_wall_ns < YIELD_S * 1e9:  # a blocked write already let waiters in
+                time.sleep(YIELD_S)
 
     def _send(self, msg, cpu0: int | None = None) -> bool:
         """Send one message to the sink (starting one if needed); False if it is unreachable."""
@@ -235,7 +260,9 @@ class Writer(threading.Thread):
             data = _dumps(msg)
             if cpu0 is not None:  # the stretch of GIL-holding work since the last release
                 self.max_stretch_cpu_ns = max(self.max_stretch_cpu_ns, time.thread_time_ns() - cpu0)
+            t0 = time.perf_counter_ns()
             self._out.send_bytes(data)  # blocks while the pipe is full, without the GIL
+            self._send_wall_ns = time.perf_counter_ns() - t0
             return True
         except (OSError, ValueError) as exc:
             self._sink_lost(exc)

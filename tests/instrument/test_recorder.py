@@ -194,3 +194,24 @@ def test_keys_registered_in_the_traced_process_reach_the_store(tmp_path):
     rows = _q(tmp_path, "select request_id, attr_str['test.plugin_part'] from STORE where name='decode.step' order by 1")
     assert rows == [("after", "outs"), ("before", None)]  # unknown before registering; then kept, cut to max_len
     assert t.stats()["dropped_attributes"] == 1
+
+
+def test_records_keep_the_resource_of_their_time_across_unflushed_sends(tmp_path):
+    """The sink converts received records in batches; records sent before a resource
+    change (no part file written in between) keep the resource they were sent with."""
+    t = _tracer(tmp_path, PDTRACE_BUFFER_SPANS=100, PDTRACE_FLUSH_INTERVAL_S=3600)
+    t.set_resource(engine_id="engine-a")
+    for i in range(50):  # the 50th record wakes the writer (half the buffer): a drain, no tick
+        t.record("kv.transfer", f"a{i}", 10 + i, 20 + i, {"kv.bytes": 1})
+    deadline = time.monotonic() + 30
+    while t._writer.drained < 50 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert t._writer.drained == 50
+    t.set_resource(engine_id="engine-b")
+    for i in range(7):
+        t.record("kv.transfer", f"b{i}", 100 + i, 110 + i, {"kv.bytes": 2})
+    t.shutdown()
+    rows = _q(tmp_path, "select left(request_id, 1), engine_id, count(*), sum(attr_int['kv.bytes']) "
+                        "from STORE where name='kv.transfer' group by all order by 1")
+    assert rows == [("a", "engine-a", 50, 50), ("b", "engine-b", 7, 14)]
+    assert len(list(tmp_path.glob("*.parquet"))) == 1  # no part file before the final one: one segment
