@@ -25,6 +25,10 @@ engine sees it, queue, prefill, decode, end to end; from its Prometheus
 histograms) for both labs, to say on which engine and in which phase the
 difference lands.
 
+Also printed: the CPU time (user + system, psutil) each lab's processes used
+during its replays, per request, with pdtrace's sink processes apart: on a
+2-core machine running 6 lab processes, CPU that tracing adds is latency.
+
 Also printed (unless ``--no-self-cpu``): pdtrace's own CPU time per engine
 step, which the "on" lab measures itself with ``PDTRACE_SELF_CPU=1`` (thread
 CPU clock around every connector hook, written on each step span as
@@ -142,6 +146,35 @@ def engine_means(lab) -> dict:
     return out
 
 
+def lab_cpu_s(lab) -> dict[str, float]:
+    """CPU seconds (user + system) used so far by the lab's processes, from psutil.
+
+    Keys: each lab process (router, engines: their API servers and engine
+    cores, i.e. every descendant) without pdtrace's sinks, and ``"sinks"``
+    (every ``pdtrace.instrument.sink`` process in the lab's trees). A process
+    that exits between two readings takes its CPU with it (none does during a
+    round).
+    """
+    import psutil
+
+    out = {"sinks": 0.0}
+    for name, pid in lab.pids().items():
+        try:
+            root = psutil.Process(pid)
+            tree = [root] + root.children(recursive=True)
+        except psutil.NoSuchProcess:
+            continue
+        out[name] = 0.0
+        for p in tree:
+            try:
+                t = p.cpu_times()
+                key = "sinks" if "pdtrace.instrument.sink" in " ".join(p.cmdline()) else name
+            except psutil.NoSuchProcess:
+                continue
+            out[key] += t.user + t.system
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=4)
@@ -176,6 +209,7 @@ def main():
                                extra_env=({**({"PDTRACE_SELF_CPU": "1"} if a.self_cpu else {}), **on_env}
                                           if cond == "on" else {}))
     res = {"on": {"ttft": [], "tpot": [], "failed": 0}, "off": {"ttft": [], "tpot": [], "failed": 0}}
+    cpu: dict[str, dict[str, float]] = {"on": {}, "off": {}}  # CPU s per lab process during the replays
     rounds = []
     t0 = time.monotonic()
     with Lab(cfgs["on"]) as lab_on, Lab(cfgs["off"]) as lab_off:
@@ -188,7 +222,11 @@ def main():
             order = ("on", "off") if r % 2 == 0 else ("off", "on")
             row = {"round": r, "order": order}
             for cond in order:
+                c0 = lab_cpu_s(labs[cond])
                 m = metrics_of(asyncio.run(replay.replay(wl, labs[cond].router_url, timeout_s=300, progress=False)))
+                c1 = lab_cpu_s(labs[cond])
+                for k, v in c1.items():  # CPU used during this replay, s
+                    cpu[cond][k] = cpu[cond].get(k, 0.0) + v - c0.get(k, 0.0)
                 for k in ("ttft", "tpot"):
                     res[cond][k] += m[k]
                 res[cond]["failed"] += m["failed"]
@@ -217,6 +255,16 @@ def main():
             on, off = engines["on"][role].get(h), engines["off"][role].get(h)
             if on is not None and off is not None:
                 print(f"{role:<9}{h:<32}{on:>10.2f}{off:>10.2f}{on - off:>9.2f}")
+    n_req = a.rounds * a.requests
+    out["cpu_ms_per_request"] = {c: {k: v / n_req * 1e3 for k, v in cpu[c].items()} for c in cpu}
+    print("\nCPU used during the replays, ms per request (user + system, each lab process with its "
+          "descendants; pdtrace's sinks apart):")
+    print(f"{'process':<12}{'on':>10}{'off':>10}{'on-off':>9}")
+    for k in sorted(set(cpu["on"]) | set(cpu["off"])):
+        on, off = (out["cpu_ms_per_request"][c].get(k, 0.0) for c in ("on", "off"))
+        print(f"{k:<12}{on:>10.2f}{off:>10.2f}{on - off:>9.2f}")
+    tot = {c: sum(out["cpu_ms_per_request"][c].values()) for c in cpu}
+    print(f"{'total':<12}{tot['on']:>10.2f}{tot['off']:>10.2f}{tot['on'] - tot['off']:>9.2f}")
     if a.self_cpu:
         out["self_cpu"] = sc = self_cpu_share((a.out / "on").resolve())
         print("\npdtrace's own CPU per engine step (thread CPU clock; goal <= 1 % of a decode step):")
