@@ -104,7 +104,8 @@ NICE = 10
 ROW_GROUP = 8192
 
 #: Records received and kept as tuples before they are converted to one Arrow table
-#: together (the writer sends chunks of 32-512; converting each alone costs ~2x the CPU).
+#: together: the writer sends chunks of 32-512 records, and a table per chunk would
+#: repeat the per-table work (resource columns, dictionaries) for every few hundred rows.
 CONVERT_BATCH = 4096
 
 

@@ -7,8 +7,8 @@ started at the first use; the sink converts them to Arrow and writes Parquet.
 Conversion is ~10× the CPU of pickling, and pyarrow's work in a traced process
 held its GIL for up to 5 ms at a time (page faults in fresh Arrow buffers);
 here the writer holds the GIL only to pickle one chunk (~0.25 ms), releases
-it while the pipe write blocks, and pauses :data:`YIELD_S` after each chunk
-so that a thread waiting for the GIL gets it. BENCHMARKS.md (Recorder) has
+it while the pipe write blocks, and pauses :data:`YIELD_S` after a chunk
+whose write returned at once, so that a thread waiting for the GIL gets it. BENCHMARKS.md (Recorder) has
 the figures.
 
 Every flush interval (PDTRACE_FLUSH_INTERVAL_S, default 1 s), on a flush
@@ -41,9 +41,10 @@ from . import attributes
 
 log = logging.getLogger("pdtrace")
 
-#: Target CPU time (ns) of one chunk's GIL-holding work (pop + pickle): the chunk size
-#: follows the measured cost per record (0.3-1.3 µs here, BENCHMARKS.md), between
-#: :data:`CHUNK_MIN` and :data:`CHUNK_MAX` records. Issue 2 bounds a hold at 1 ms.
+#: Target CPU time (ns) of one chunk's GIL-holding work (pop + pickle + free): the chunk
+#: size follows the cost per record measured on the last chunks, between :data:`CHUNK_MIN`
+#: and :data:`CHUNK_MAX` records. The recorder's goal bounds a GIL hold at 1 ms
+#: (BENCHMARKS.md, Recorder: 0.3 µs per record pickled alone, 1.5-3 µs inside a flush).
 HOLD_NS = 250_000
 CHUNK_MIN, CHUNK_MAX = 32, 512
 
