@@ -115,6 +115,27 @@ def bench_otel_sdk(n: int, rounds: int) -> float | None:
     return v
 
 
+def busy_loop(stop: threading.Event, out: list, core: int | None = None) -> None:
+    """The busy thread: short plain-Python iterations until ``stop``; appends to ``out``
+    ``(longest gap between iterations ns, gaps > 1 ms, iterations/s, seconds run)``.
+    ``core``: pin this thread to that core first (Linux: affinity 0 = the calling thread)."""
+    if core is not None:
+        os.sched_setaffinity(0, {core})
+    t0 = last = pc()
+    worst = over = iters = 0
+    while not stop.is_set():
+        x = 0
+        for _ in range(50):
+            x += 1
+        now = pc()
+        g = now - last
+        worst = g if g > worst else worst
+        over += g > 1_000_000
+        iters += 1
+        last = now
+    out.append((worst, over, iters / ((last - t0) / 1e9), (last - t0) / 1e9))
+
+
 def bench_gil(d: str, records: int, busy_core: int | None = None) -> dict:
     """The busy thread's gaps and progress, alone and while the writer flushes a full buffer.
 
@@ -125,30 +146,13 @@ def bench_gil(d: str, records: int, busy_core: int | None = None) -> dict:
     process, elsewhere): the thread then waits only for the GIL, never for a
     core this process holds.
     """
-    def busy(stop: threading.Event, out: list):
-        if busy_core is not None:
-            os.sched_setaffinity(0, {busy_core})  # Linux: 0 = the calling thread only
-        t0 = last = pc()
-        worst = over = iters = 0
-        while not stop.is_set():
-            x = 0
-            for _ in range(50):
-                x += 1
-            now = pc()
-            g = now - last
-            worst = g if g > worst else worst
-            over += g > 1_000_000
-            iters += 1
-            last = now
-        out.append((worst, over, iters / ((last - t0) / 1e9), (last - t0) / 1e9))
-
     def run(with_writer: bool) -> tuple:
         t = make_tracer(d, PDTRACE_BUFFER_SPANS=records + 10, PDTRACE_FLUSH_INTERVAL_S=3600)
         t._wake_at = 1 << 30
         for i in range(records):
             t.record("decode.step", None, i, i + 1, {"step.id": i, "step.num_reqs": 8, "vllm.method": "get_finished"})
         stop, out = threading.Event(), []
-        th = threading.Thread(target=busy, args=(stop, out))
+        th = threading.Thread(target=busy_loop, args=(stop, out, busy_core))
         th.start()
         time.sleep(0.2)
         if with_writer:
@@ -225,20 +229,6 @@ def gil_control(seconds: float = 2.0) -> None:
     cores = pin_apart("--gil-control")
     blob = os.urandom(20_000)
 
-    def busy(stop: threading.Event, out: list):
-        os.sched_setaffinity(0, {cores[0]})
-        last, worst, over = pc(), 0, 0
-        while not stop.is_set():
-            x = 0
-            for _ in range(50):
-                x += 1
-            now = pc()
-            g = now - last
-            worst = max(worst, g)
-            over += g > 1_000_000
-            last = now
-        out.append((worst, over))
-
     def control(stop: threading.Event, releases: bool):
         while not stop.is_set():
             t = pc()
@@ -252,7 +242,7 @@ def gil_control(seconds: float = 2.0) -> None:
 
     for releases in (False, True):
         stop, out = threading.Event(), []
-        threads = [threading.Thread(target=busy, args=(stop, out)),
+        threads = [threading.Thread(target=busy_loop, args=(stop, out, cores[0])),
                    threading.Thread(target=control, args=(stop, releases))]
         for th in threads:
             th.start()

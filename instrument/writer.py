@@ -2,14 +2,15 @@
 
 Contract (the *exporter* role of OpenTelemetry's SDK): no caller's thread
 ever waits for it. It pickles records in chunks sized to hold the GIL about
-:data:`HOLD_NS` and sends them over a pipe to the process's sink (:mod:`pdtrace.instrument.sink`),
-started at the first use; the sink converts them to Arrow and writes Parquet.
+:data:`HOLD_NS` and sends them over a pipe to the process's sink
+(:mod:`pdtrace.instrument.sink`), started at the first use; the sink converts
+them to Arrow and writes Parquet.
 Conversion is ~10× the CPU of pickling, and pyarrow's work in a traced process
 held its GIL for up to 5 ms at a time (page faults in fresh Arrow buffers);
 here the writer holds the GIL only to pickle one chunk (~0.25 ms), releases
 it while the pipe write blocks, and pauses :data:`YIELD_S` after a chunk
-whose write returned at once, so that a thread waiting for the GIL gets it. BENCHMARKS.md (Recorder) has
-the figures.
+whose write returned at once, so that a thread waiting for the GIL gets it.
+BENCHMARKS.md (Recorder) has the figures.
 
 Every flush interval (PDTRACE_FLUSH_INTERVAL_S, default 1 s), on a flush
 request and at stop, the writer sends a *tick*; the sink writes one part file

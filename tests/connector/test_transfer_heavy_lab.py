@@ -22,9 +22,8 @@ a fixed cost the standalone loop does not have (intercepts of 14 and 22 ms in
 two runs; likely D's polling: NIXL's duration ends when D's engine step checks
 the handle, while the standalone loop polls every 0.5 ms).
 
-Tolerance: a factor of 10 on the growth and on the slopes (3 until the
-last paragraph). Why so
-wide: TCP on loopback is CPU-bound (kernel copies on both ends). In the lab
+Tolerance: a factor of 10 on the growth and on the slopes (it was 3; the
+last paragraph says why it was widened). Why so wide: TCP on loopback is CPU-bound (kernel copies on both ends). In the lab
 those copies share each engine's core with its forward and progress threads,
 so the lab's READs were consistently slower than the standalone loop's: lab /
 standalone bandwidth 0.59 (0.83 vs 1.41 GB/s) and 0.49 (0.84 vs 1.70 GB/s, a
@@ -43,8 +42,7 @@ took 140-210 ms at their fastest against 31-46 ms standalone, growth ratios
 session 6's writer change): the lab's CPU contention slows its READs far more
 there. A factor 10 still rejects a span that follows the default transport
 (≈ 20 GB/s standalone on the earlier VM: 14-18x the TCP bandwidth measured
-on 2026-12-01) or does not
-grow with the bytes (post only).
+on 2026-12-01) or does not grow with the bytes (post only).
 """
 from __future__ import annotations
 
