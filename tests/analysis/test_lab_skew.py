@@ -244,29 +244,39 @@ def test_shifted_run_engine_pair_row_is_tight(shifted):
     assert dp["bound_ms"] < 50 and abs(dp["offset_ms"] + SHIFT_NS / 1e6) < 25, dp
 
 
-def _correction_by_domain(run) -> dict[str, dict]:
+def _correction_by_domain(run, true_ms: dict[str, float]) -> dict[str, dict]:
+    """Per clock domain (router, prefill, decode; API servers apart as ``<role>-api``): the correction applied
+    (raw − corrected start, ms) and its worst miss against the true skew beyond each span's own bound.
+
+    A span is corrected by its domain's offset in the estimation window of its raw start
+    (``spans.clock_offset_ns``), whose bound (``spans.clock_bound_ns``) comes from that window's evidence
+    alone: a window with fewer round trips has a wider bound than the whole-trace row of ``clock_offsets``
+    (CI on b622858 saw a first window corrected by 247.57 ms, 2.43 ms off, against a whole-trace bound of
+    1.99 ms, inside its own). So each correction is judged against its own bound.
+    """
     rows = run["tr"].query("""
         SELECT role, stage LIKE '%.frontend' AS api, min(raw_start_ns - start_ns) / 1e6 AS lo_ms,
-               max(raw_start_ns - start_ns) / 1e6 AS hi_ms, count(*) AS n
-        FROM spans WHERE request_id IS NOT NULL GROUP BY ALL""")
+               max(raw_start_ns - start_ns) / 1e6 AS hi_ms, max(clock_bound_ns) / 1e6 AS max_bound_ms,
+               max(abs((raw_start_ns - start_ns) / 1e6 - CASE WHEN role = 'decode' THEN ? ELSE 0 END)
+                   - clock_bound_ns / 1e6) AS worst_excess_ms,
+               count(*) AS n
+        FROM spans WHERE request_id IS NOT NULL GROUP BY ALL""", [true_ms["decode"]])
     return {r["role"] + ("-api" if r["api"] and r["role"] != "router" else ""): r for r in rows}
 
 
 def test_shifted_run_corrects_d_engine_spans_by_the_offset(shifted):
-    """D's EngineCore spans: raw − corrected = the estimated offset (250 ms within its bound); P's, the router's ≈ 0."""
-    by, offs = _correction_by_domain(shifted), _offsets(shifted)
+    """D's EngineCore spans: raw − corrected = 250 ms within each span's bound; P's and the router's ≈ 0."""
+    by = _correction_by_domain(shifted, {"decode": SHIFT_NS / 1e6})
     print(by)
-    b = offs[("router", "decode")]["bound_ms"]
-    assert abs(by["decode"]["lo_ms"] - 250) <= b and abs(by["decode"]["hi_ms"] - 250) <= b, by["decode"]
+    for dom in ("decode", "prefill"):
+        assert by[dom]["worst_excess_ms"] <= 0.001 and by[dom]["max_bound_ms"] < 50, by[dom]
     assert by["router"]["lo_ms"] == by["router"]["hi_ms"] == 0, by["router"]
-    pb = offs[("router", "prefill")]["bound_ms"]
-    assert abs(by["prefill"]["lo_ms"]) <= pb and abs(by["prefill"]["hi_ms"]) <= pb, by["prefill"]
 
 
 def test_shifted_run_corrects_d_api_server_spans(shifted):
-    by, offs = _correction_by_domain(shifted), _offsets(shifted)
-    b = offs[("router", "decode")]["bound_ms"]
-    assert abs(by["decode-api"]["lo_ms"] - 250) <= b and abs(by["decode-api"]["hi_ms"] - 250) <= b, by["decode-api"]
+    """D's API server (its own process, on D's host clock) is corrected like D's EngineCore."""
+    by = _correction_by_domain(shifted, {"decode": SHIFT_NS / 1e6})
+    assert by["decode-api"]["worst_excess_ms"] <= 0.001 and by["decode-api"]["max_bound_ms"] < 50, by["decode-api"]
 
 
 def test_shifted_run_corrected_times_are_causal(shifted):
