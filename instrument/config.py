@@ -29,6 +29,10 @@ variable                       default    meaning
                                           hook) and write it as ``step.pdtrace_cpu_ns`` on the
                                           step spans; for overhead measurements
                                           (:mod:`pdtrace.instrument.selfcpu`)
+``PDTRACE_HELPER_CPUS``        (unset)    CPUs for pdtrace's writer thread and sink process
+                                          (cpulist, e.g. ``2-3``); unset: every CPU the process
+                                          may use, never only the engine thread's pinned core
+                                          (:mod:`pdtrace.instrument.cpus`)
 ``PDTRACE_TEST_WALL_OFFSET_NS`` ``0``     TEST ONLY: shift this process's wall anchor by this
                                           many ns, to reproduce clock skew between hosts on one
                                           machine. Recorded on every clock row.
@@ -40,6 +44,8 @@ import logging
 import math
 import os
 from dataclasses import dataclass
+
+from .cpus import parse_cpulist
 
 log = logging.getLogger("pdtrace")
 
@@ -97,6 +103,7 @@ class Config:
     otlp_endpoint: str | None = None
     otlp_timeout_s: float | None = None
     self_cpu: bool = False
+    helper_cpus: tuple[int, ...] | None = None
 
     @property
     def enabled(self) -> bool:
@@ -120,6 +127,7 @@ def from_env(env: dict | None = None) -> Config:
         self_cpu = "0"
     return Config(
         self_cpu=self_cpu == "1",
+        helper_cpus=_cpulist(env, "PDTRACE_HELPER_CPUS"),
         trace_dir=env.get("PDTRACE_DIR") or None,
         sample=_float(env, "PDTRACE_SAMPLE", 1.0, 0.0, 1.0),
         step_sample=_float(env, "PDTRACE_STEP_SAMPLE", 1.0, 0.0, 1.0),
@@ -136,6 +144,18 @@ def from_env(env: dict | None = None) -> Config:
         otlp_timeout_s=_float(env, "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", 0.0, 0.0, 600.0)
         or _float(env, "OTEL_EXPORTER_OTLP_TIMEOUT", 0.0, 0.0, 600.0) or None,
     )
+
+
+def _cpulist(env, name: str) -> tuple[int, ...] | None:
+    """CPU ids of a cpulist variable (:func:`pdtrace.instrument.cpus.parse_cpulist`); None if unset or bad."""
+    raw = env.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        return parse_cpulist(raw)
+    except ValueError as exc:
+        _warn(name, raw, None, str(exc))
+        return None
 
 
 def _otlp_endpoint(env) -> str | None:

@@ -18,6 +18,10 @@ and answers with its counters, which :meth:`Writer.stats` reports. A SIGKILL
 of the traced process loses only the records not yet sent (at most one
 interval): the sink sees end of file and writes what it has.
 
+The writer thread first moves itself off the CPU its creator may be pinned
+to (an engine's forward thread), and the sink inherits that
+(:mod:`pdtrace.instrument.cpus`, ``PDTRACE_HELPER_CPUS``).
+
 Values the sink could not rebuild (objects of non-builtin types in attribute
 dicts) are pickled as None and so dropped and counted as wrong-typed
 attributes. The allowlist is the traced process's: keys that plug-ins
@@ -38,7 +42,7 @@ import threading
 import time
 from multiprocessing.connection import Connection
 
-from . import attributes
+from . import attributes, cpus
 
 log = logging.getLogger("pdtrace")
 
@@ -134,6 +138,7 @@ class Writer(threading.Thread):
         self.max_stretch_cpu_ns = 0
         self._send_wall_ns = 0  # wall time of the last pipe write, ns
         self._rec_ns = 1000  # CPU per record sent, ns (first guess; then measured by _drain)
+        self.cpus: frozenset[int] | None = None  # CPUs this thread and its sink may use (set by run)
 
     # ------------------------------------------------------------- control
     def cpu_ns(self) -> int:
@@ -193,6 +198,8 @@ class Writer(threading.Thread):
 
     # ---------------------------------------------------------------- loop
     def run(self) -> None:
+        # off the engine thread's pinned core, before the sink is started (it inherits this)
+        self.cpus = cpus.unpin_current_thread(self.cfg.helper_cpus)
         self._start_sink()  # now, so its start-up (~0.5 s: imports) overlaps the first interval
         interval = self.cfg.flush_interval_s
         next_flush = time.monotonic() + interval
