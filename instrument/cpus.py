@@ -10,6 +10,15 @@ would then share that one core with the forward pass while other cores wait
 (seen in the lab: every thread of P's worker process, and its sink, allowed
 only core 0, where P's forward thread runs).
 
+The environment pins too: vLLM's CPU executor gives each worker process
+OpenMP binding variables for its cores (``GOMP_CPU_AFFINITY``, or
+``KMP_AFFINITY``, ``OMP_PLACES``/``OMP_PROC_BIND``; ``vllm/utils/
+ompmultiprocessing.py``) and preloads the OpenMP runtime (``LD_PRELOAD`` of
+torch's ``libgomp``). A child inheriting both has its main thread bound by
+the runtime as it loads, before any Python runs (seen in the lab: each
+worker's sink on that worker's core). The sink needs no OpenMP, so it is
+started without those variables (:func:`helper_env`).
+
 So the writer sets its own affinity when it starts, before it starts the
 sink (which inherits it): the CPUs of ``PDTRACE_HELPER_CPUS`` if set (Linux
 cpulist syntax, e.g. ``2-3,6``: housekeeping cores an operator keeps free of
@@ -23,6 +32,17 @@ import logging
 import os
 
 log = logging.getLogger("pdtrace")
+
+
+#: OpenMP variables that bind threads to CPUs (GNU libgomp, Intel libiomp, OpenMP 4 standard); dropped
+#: from the sink's environment.
+OMP_BINDING_VARS = ("GOMP_CPU_AFFINITY", "KMP_AFFINITY", "OMP_PLACES", "OMP_PROC_BIND")
+
+
+def helper_env(env) -> dict[str, str]:
+    """A copy of ``env`` for pdtrace's sink: without :data:`OMP_BINDING_VARS` (and without ``PDTRACE_DIR``,
+    so the sink is not traced itself)."""
+    return {k: v for k, v in env.items() if k not in OMP_BINDING_VARS and k != "PDTRACE_DIR"}
 
 
 def parse_cpulist(text: str) -> tuple[int, ...]:

@@ -308,7 +308,7 @@ class Writer(threading.Thread):
         try:
             r1, w1 = os.pipe()
             r2, w2 = os.pipe()
-            env = {k: v for k, v in os.environ.items() if k != "PDTRACE_DIR"}  # the sink is not traced
+            env = cpus.helper_env(os.environ)  # not traced, and not bound to the engine's cores by OpenMP
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "pdtrace.instrument.sink", str(r1), str(w2)],
                 pass_fds=(r1, w2), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=env, close_fds=True)

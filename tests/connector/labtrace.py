@@ -278,3 +278,30 @@ def check_handshake_once(tr, replay_ids: set) -> str:
 def check_no_tracing_errors(run_dir: Path) -> None:
     logs = "".join(p.read_text(errors="replace") for p in (run_dir / "logs").glob("*.log"))
     assert "pdtrace: tracing error" not in logs
+
+
+def helper_affinities(lab: Lab) -> dict:
+    """CPU affinity of the lab's processes while it runs (psutil), to check pdtrace's helpers are not pinned.
+
+    Returns ``{"sinks": [(parent name, cpus)], "pinned_engine_procs": [(name, cpus)], "allowed": cpus}``:
+    every ``pdtrace.instrument.sink`` process in the lab's trees with its parent's process name, the
+    engine processes (vLLM's ``VLLM::Worker``) whose main thread is pinned to fewer CPUs than this test
+    may use, and the CPUs this test may use.
+    """
+    import os
+
+    import psutil
+
+    allowed = set(os.sched_getaffinity(0))
+    sinks, pinned = [], []
+    for pid in lab.pids().values():
+        root = psutil.Process(pid)
+        for p in [root] + root.children(recursive=True):
+            try:
+                if "pdtrace.instrument.sink" in " ".join(p.cmdline()):
+                    sinks.append((p.parent().name(), set(p.cpu_affinity())))
+                elif set(p.cpu_affinity()) < allowed:
+                    pinned.append((p.name(), set(p.cpu_affinity())))
+            except psutil.NoSuchProcess:
+                continue
+    return {"sinks": sinks, "pinned_engine_procs": pinned, "allowed": allowed}

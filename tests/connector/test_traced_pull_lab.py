@@ -57,8 +57,10 @@ def traced_run(model_dir, wl, greedy_prompts, tmp_path_factory):
         greedy = lt.greedy(lab, greedy_prompts)
         d_metrics = metrics.scrape(lab.decodes[0].url)
         stats = metrics.router_stats(lab.router_url)
+        affinity = lt.helper_affinities(lab)
     tr = lt.open_trace(run_dir)
     yield {"dir": run_dir, "tr": tr, "recs": recs, "greedy": greedy, "d_metrics": d_metrics, "stats": stats,
+           "affinity": affinity,
            "kv_bytes_per_token": model_info(model_dir)["kv_bytes_per_token"]}
     tr.close()
 
@@ -115,6 +117,17 @@ def test_every_pull_request_has_transfer_on_its_critical_path(traced_run):
     by = {r["request_id"]: r for r in _q(traced_run, "SELECT * FROM ttft_breakdown")}
     for x in [r.router_request_id for r in traced_run["recs"]]:
         assert by[x]["transfer_ns"] > 0, by[x]
+
+
+def test_sinks_are_not_pinned_to_an_engine_core(traced_run):
+    """vLLM pins each lab worker to its engine's core; the writer and its sink leave it (instrument/cpus.py)."""
+    a = traced_run["affinity"]
+    print(a)
+    if len(a["allowed"]) < 2:
+        pytest.skip("one CPU: nothing to leave")
+    assert any(name.startswith("VLLM::Worker") and len(cpus) == 1 for name, cpus in a["pinned_engine_procs"]), a
+    # one sink per traced process: router, 2 API servers, 2 engine cores, 2 workers
+    assert len(a["sinks"]) >= 7 and all(cpus == a["allowed"] for _, cpus in a["sinks"]), a
 
 
 def test_no_tracing_errors_logged(traced_run):

@@ -67,3 +67,37 @@ def test_helper_cpus_puts_writer_and_sink_on_the_listed_cpus(tmp_path):
     writer, sink, _ = _affinities_when_started_from_a_thread_pinned_to(pinned, tmp_path,
                                                                        PDTRACE_HELPER_CPUS=str(helper))
     assert writer == sink == {helper}, (writer, sink)
+
+
+def _libgomp() -> str | None:
+    """Path of a GNU OpenMP runtime to preload: torch's bundled one (lab install), else the system's."""
+    import ctypes.util
+    import glob
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch")
+    if spec and spec.submodule_search_locations:
+        found = glob.glob(os.path.join(list(spec.submodule_search_locations)[0], "lib", "libgomp*.so*"))
+        if found:
+            return found[0]
+    name = ctypes.util.find_library("gomp")
+    return name if name and os.path.isabs(name) else None
+
+
+@needs_two
+def test_sink_is_not_bound_by_openmp_variables_it_inherits(tmp_path, monkeypatch):
+    """vLLM's CPU worker env: libgomp preloaded and GOMP_CPU_AFFINITY = the worker's core (seen in the lab).
+
+    libgomp binds a process's main thread to the first CPU of GOMP_CPU_AFFINITY as it loads, so a sink
+    started with that env runs on the engine's core whatever its parent thread's affinity; it must not get it.
+    """
+    lib = _libgomp()
+    if lib is None:
+        pytest.skip("no libgomp to preload")
+    allowed = os.sched_getaffinity(0)
+    pinned = min(allowed)
+    monkeypatch.setenv("LD_PRELOAD", lib)
+    monkeypatch.setenv("GOMP_CPU_AFFINITY", str(pinned))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    writer, sink, _ = _affinities_when_started_from_a_thread_pinned_to(pinned, tmp_path)
+    assert writer == sink == allowed, (writer, sink, allowed)
