@@ -136,18 +136,21 @@ def busy_loop(stop: threading.Event, out: list, core: int | None = None) -> None
     out.append((worst, over, iters / ((last - t0) / 1e9), (last - t0) / 1e9))
 
 
-def bench_gil(d: str, records: int, busy_core: int | None = None) -> dict:
+def bench_gil(d: str, records: int, busy_core: int | None = None, helper_core: int | None = None) -> dict:
     """The busy thread's gaps and progress, alone and while the writer flushes a full buffer.
 
     Returns ``{"alone": round, "writer": round, "stretch_cpu_ns": int}``, each
     round the least noisy of three: ``(max gap ns, gaps > 1 ms, iterations/s,
     seconds)``. ``busy_core``: pin the busy thread to that core (the caller has
-    pinned this process's other threads, and so the writer thread and its sink
-    process, elsewhere): the thread then waits only for the GIL, never for a
-    core this process holds.
+    pinned this process's other threads elsewhere): the thread then waits only
+    for the GIL, never for a core this process holds. ``helper_core``: the
+    writer thread and its sink run there (``PDTRACE_HELPER_CPUS``; they would
+    otherwise move to every CPU, as in an engine).
     """
+    helper = {} if helper_core is None else {"PDTRACE_HELPER_CPUS": str(helper_core)}
+
     def run(with_writer: bool) -> tuple:
-        t = make_tracer(d, PDTRACE_BUFFER_SPANS=records + 10, PDTRACE_FLUSH_INTERVAL_S=3600)
+        t = make_tracer(d, PDTRACE_BUFFER_SPANS=records + 10, PDTRACE_FLUSH_INTERVAL_S=3600, **helper)
         t._wake_at = 1 << 30
         for i in range(records):
             t.record("decode.step", None, i, i + 1, {"step.id": i, "step.num_reqs": 8, "vllm.method": "get_finished"})
@@ -203,13 +206,13 @@ def gil_pinned(records: int) -> None:
     """Print the GIL figure with the busy thread and the rest of the process on separate cores.
 
     The main thread is pinned to the last core before any other thread starts,
-    so the writer thread and the sink it starts inherit it; the busy thread moves
-    itself to the first core. On a shared machine a gap is then a wait for the
+    the writer thread and the sink are put there too (``PDTRACE_HELPER_CPUS``);
+    the busy thread moves itself to the first core. On a shared machine a gap is then a wait for the
     GIL or the whole VM being descheduled, not the writer taking the core.
     """
     cores = pin_apart("--gil-pinned")
     with tempfile.TemporaryDirectory() as d:
-        gil = bench_gil(d, records, busy_core=cores[0])
+        gil = bench_gil(d, records, busy_core=cores[0], helper_core=cores[-1])
     print(f"pinned: busy thread on core {cores[0]}, writer thread + sink process on core {cores[-1]}")
     print_gil(gil)
 
@@ -256,12 +259,14 @@ def gil_control(seconds: float = 2.0) -> None:
 
 
 def bench_throughput(d: str, records: int) -> float:
-    """Spans/s from the buffer into Parquet files, the process pinned to one core (its sink inherits the pin)."""
+    """Spans/s from the buffer into Parquet files, the process, its writer thread and its sink on one core."""
+    core = min(os.sched_getaffinity(0))
     try:
-        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+        os.sched_setaffinity(0, {core})
     except (AttributeError, OSError):
         pass
-    t = make_tracer(d, PDTRACE_BUFFER_SPANS=records + 10, PDTRACE_FLUSH_INTERVAL_S=3600, PDTRACE_ROTATE_S=3600)
+    t = make_tracer(d, PDTRACE_BUFFER_SPANS=records + 10, PDTRACE_FLUSH_INTERVAL_S=3600, PDTRACE_ROTATE_S=3600,
+                    PDTRACE_HELPER_CPUS=str(core))
     t._wake_at = 1 << 30
     for i in range(records):
         t.record("kv.transfer", f"r{i % 1000}", i, i + 1, {"kv.bytes": 4096, "kv.op": "READ", "step.id": i})

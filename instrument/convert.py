@@ -16,6 +16,9 @@ from . import attributes, ids, schema
 _RTYPES = pa.array(list(schema.RECORD_TYPES), pa.string())
 _T = {name: typ for name, typ, _ in schema.COLUMNS}
 
+#: Slots of a record tuple before its attributes (recorder.py's record layout).
+N_FIXED = 15
+
 
 class Converter:
     """Stateful converter for one traced process: trace-id and resource-column caches, a drop counter."""
@@ -35,7 +38,8 @@ class Converter:
         if n == 0:
             raise ValueError("Converter.table: no records")
         (rtype, record_id, span_id, parent, name, kind, start, end, status, msg,
-         rid, pidx, attempt, rank, thread, attrs) = zip(*recs)
+         rid, pidx, attempt, rank, thread) = zip(*(r[:N_FIXED] for r in recs))
+        attrs = [r[N_FIXED:] for r in recs]
         cols: dict[str, pa.Array] = dict(self._resource_columns(resource, n))
         cols["record"] = pa.DictionaryArray.from_arrays(pa.array(rtype, pa.int32()), _RTYPES)
         cols["record_id"] = pa.array(record_id, pa.uint64())
@@ -64,7 +68,11 @@ class Converter:
         return pa.Table.from_arrays(arrays, schema=schema.SCHEMA)
 
     def _attr_maps(self, attrs: tuple) -> tuple[pa.Array, pa.Array, pa.Array]:
-        """The three typed attribute map columns (int64, float64, string values) of one batch."""
+        """The three typed attribute map columns (int64, float64, string values) of one batch.
+
+        ``attrs``: per record, its slots after the fixed ones: the keys then the values, in the same
+        order (recorder.py's record layout), empty without attributes.
+        """
         oi, ki, vi = [0], [], []
         of, kf, vf = [0], [], []
         os_, ks, vs = [0], [], []
@@ -72,7 +80,8 @@ class Converter:
         dropped = 0
         for a in attrs:
             if a:
-                for k, v in a.items():
+                n = len(a) // 2
+                for k, v in zip(a[:n], a[n:]):
                     spec = allowed.get(k)
                     if spec is None:
                         dropped += 1

@@ -19,7 +19,7 @@ Times are monotonic ns (``time.monotonic_ns()``, :func:`now`); a float
 ``time.monotonic()`` seconds value from vLLM converts with ``int(t * 1e9)``.
 
 Memory bound: at most ``PDTRACE_BUFFER_SPANS`` records wait in the deque
-(one record: a 16-slot tuple, ~200 bytes plus its attribute dict, so the
+(one record: a 16-slot tuple, ~200 bytes plus its attribute pairs, so the
 default 65,536 bounds the buffer at ~20 MiB with 3 attributes each), and
 at most ``PDTRACE_BUFFER_SPANS`` spans may be open (started, not ended).
 """
@@ -46,9 +46,17 @@ log = logging.getLogger("pdtrace")
 
 # Record tuple layout (shared with writer.py):
 # (rtype, record_id, span_id, parent, name, kind, start, end, status, status_msg,
-#  request_id, prompt_index, attempt, tp_rank, thread, attrs)
+#  request_id, prompt_index, attempt, tp_rank, thread, *attr_keys, *attr_values)
 # ``thread`` is the recording thread's name, read when the record is made (an
-# ident could be reused by a later thread before the writer runs).
+# ident could be reused by a later thread before the writer runs). The
+# attributes follow as flat slots, keys then values (convert.N_FIXED = 15 slots
+# come first): no dict and no nested tuple. CPython's cyclic GC untracks a tuple
+# of atoms at its first collection, but keeps any tuple holding a dict tracked
+# (and one holding a tuple for one more collection). Records waiting in the
+# buffer then survive into the oldest generation and trigger full
+# collections; in a process whose heap was frozen (vLLM's engine calls
+# gc.freeze()), those took 3.5-4.4 ms each, GIL held, every ~120,000 records
+# (BENCHMARKS.md, Recorder).
 R_SPAN, R_EVENT, R_CLOCK, R_STATS = 0, 1, 2, 3
 
 _tls = threading.local()
@@ -203,7 +211,9 @@ class Tracer:
         except AttributeError:
             th = _thread_name()
         buf.append((R_SPAN, sid, sid, parent, name, kind, start_ns, end_ns, status, None,
-                    request_id, prompt_index, attempt, tp_rank, th, attrs))
+                    request_id, prompt_index, attempt, tp_rank, th, *attrs, *attrs.values())
+                   if attrs else (R_SPAN, sid, sid, parent, name, kind, start_ns, end_ns, status, None,
+                                  request_id, prompt_index, attempt, tp_rank, th))
         if len(buf) == self._wake_at:
             self._wake.set()
         return sid
@@ -251,8 +261,11 @@ class Tracer:
             th = _tls.name
         except AttributeError:
             th = _thread_name()
-        buf.append((R_SPAN, span_id, span_id, parent, name, kind, start, _now() if end_ns is None else end_ns,
-                    status, msg, rid, pidx, attempt, rank, th, a0))
+        end = _now() if end_ns is None else end_ns
+        buf.append((R_SPAN, span_id, span_id, parent, name, kind, start, end, status, msg, rid, pidx, attempt, rank,
+                    th, *a0, *a0.values())
+                   if a0 else (R_SPAN, span_id, span_id, parent, name, kind, start, end, status, msg, rid, pidx,
+                               attempt, rank, th))
         if len(buf) == self._wake_at:
             self._wake.set()
 
@@ -283,8 +296,11 @@ class Tracer:
             return 0
         rid_ = next(self._ids)
         t = _now() if time_ns is None else time_ns
+        th = _thread_name()
         buf.append((R_EVENT, rid_, span_id, None, name, KIND_INTERNAL, t, t, STATUS_UNSET, None,
-                    request_id, prompt_index, attempt, tp_rank, _thread_name(), attrs))
+                    request_id, prompt_index, attempt, tp_rank, th, *attrs, *attrs.values())
+                   if attrs else (R_EVENT, rid_, span_id, None, name, KIND_INTERNAL, t, t, STATUS_UNSET, None,
+                                  request_id, prompt_index, attempt, tp_rank, th))
         if len(buf) == self._wake_at:
             self._wake.set()
         return rid_

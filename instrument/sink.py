@@ -216,14 +216,14 @@ class Sink:
             self._anchor_due = now + self.cfg.anchor_interval_s
             out.append((R_CLOCK, next(self._ids), None, None, "clock.anchor", schema.KIND_INTERNAL,
                         a.mono_ns, a.mono_ns, 0, None, None, 0, 0, None, THREAD,
-                        {"clock.mono_ns": a.mono_ns, "clock.uncertainty_ns": a.uncertainty_ns,
-                         "clock.read_cost_ns": self._read_cost, "clock.test_offset_ns": a.test_offset_ns,
-                         "clock.source": self._clock_source}))
+                        "clock.mono_ns", "clock.uncertainty_ns", "clock.read_cost_ns", "clock.test_offset_ns",
+                        "clock.source", a.mono_ns, a.uncertainty_ns, self._read_cost, a.test_offset_ns,
+                        self._clock_source))
         st = stats(traced, self.counters())
         st["written"] += rows
         t = clock.now_ns()
         out.append((R_STATS, next(self._ids), None, None, "recorder.stats", schema.KIND_INTERNAL,
-                    t, t, 0, None, None, 0, 0, None, THREAD, {f"recorder.{k}": v for k, v in st.items()}))
+                    t, t, 0, None, None, 0, 0, None, THREAD, *(f"recorder.{k}" for k in st), *st.values()))
         return out
 
     def _file_name(self, kind: str) -> str:

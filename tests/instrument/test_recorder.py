@@ -215,3 +215,29 @@ def test_records_keep_the_resource_of_their_time_across_unflushed_sends(tmp_path
                         "from STORE where name='kv.transfer' group by all order by 1")
     assert rows == [("a", "engine-a", 50, 50), ("b", "engine-b", 7, 14)]
     assert len(list(tmp_path.glob("*.parquet"))) == 1  # no part file before the final one: one segment
+
+
+def test_buffered_records_leave_the_cyclic_gc(tmp_path):
+    """A record waiting in the buffer is untracked after one young collection, attributes and all.
+
+    A record holding a dict stays tracked (CPython tracks any tuple holding a dict), and a full
+    buffer of tracked records made every append ~4x dearer in GC (BENCHMARKS.md, Recorder).
+    """
+    import gc
+
+    t = _tracer(tmp_path, PDTRACE_BUFFER_SPANS=100, PDTRACE_FLUSH_INTERVAL_S=3600)
+    t._wake_at = 1 << 30
+    t0 = t.now()
+    t.record("kv.transfer", "G1", t0, t0 + 5, {"kv.bytes": 4096, "kv.op": "READ"})
+    sid = t.start("decode.first_step", "G1", attrs={"step.id": 7})
+    t.end(sid, attrs={"step.num_reqs": 3})
+    t.event("request.finished", "G1", attrs={"gen_ai.usage.output_tokens": 9})
+    t.record("kv.ready", "G1", t0, t0 + 9)
+    gc.collect(0)
+    assert [gc.is_tracked(r) for r in t._buf] == [False] * 4
+    assert t.shutdown()
+    rows = _q(tmp_path, "select name, attr_int, attr_str from STORE where request_id = 'G1' order by name")
+    assert rows == [("decode.first_step", {"step.id": 7, "step.num_reqs": 3}, {}),
+                    ("kv.ready", {}, {}),
+                    ("kv.transfer", {"kv.bytes": 4096}, {"kv.op": "READ"}),
+                    ("request.finished", {"gen_ai.usage.output_tokens": 9}, {})]
