@@ -19,9 +19,10 @@ Times are monotonic ns (``time.monotonic_ns()``, :func:`now`); a float
 ``time.monotonic()`` seconds value from vLLM converts with ``int(t * 1e9)``.
 
 Memory bound: at most ``PDTRACE_BUFFER_SPANS`` records wait in the deque
-(one record: a 16-slot tuple, ~200 bytes plus its attribute pairs, so the
-default 65,536 bounds the buffer at ~20 MiB with 3 attributes each), and
-at most ``PDTRACE_BUFFER_SPANS`` spans may be open (started, not ended).
+(one record: a tuple of 15 slots plus two per attribute, ~390 bytes with 3
+attributes as measured by ``benchmarks/recorder_bench.py``, so the default
+65,536 bounds the buffer at ~25 MiB), and at most ``PDTRACE_BUFFER_SPANS``
+spans may be open (started, not ended).
 """
 from __future__ import annotations
 
