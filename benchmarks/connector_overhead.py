@@ -117,15 +117,17 @@ def paired_ratio_ci(pairs: dict[tuple[int, int], tuple[float, float]], q: float,
 
 
 def metrics_of(recs):
-    ok = [r for r in recs if r.ok]
-    ttft = [(r.first_token_ns - r.send_ns) / 1e6 for r in ok]
-    tpot = [(r.token_times_ns[-1] - r.token_times_ns[0]) / 1e6 / (len(r.token_times_ns) - 1)
-            for r in ok if len(r.token_times_ns) > 1]
-    per_request = {r.request_index: {"ttft": (r.first_token_ns - r.send_ns) / 1e6,
-                                     "tpot": ((r.token_times_ns[-1] - r.token_times_ns[0]) / 1e6
-                                              / (len(r.token_times_ns) - 1) if len(r.token_times_ns) > 1 else None)}
-                   for r in ok}
-    return {"ttft": ttft, "tpot": tpot, "failed": len(recs) - len(ok), "per_request": per_request}
+    """Client-side TTFT and TPOT (ms) of one replay: lists over the successful requests, and per request index."""
+    per_request = {}
+    for r in recs:
+        if r.ok:
+            n = len(r.token_times_ns)
+            per_request[r.request_index] = {
+                "ttft": (r.first_token_ns - r.send_ns) / 1e6,
+                "tpot": (r.token_times_ns[-1] - r.token_times_ns[0]) / 1e6 / (n - 1) if n > 1 else None}
+    return {"ttft": [v["ttft"] for v in per_request.values()],
+            "tpot": [v["tpot"] for v in per_request.values() if v["tpot"] is not None],
+            "failed": len(recs) - len(per_request), "per_request": per_request}
 
 
 def self_cpu_share(trace_dir: Path) -> dict:
