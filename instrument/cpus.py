@@ -23,8 +23,13 @@ So the writer sets its own affinity when it starts, before it starts the
 sink (which inherits it): the CPUs of ``PDTRACE_HELPER_CPUS`` if set (Linux
 cpulist syntax, e.g. ``2-3,6``: housekeeping cores an operator keeps free of
 engine threads), else every CPU the kernel allows the process (the kernel
-drops CPUs outside the cgroup's cpuset from the mask it is given). On systems
-without ``os.sched_setaffinity`` nothing changes.
+drops CPUs outside the cgroup's cpuset from the mask it is given). The
+process's own affinity cannot stand for the operator's intent: an engine
+worker is already bound when pdtrace loads (libgomp binds the main thread as
+the process starts). So a deployment that confines engines with ``taskset``
+rather than a cgroup cpuset should set ``PDTRACE_HELPER_CPUS`` to the CPUs
+the helpers may use. On systems without ``os.sched_setaffinity`` nothing
+changes.
 """
 from __future__ import annotations
 
