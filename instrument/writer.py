@@ -22,8 +22,8 @@ The writer thread first moves itself off the CPU its creator may be pinned
 to (an engine's forward thread), and the sink inherits that
 (:mod:`pdtrace.instrument.cpus`, ``PDTRACE_HELPER_CPUS``).
 
-Values the sink could not rebuild (objects of non-builtin types in attribute
-dicts) are pickled as None and so dropped and counted as wrong-typed
+Values the sink could not rebuild (objects of non-builtin types among a
+record's attribute values) are pickled as None and so dropped and counted as wrong-typed
 attributes. The allowlist is the traced process's: keys that plug-ins
 register there are sent to the sink before the next records. If the sink
 cannot start or dies, records are dropped and counted (``dropped``) with one
