@@ -22,6 +22,7 @@ load extensions.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 import time
@@ -38,6 +39,16 @@ from . import loader
 
 #: Version of the cache layout beyond the SQL text (bump to force rebuilds).
 CACHE_FORMAT = "1"
+
+
+def _vocab_hash() -> str:
+    """sha256 (16 hex) of the stage and event vocabulary a cache was built with.
+
+    The vocabulary is loaded into the cache (``_stage_vocab``) and fixes the
+    ``_stage_name`` ENUM; a cache built with another vocabulary is rebuilt.
+    """
+    text = repr(sorted((k, v.role, v.category) for k, v in _stages.STAGES.items())) + repr(sorted(_stages.EVENTS))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 class SkippedFileWarning(UserWarning):
@@ -207,7 +218,7 @@ class Trace:
         if self._threads:
             con.execute(f"SET threads = {int(self._threads)}")
         con.execute("SET preserve_insertion_order = false")
-        stamp = f"{CACHE_FORMAT}:{loader.library_hash()}"
+        stamp = f"{CACHE_FORMAT}:{loader.library_hash()}:{_vocab_hash()}"
         con.execute("CREATE TABLE IF NOT EXISTS _meta (key VARCHAR PRIMARY KEY, value VARCHAR)")
         row = con.execute("SELECT value FROM _meta WHERE key = 'library'").fetchone()
         state = con.execute("SELECT value FROM _meta WHERE key = 'state'").fetchone()
@@ -502,7 +513,6 @@ def open_trace(directory: str | os.PathLike, cache: str | os.PathLike | None = N
 
 def default_cache_path(directory: str | os.PathLike) -> Path:
     """Cache file for ``directory``: ``$PDTRACE_CACHE_DIR`` (default: the user's temp dir)/pdtrace-<hash>.duckdb."""
-    import hashlib
     root = Path(os.environ.get("PDTRACE_CACHE_DIR") or Path(tempfile.gettempdir()) / "pdtrace-cache")
     root.mkdir(parents=True, exist_ok=True)
     key = hashlib.sha256(str(Path(directory).resolve()).encode()).hexdigest()[:16]

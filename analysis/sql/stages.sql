@@ -33,6 +33,15 @@ SELECT v.stage,
        v.doc
 FROM _stage_vocab v LEFT JOIN _stage_flags f USING (stage);
 
+-- Stage names as an ENUM (stored as a small integer): the critical path
+-- (module ttft_segments) sorts and joins millions of candidate rows, and in
+-- DuckDB's window sort a row carrying long strings costs ~3x one carrying
+-- integers (BENCHMARKS.md "Analysis", session 8). Every stage and stage group
+-- of the vocabulary, and 'unattributed'; casting another name raises, so only
+-- rows joined with `stages` are cast.
+CREATE OR REPLACE TYPE _stage_name AS ENUM (
+    SELECT stage FROM _stage_vocab UNION SELECT stage_group FROM _stage_flags UNION SELECT 'unattributed' ORDER BY 1);
+
 COMMENT ON VIEW stages IS 'Stage name -> category mapping (pdtrace.instrument.stages) with the flags the critical path uses.';
 COMMENT ON COLUMN stages.stage IS 'stage (span) name, e.g. kv.transfer';
 COMMENT ON COLUMN stages.role IS 'role that records the stage: router | prefill | decode (empty for unattributed)';

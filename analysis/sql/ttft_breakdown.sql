@@ -24,7 +24,7 @@ HAVING sum((c.e0 - c.s0) + c.clip_ns - coalesce(t.oe - t.s0, 0)) > 0;
 
 CREATE TABLE IF NOT EXISTS _mat_ttft_hidden AS SELECT * FROM _calc_ttft_hidden LIMIT 0;
 CREATE OR REPLACE VIEW ttft_hidden AS
-SELECT q.run_id, q.request_id, q.prompt_index, h.stage, h.hidden_ns, h.hidden_ns / 1e6 AS hidden_ms, h.rkey
+SELECT q.run_id, q.request_id, q.prompt_index, h.stage::VARCHAR AS stage, h.hidden_ns, h.hidden_ns / 1e6 AS hidden_ms, h.rkey
 FROM _mat_ttft_hidden h JOIN _req_base q ON q.rkey = h.rkey;
 
 COMMENT ON VIEW ttft_hidden IS 'Per request and stage: time a charged stage ran off the critical path (hidden behind the last-arriving input).';
@@ -78,7 +78,7 @@ SELECT q.run_id, q.request_id, q.prompt_index, q.mode,
        seg.step_boundary_ns / 1e6 AS step_boundary_ms,
        seg.readiness_lag_ns / 1e6 AS readiness_lag_ms,
        seg.router_wait_ns / 1e6 AS router_wait_ms,
-       seg.dominant_stage, seg.dominant_ns / 1e6 AS dominant_ms,
+       seg.dominant_stage::VARCHAR AS dominant_stage, seg.dominant_ns / 1e6 AS dominant_ms,
        q.first_contact, q.recomputed,
        q.prompt_tokens, q.cached_tokens, q.uncached_tokens, q.output_tokens,
        q.arrival_ns, q.first_token_ns, q.prefill_engine, q.decode_engine, seg.segments::BIGINT AS segments, q.kv_descriptors,

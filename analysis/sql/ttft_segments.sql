@@ -73,7 +73,8 @@ CREATE TABLE IF NOT EXISTS _mat_tt_req AS SELECT * FROM _calc_tt_req LIMIT 0;
 CREATE OR REPLACE VIEW _tt_req AS SELECT * FROM _mat_tt_req;
 
 CREATE OR REPLACE VIEW _tt_all AS
-SELECT t.rkey, t.span_id, t.parent_span_id, t.name AS stage, s.category, s.stage_group, s.is_filler,
+SELECT t.rkey, t.span_id, t.parent_span_id, t.name::_stage_name AS stage, s.category,
+       s.stage_group::_stage_name AS stage_group, s.is_filler,
        t.role, t.engine_id, t.tp_rank, t.attempt, t.c_end_ns AS end_c,
        -- the branch of a pre-join stage: its engine's role, but dest.register
        -- is D's branch whoever records it (its end is the match on P)
@@ -234,21 +235,27 @@ FROM (
     WINDOW w AS (PARTITION BY rkey ORDER BY start_ns, end_ns)
 ) WHERE ge > gs;
 
+-- (the request's ids are joined after the numbering: strings in a window's rows slow its sort)
 CREATE OR REPLACE VIEW _calc_ttft_segments AS
-SELECT q.run_id, q.request_id, q.prompt_index,
-       (row_number() OVER (PARTITION BY s.rkey ORDER BY s.start_ns, s.end_ns))::INTEGER AS seq,
-       s.stage, s.stage_group, s.category, s.start_ns, s.end_ns, s.end_ns - s.start_ns AS dur_ns,
-       s.role, s.engine_id, s.tp_rank, s.attempt, s.span_id, s.detail, s.rkey
+SELECT q.run_id, q.request_id, q.prompt_index, s.seq,
+       s.stage, s.stage_group, s.category, s.start_ns, s.end_ns,
+       s.end_ns - s.start_ns AS dur_ns, s.role, s.engine_id, s.tp_rank, s.attempt, s.span_id, s.detail, s.rkey
 FROM (
-    SELECT rkey, stage, stage_group, category, start_ns, end_ns, role, engine_id, tp_rank, attempt, span_id,
-           NULL::VARCHAR AS detail FROM _tt_owned
-    UNION ALL
-    SELECT rkey, 'unattributed', 'unattributed', 'coordination', start_ns, end_ns, NULL, NULL, NULL, NULL, NULL, detail
-    FROM _tt_unattributed
+    SELECT *, (row_number() OVER (PARTITION BY rkey ORDER BY start_ns, end_ns))::INTEGER AS seq
+    FROM (
+        SELECT rkey, stage, stage_group, category, start_ns, end_ns, role, engine_id, tp_rank, attempt, span_id,
+               NULL::VARCHAR AS detail FROM _tt_owned
+        UNION ALL
+        SELECT rkey, 'unattributed'::_stage_name, 'unattributed'::_stage_name, 'coordination', start_ns, end_ns,
+               NULL, NULL, NULL, NULL, NULL, detail
+        FROM _tt_unattributed
+    )
 ) s JOIN _tt_req q ON q.rkey = s.rkey;
 
 CREATE TABLE IF NOT EXISTS _mat_ttft_segments AS SELECT * FROM _calc_ttft_segments LIMIT 0;
-CREATE OR REPLACE VIEW ttft_segments AS SELECT * FROM _mat_ttft_segments;
+-- (stored as _stage_name; shown as text)
+CREATE OR REPLACE VIEW ttft_segments AS
+SELECT * REPLACE (stage::VARCHAR AS stage, stage_group::VARCHAR AS stage_group) FROM _mat_ttft_segments;
 
 COMMENT ON VIEW ttft_segments IS 'Exclusive critical-path segments tiling each complete request''s [arrival at router, first token written] (DESIGN.md §2-3).';
 COMMENT ON COLUMN ttft_segments.run_id IS 'deployment run id';
