@@ -78,3 +78,24 @@ def test_batched_refresh_equals_one_pass(tmp_path):
             assert r.dirty_requests >= n_req
             for v, q in views.items():
                 assert tr.query(q) == want[v], (size, v)
+
+
+def test_cache_built_with_another_stage_vocabulary_is_rebuilt(tmp_path, monkeypatch):
+    # The vocabulary is stored in the cache and fixes the _stage_name ENUM: a
+    # cache from a pdtrace with other stages must not be reused (a new stage
+    # name would not even cast to the old ENUM).
+    from pdtrace.instrument import stages
+    d = tmp_path / "s"
+    _case_h().write(d)
+    cache = tmp_path / "c.duckdb"
+    with db.Trace(d, cache=cache) as tr:
+        assert tr.refresh().rebuilt
+    with db.Trace(d, cache=cache) as tr:
+        assert not tr.refresh().rebuilt
+    monkeypatch.setitem(stages.STAGES, "handoff.new_step",
+                        stages.Stage("prefill", "coordination", "a stage a later pdtrace adds"))
+    with db.Trace(d, cache=cache) as tr:
+        assert tr.refresh().rebuilt
+        names = tr.query("SELECT unnest(enum_range(NULL::_stage_name)) AS s")
+        assert {"handoff.new_step", "unattributed", "kv.transfer"} <= {n["s"] for n in names}
+        assert tr.query("SELECT ttft_ms FROM ttft_breakdown")[0]["ttft_ms"] == 4070
