@@ -365,16 +365,7 @@ class Trace:
                            LEFT JOIN (SELECT file_name, sum(num_rows) AS n FROM parquet_file_metadata(?)
                                       GROUP BY file_name) c ON c.file_name = f.path""",
                         [new, [good[p][0] for p in new], [good[p][1] for p in new], new])
-        # one visible copy per record_id: the copy in the first file by name
-        con.execute("DELETE FROM _dup_drop")
-        if files:
-            con.execute("""
-                INSERT INTO _dup_drop
-                SELECT record_id, filename FROM (
-                    SELECT record_id, filename, row_number() OVER (PARTITION BY record_id ORDER BY filename) AS rn
-                    FROM read_parquet(?, filename = true)
-                    WHERE record_id IN (SELECT record_id FROM read_parquet(?) GROUP BY record_id HAVING count(*) > 1))
-                WHERE rn > 1""", [files, files])
+        self._refresh_duplicates(files, new, gone, cold)
         self._set_records(files)
         # clock offsets: recompute; requests on clocks whose offset moved are dirty too
         con.execute("CREATE OR REPLACE TEMP TABLE _old_offsets AS SELECT * FROM _mat_domain_offsets")
@@ -414,6 +405,55 @@ class Trace:
         finally:
             self._set_records(files)
         return n_scope
+
+    def _refresh_duplicates(self, files: list[str], new: list[str], gone: list[str], cold: bool) -> None:
+        """Bring ``_dup_copies`` and ``_dup_drop`` up to date: one visible copy per record_id, the copy in the
+        first file by name (the recorder's compaction briefly leaves a record in a part and a segment).
+
+        Cold: every file's record ids are grouped once. Warm: the copies in vanished (or rewritten) files
+        are forgotten, and only the new files' record ids are looked up in the other files -- a scan of
+        their ``record_id`` column between the new ids' min and max, which the Parquet row-group statistics
+        prune (a recorder's ids grow with time, so old files fall outside) -- instead of grouping every
+        record id of the store on each absorb.
+        """
+        con = self.con
+        if cold:
+            con.execute("DELETE FROM _dup_copies")
+            if files:
+                con.execute("""
+                    INSERT INTO _dup_copies
+                    SELECT DISTINCT record_id, filename FROM read_parquet(?, filename = true)
+                    WHERE record_id IN (SELECT record_id FROM read_parquet(?) GROUP BY record_id HAVING count(*) > 1)""",
+                            [files, files])
+        else:
+            if gone:
+                con.execute("DELETE FROM _dup_copies WHERE _file IN (SELECT unnest(?::VARCHAR[]))", [gone])
+            if new:
+                con.execute("CREATE OR REPLACE TEMP TABLE _new_ids AS "
+                            "SELECT DISTINCT record_id, filename AS _file FROM read_parquet(?, filename = true)", [new])
+                lo, hi = con.execute("SELECT min(record_id), max(record_id) FROM _new_ids").fetchone()
+                fresh = set(new)
+                old = [f for f in files if f not in fresh]
+                con.execute("CREATE OR REPLACE TEMP TABLE _id_copies AS SELECT record_id, _file FROM _new_ids")
+                if old and lo is not None:
+                    con.execute("""
+                        INSERT INTO _id_copies
+                        SELECT DISTINCT record_id, filename FROM read_parquet(?, filename = true)
+                        WHERE record_id BETWEEN ? AND ? AND record_id IN (SELECT record_id FROM _new_ids)""",
+                                [old, lo, hi])
+                con.execute("DELETE FROM _dup_copies WHERE record_id IN (SELECT record_id FROM _new_ids)")
+                con.execute("""
+                    INSERT INTO _dup_copies SELECT record_id, _file FROM _id_copies
+                    WHERE record_id IN (SELECT record_id FROM _id_copies GROUP BY record_id HAVING count(*) > 1)""")
+        # a record left in one file (its other copies vanished) is no longer a duplicate
+        con.execute("""DELETE FROM _dup_copies WHERE record_id IN (
+                           SELECT record_id FROM _dup_copies GROUP BY record_id HAVING count(DISTINCT _file) < 2)""")
+        con.execute("DELETE FROM _dup_drop")
+        con.execute("""
+            INSERT INTO _dup_drop
+            SELECT record_id, _file FROM (
+                SELECT record_id, _file, row_number() OVER (PARTITION BY record_id ORDER BY _file) AS rn FROM _dup_copies)
+            WHERE rn > 1""")
 
     #: Requests recomputed per batch: a refresh touching more is done in batches
     #: of consecutive requests (see :meth:`_materialize_in_batches`).

@@ -1,11 +1,16 @@
 -- The tables the connection module fills (not a view module: run before the
 -- modules, once per database; every statement is idempotent).
+--   _dup_copies every copy of a record_id held by two or more files
 --   _dup_drop   duplicate copies of records (same record_id in two files) to hide
 --   _file_keys  request keys each absorbed file touches (incremental refresh)
 --   _files      the files absorbed or skipped, with size and mtime
 --   _stage_vocab / _event_vocab  loaded from pdtrace.instrument.stages
 
--- duplicate copies of a record (same record_id in a second file) that views skip
+-- every (record_id, file) of a record that two or more absorbed files hold (kept
+-- current incrementally: a refresh only looks up the new files' record ids)
+CREATE TABLE IF NOT EXISTS _dup_copies (record_id UBIGINT, _file VARCHAR);
+-- duplicate copies of a record (same record_id in a second file) that views skip:
+-- every copy in _dup_copies but the one in the first file by name
 CREATE TABLE IF NOT EXISTS _dup_drop (record_id UBIGINT, _file VARCHAR);
 -- request keys (and ids a router row links to) per absorbed file: what a file touches
 CREATE TABLE IF NOT EXISTS _file_keys (_file VARCHAR, rkey UBIGINT);

@@ -103,6 +103,41 @@ def test_duplicated_spans_counted_once_and_compaction_is_safe(tmp_path):
         assert tr.query("SELECT coordination_ms FROM ttft_breakdown")[0]["coordination_ms"] == 4000
 
 
+
+def test_a_copy_arriving_later_is_found_incrementally(tmp_path):
+    # Warm refreshes look up only the new files' record ids in the other files:
+    # a copy that arrives later, sorting before the original, becomes the
+    # visible one; when it vanishes again the original is visible; every state
+    # equals a cold build of the same directory.
+    d = tmp_path / "s"
+    paths = _case_h().write(d)
+    dec = [p for p in paths if "decode" in p.name][0]
+    n_dec = len(pq.read_table(dec))
+    cache = tmp_path / "c.duckdb"
+    q = "SELECT * EXCLUDE (rkey) FROM ttft_breakdown"
+    with db.Trace(d, cache=cache) as tr:
+        assert tr.refresh().rebuilt
+        assert tr.query("SELECT count(*) AS n FROM _dup_drop")[0]["n"] == 0
+        first = tr.query(q)
+        copy = d / ("0-" + dec.name)                         # sorts before the original
+        shutil.copy(dec, copy)
+        r = tr.refresh()
+        assert not r.rebuilt and r.new == [str(copy)]
+        drop = tr.query("SELECT _file, count(*) AS n FROM _dup_drop GROUP BY _file")
+        assert drop == [{"_file": str(dec), "n": n_dec}]     # the original's rows are now the hidden copies
+        assert tr.query("SELECT count(*) AS n FROM spans WHERE stage = 'dest.register'")[0]["n"] == 1
+        assert tr.query(q) == first
+        with db.open_trace(d) as cold:
+            assert cold.query("SELECT _file, count(*) AS n FROM _dup_drop GROUP BY _file") == drop
+        copy.unlink()
+        r = tr.refresh()
+        assert r.gone == [str(copy)]
+        assert tr.query("SELECT count(*) AS n FROM _dup_drop")[0]["n"] == 0
+        assert tr.query("SELECT count(*) AS n FROM _dup_copies")[0]["n"] == 0
+        assert tr.query("SELECT count(*) AS n FROM spans WHERE stage = 'dest.register'")[0]["n"] == 1
+        assert tr.query(q) == first
+
+
 def test_sql_is_read_only(tmp_path):
     d = tmp_path / "s"
     _case_h().write(d)
