@@ -41,6 +41,11 @@ from . import loader
 CACHE_FORMAT = "1"
 
 
+def _sql_list(paths: list[str]) -> str:
+    """A SQL list literal of file paths (quotes doubled), for views over a fixed file list."""
+    return "[" + ", ".join("'" + p.replace("'", "''") + "'" for p in paths) + "]"
+
+
 def _vocab_hash() -> str:
     """sha256 (16 hex) of the stage and event vocabulary a cache was built with.
 
@@ -329,7 +334,7 @@ class Trace:
         if not files:
             con.execute("CREATE OR REPLACE VIEW _records AS SELECT * FROM _records_empty")
             return
-        lit = "[" + ", ".join("'" + f.replace("'", "''") + "'" for f in files) + "]"
+        lit = _sql_list(files)
         has_dups = con.execute("SELECT count(*) FROM _dup_drop").fetchone()[0] > 0
         anti = (" WHERE NOT EXISTS (SELECT 1 FROM _dup_drop d WHERE d.record_id = r.record_id AND d._file = r._file)"
                 if has_dups else "")
@@ -367,6 +372,7 @@ class Trace:
                         [new, [good[p][0] for p in new], [good[p][1] for p in new], new])
         self._refresh_duplicates(files, new, gone, cold)
         self._set_records(files)
+        self._refresh_file_parts(files if cold else new, gone, cold)
         # clock offsets: recompute; requests on clocks whose offset moved are dirty too
         con.execute("CREATE OR REPLACE TEMP TABLE _old_offsets AS SELECT * FROM _mat_domain_offsets")
         for name, kind in loader.materializations():
@@ -454,6 +460,26 @@ class Trace:
             SELECT record_id, _file FROM (
                 SELECT record_id, _file, row_number() OVER (PARTITION BY record_id ORDER BY _file) AS rn FROM _dup_copies)
             WHERE rn > 1""")
+
+    def _refresh_file_parts(self, read: list[str], gone: list[str], cold: bool) -> None:
+        """Refresh the ``file`` materializations (see :mod:`pdtrace.analysis.loader`): delete the rows of
+        vanished (or rewritten) files and add those of the files in ``read`` -- the new files, or every
+        file on a cold build -- reading only those files through ``_file_rows``."""
+        con = self.con
+        parts = [name for name, kind in loader.materializations() if kind == "file"]
+        if read:
+            con.execute(f"CREATE OR REPLACE VIEW _file_rows AS SELECT * FROM _read_store({_sql_list(read)})")
+        try:
+            for name in parts:
+                mat, calc = f"_mat_{name.lstrip('_')}", f"_calc_{name.lstrip('_')}"
+                if cold:
+                    con.execute(f"DELETE FROM {mat}")
+                elif gone:
+                    con.execute(f"DELETE FROM {mat} WHERE _file IN (SELECT unnest(?::VARCHAR[]))", [gone])
+                if read:
+                    con.execute(f"INSERT INTO {mat} SELECT * FROM {calc}")
+        finally:
+            con.execute("CREATE OR REPLACE VIEW _file_rows AS SELECT * FROM _records_empty")
 
     #: Requests recomputed per batch: a refresh touching more is done in batches
     #: of consecutive requests (see :meth:`_materialize_in_batches`).

@@ -25,7 +25,12 @@ KIND`` says that view ``NAME`` reads table ``_mat_NAME``, filled from view
 ``_calc_NAME`` by :mod:`pdtrace.analysis.db` on refresh: ``full`` recomputes the
 whole table, ``request`` only the request keys in ``_scope_keys``; ``scratch``
 holds an intermediate step for the refreshed requests only and is emptied
-after the refresh (read by several later steps, so computed once).
+after the refresh (read by several later steps, so computed once); ``file``
+holds what each store file's own rows give (partial aggregates that views
+merge across files, keyed by ``_file``): ``_calc_NAME`` reads ``_file_rows``,
+which a refresh points at the new files only, and a vanished file's rows are
+deleted, so absorbing a file never rescans the others. ``file`` tables are
+refreshed first, then ``full``, then ``request``/``scratch``.
 
 ``_tables.sql`` (no header) creates the base tables the connection module
 fills; it runs before every module.
@@ -79,7 +84,7 @@ def _sql_dir():
 
 def read_module(name: str, text: str) -> Module:
     """Parse a module's header. Raises ValueError when ``-- module:`` is missing or differs from ``name``,
-    or a materialize line is not ``NAME full|request``."""
+    or a materialize line is not ``NAME full|request|scratch|file``."""
     requires: list[str] = []
     mats: list[tuple[str, str]] = []
     declared = None
@@ -91,7 +96,7 @@ def read_module(name: str, text: str) -> Module:
             requires += [v.strip() for v in value.split(",") if v.strip()]
         else:
             parts = value.split()
-            if len(parts) != 2 or parts[1] not in ("full", "request", "scratch"):
+            if len(parts) != 2 or parts[1] not in ("full", "request", "scratch", "file"):
                 raise ValueError(f"module {name}: bad materialize line {value!r}")
             mats.append((parts[0], parts[1]))
     if declared != name:
@@ -151,5 +156,5 @@ def library_hash() -> str:
 
 
 def materializations() -> list[tuple[str, str]]:
-    """[(view name, 'full'|'request')] in load order."""
+    """[(view name, 'full'|'request'|'scratch'|'file')] in load order."""
     return [mat for m in load_order() for mat in m.materialize]

@@ -1,5 +1,9 @@
 -- module: clock
 -- requires: records
+-- materialize: _clock_router_part file
+-- materialize: _clock_engine_part file
+-- materialize: _clock_event_part file
+-- materialize: _clock_domain_part file
 -- materialize: _clock_domain_map full
 -- materialize: _clock_pair_est full
 -- materialize: _domain_offsets full
@@ -52,16 +56,66 @@ CREATE OR REPLACE MACRO _clock_point_usable(point, point_width, lo, hi, plain_lo
     AND (point_width < coalesce(plain_hi - plain_lo, 9223372036854775807)
          OR NOT (coalesce(plain_lo, 0) <= 0 AND coalesce(plain_hi, 0) >= 0));
 
-CREATE OR REPLACE VIEW _clock_router_marks AS
-SELECT rkey,
+-- The evidence, per store file (materialize kind 'file'): what each file's own
+-- rows say, as partial aggregates that merge across files (min/max: a
+-- request's rows may span a file rotation, and a record duplicated in two
+-- files gives the same values twice), plus the single-row evidence with its
+-- record_id (duplicate copies are skipped where it is used). A refresh reads
+-- only the new files; everything below merges the parts.
+CREATE OR REPLACE VIEW _calc_clock_router_part AS
+SELECT _file, rkey,
        max(end_ns) FILTER (WHERE name = 'router.dispatch' AND attr_str['router.leg'] = 'prefill') AS disp_p_end,
        max(end_ns) FILTER (WHERE name = 'router.dispatch' AND attr_str['router.leg'] = 'decode') AS disp_d_end,
        min(start_ns) FILTER (WHERE name = 'router.dispatch' AND attr_str['router.leg'] = 'decode') AS disp_d_start,
        min(start_ns) FILTER (WHERE name = 'router.first_token') AS first_token_ns,
        any_value(attr_str['request.mode']) FILTER (WHERE name = 'router.request') AS mode,
        any_value(domain) AS router_domain
-FROM _records
+FROM _file_rows
 WHERE role = 'router' AND rkey IS NOT NULL AND record IN ('span', 'event')
+GROUP BY _file, rkey;
+CREATE TABLE IF NOT EXISTS _mat_clock_router_part AS SELECT * FROM _calc_clock_router_part LIMIT 0;
+
+CREATE OR REPLACE VIEW _calc_clock_engine_part AS
+SELECT _file, rkey, domain, role,
+       min(start_ns) AS first_start,
+       max(end_ns) FILTER (WHERE name = 'prefill.compute') AS compute_end,
+       max(end_ns) FILTER (WHERE name = 'decode.first_step') AS first_step_end
+FROM _file_rows
+WHERE record = 'span' AND role IN ('prefill', 'decode') AND rkey IS NOT NULL
+GROUP BY _file, rkey, domain, role;
+CREATE TABLE IF NOT EXISTS _mat_clock_engine_part AS SELECT * FROM _calc_clock_engine_part LIMIT 0;
+
+-- registration/notification receipts, clock samples and (wall, monotonic) anchors
+CREATE OR REPLACE VIEW _calc_clock_event_part AS
+SELECT _file, record_id, record, name, domain, start_ns,
+       attr_str['clock.peer_engine_id'] AS clock_peer, attr_str['peer.engine_id'] AS peer,
+       attr_int['clock.send_ns'] AS send_ns, attr_int['clock.offset_ns'] AS sample_offset_ns,
+       coalesce(attr_int['clock.rtt_ns'], attr_int['clock.rtt_bound_ns'], 0) AS sample_rtt_ns,
+       coalesce(attr_str['clock.domain'], 'wall') AS sample_clock, attr_int['clock.mono_ns'] AS mono_ns
+FROM _file_rows
+WHERE (record = 'event' AND name IN ('registration.received', 'notification.received')
+       AND attr_int['clock.send_ns'] IS NOT NULL)
+   OR (record = 'event' AND name = 'clock.sample' AND attr_int['clock.offset_ns'] IS NOT NULL)
+   OR (record = 'clock' AND attr_int['clock.mono_ns'] IS NOT NULL);
+CREATE TABLE IF NOT EXISTS _mat_clock_event_part AS SELECT * FROM _calc_clock_event_part LIMIT 0;
+CREATE OR REPLACE VIEW _clock_event_rows AS
+SELECT * FROM _mat_clock_event_part e
+WHERE NOT EXISTS (SELECT 1 FROM _dup_drop d WHERE d.record_id = e.record_id AND d._file = e._file);
+
+-- engines per (role, host, run) and whether API-server rows without engine_id were seen
+CREATE OR REPLACE VIEW _calc_clock_domain_part AS
+SELECT _file, role, host, run_id,
+       list(DISTINCT engine_id) FILTER (WHERE engine_id IS NOT NULL) AS engines,
+       bool_or(engine_id IS NULL) AS api_rows
+FROM _file_rows
+WHERE role IN ('prefill', 'decode')
+GROUP BY _file, role, host, run_id;
+CREATE TABLE IF NOT EXISTS _mat_clock_domain_part AS SELECT * FROM _calc_clock_domain_part LIMIT 0;
+
+CREATE OR REPLACE VIEW _clock_router_marks AS
+SELECT rkey, max(disp_p_end) AS disp_p_end, max(disp_d_end) AS disp_d_end, min(disp_d_start) AS disp_d_start,
+       min(first_token_ns) AS first_token_ns, any_value(mode) AS mode, any_value(router_domain) AS router_domain
+FROM _mat_clock_router_part
 GROUP BY rkey;
 
 -- API-server rows without engine_id (records.sql: domain _api_clock_domain(role,
@@ -70,24 +124,20 @@ GROUP BY rkey;
 -- otherwise clock_domain is NULL (unresolved, listed in clock_domains).
 CREATE OR REPLACE VIEW _calc_clock_domain_map AS
 SELECT _api_clock_domain(role, host, run_id) AS domain,
-       CASE WHEN count(DISTINCT engine_id) = 1 THEN min(engine_id) END AS clock_domain,
-       count(DISTINCT engine_id) AS engines
-FROM _records
-WHERE role IN ('prefill', 'decode')
-GROUP BY role, host, run_id
-HAVING bool_or(engine_id IS NULL);
+       CASE WHEN len(engines) = 1 THEN engines[1] END AS clock_domain,
+       len(engines)::BIGINT AS engines
+FROM (SELECT role, host, run_id, list_distinct(flatten(list(engines))) AS engines, bool_or(api_rows) AS api_rows
+      FROM _mat_clock_domain_part GROUP BY role, host, run_id)
+WHERE api_rows;
 
 CREATE TABLE IF NOT EXISTS _mat_clock_domain_map AS SELECT * FROM _calc_clock_domain_map LIMIT 0;
 CREATE OR REPLACE VIEW _clock_domain_map AS SELECT * FROM _mat_clock_domain_map;
 
 CREATE OR REPLACE VIEW _clock_engine_marks AS
-SELECT rkey, coalesce(m.clock_domain, r.domain) AS domain, role,
-       min(start_ns) AS first_start,
-       max(end_ns) FILTER (WHERE name = 'prefill.compute') AS compute_end,
-       max(end_ns) FILTER (WHERE name = 'decode.first_step') AS first_step_end
-FROM _records r LEFT JOIN _clock_domain_map m ON m.domain = r.domain
-WHERE record = 'span' AND role IN ('prefill', 'decode') AND rkey IS NOT NULL
-GROUP BY rkey, coalesce(m.clock_domain, r.domain), role;
+SELECT p.rkey, coalesce(m.clock_domain, p.domain) AS domain, p.role,
+       min(p.first_start) AS first_start, max(p.compute_end) AS compute_end, max(p.first_step_end) AS first_step_end
+FROM _mat_clock_engine_part p LEFT JOIN _clock_domain_map m ON m.domain = p.domain
+GROUP BY p.rkey, coalesce(m.clock_domain, p.domain), p.role;
 
 -- Per clock domain: wall minus monotonic from its processes' (wall, monotonic)
 -- anchor rows (record 'clock'), the median over all anchors (ns). Exact in
@@ -98,9 +148,7 @@ GROUP BY rkey, coalesce(m.clock_domain, r.domain), role;
 CREATE OR REPLACE VIEW _clock_anchors AS
 WITH a AS (
     SELECT domain, d, min(d) OVER (PARTITION BY domain) AS d0
-    FROM (SELECT domain, start_ns - attr_int['clock.mono_ns'] AS d
-          FROM _records
-          WHERE record = 'clock' AND attr_int['clock.mono_ns'] IS NOT NULL)
+    FROM (SELECT domain, start_ns - mono_ns AS d FROM _clock_event_rows WHERE record = 'clock')
 )
 SELECT domain, any_value(d0) + floor(median(d - d0))::BIGINT AS wall_minus_mono, count(*) AS anchors
 FROM a
@@ -129,11 +177,9 @@ SELECT domain, router_domain, first_step_end, first_token_ns, 'http_response', N
 FROM pairs WHERE role = 'decode'
 UNION ALL
 -- engine <-> engine messages carrying the sender's send time (registration, notifications)
-SELECT coalesce(attr_str['clock.peer_engine_id'], attr_str['peer.engine_id']), domain,
-       attr_int['clock.send_ns'], start_ns, name, NULL, NULL
-FROM _records
+SELECT coalesce(clock_peer, peer), domain, send_ns, start_ns, name, NULL, NULL
+FROM _clock_event_rows
 WHERE record = 'event' AND name IN ('registration.received', 'notification.received')
-  AND attr_int['clock.send_ns'] IS NOT NULL
 UNION ALL
 -- samples (e.g. the NIXL handshake's lowest-RTT estimate): peer clock minus own
 -- clock, +- rtt/2. A sample between monotonic clocks (clock.domain =
@@ -142,11 +188,10 @@ UNION ALL
 SELECT s.domain, s.peer, NULL, s.start_ns, 'clock.sample',
        CASE WHEN s.cdomain = 'monotonic' THEN s.off + pa.wall_minus_mono - sa.wall_minus_mono ELSE s.off END,
        s.rtt
-FROM (SELECT domain, attr_str['clock.peer_engine_id'] AS peer, start_ns, attr_int['clock.offset_ns'] AS off,
-             coalesce(attr_int['clock.rtt_ns'], attr_int['clock.rtt_bound_ns'], 0) AS rtt,
-             coalesce(attr_str['clock.domain'], 'wall') AS cdomain
-      FROM _records
-      WHERE record = 'event' AND name = 'clock.sample' AND attr_int['clock.offset_ns'] IS NOT NULL) s
+FROM (SELECT domain, clock_peer AS peer, start_ns, sample_offset_ns AS off, sample_rtt_ns AS rtt,
+             sample_clock AS cdomain
+      FROM _clock_event_rows
+      WHERE record = 'event' AND name = 'clock.sample') s
 LEFT JOIN _clock_anchors sa ON sa.domain = s.domain
 LEFT JOIN _clock_anchors pa ON pa.domain = s.peer
 WHERE s.cdomain <> 'monotonic' OR (sa.wall_minus_mono IS NOT NULL AND pa.wall_minus_mono IS NOT NULL);

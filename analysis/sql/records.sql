@@ -55,6 +55,10 @@ SELECT NULL::VARCHAR AS record, NULL::UBIGINT AS record_id, NULL::VARCHAR AS tra
        NULL::UBIGINT AS rkey, NULL::VARCHAR AS domain, NULL::VARCHAR AS _file
 WHERE false;
 CREATE OR REPLACE VIEW _records AS SELECT * FROM _records_empty;
+-- _file_rows: the rows of the files a refresh absorbs (all files on a cold
+-- build), duplicates NOT hidden -- what `materialize: ... file` steps read
+-- (loader); the connection module points it at those files.
+CREATE OR REPLACE VIEW _file_rows AS SELECT * FROM _records_empty;
 
 CREATE OR REPLACE VIEW store_files AS
 SELECT path, ok, reason, size AS size_bytes, rows, mtime_ns FROM _files;

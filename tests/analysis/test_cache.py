@@ -99,3 +99,49 @@ def test_cache_built_with_another_stage_vocabulary_is_rebuilt(tmp_path, monkeypa
         names = tr.query("SELECT unnest(enum_range(NULL::_stage_name)) AS s")
         assert {"handoff.new_step", "unattributed", "kv.transfer"} <= {n["s"] for n in names}
         assert tr.query("SELECT ttft_ms FROM ttft_breakdown")[0]["ttft_ms"] == 4070
+
+
+def test_clock_evidence_absorbed_per_file_equals_a_cold_build(tmp_path):
+    # The clock evidence is kept per store file (materialize kind 'file') and
+    # merged by the views: absorbing a file reads only it, and removing it
+    # removes its evidence. Here a second decode engine on the API server's
+    # host arrives and leaves: the API-server domain goes unresolved and back,
+    # and every state equals a cold build of the same directory.
+    from pdtrace_case_builder import T0, Case
+    from test_clock_rules import _pull
+    d = tmp_path / "s"
+    a = Case(clock_shift_ms={"d0": 250, "decode": 250})
+    _pull(a, "n1", d_api=True, api_engine=None)
+    for k, mono in enumerate((1_000, 2_000)):
+        a.rows[("decode", "d0")].append({"record": "clock", "name": "clock.anchor", "start_ns": T0 + k,
+                                         "attrs": {"clock.mono_ns": mono}})
+        a.rows[("prefill", "p0")].append({"record": "clock", "name": "clock.anchor", "start_ns": T0 + k,
+                                          "attrs": {"clock.mono_ns": mono}})
+    a.write(d, prefix="a-")
+    b = Case()
+    b.span("decode", "decode.first_step", 210, 250, rid="u2", engine="d1")
+    queries = ("SELECT * FROM clock_domains ORDER BY domain",
+               "SELECT * FROM _domain_offsets ORDER BY ALL",
+               "SELECT * FROM clock_offsets ORDER BY ALL",
+               "SELECT * FROM _clock_anchors ORDER BY ALL",
+               "SELECT record_id, start_ns, end_ns, clock_offset_ns, clock_bound_ns FROM spans ORDER BY record_id",
+               _Q)
+
+    def same_as_cold(tr):
+        with db.open_trace(d) as cold:
+            for q in queries:
+                assert tr.query(q) == cold.query(q), q
+        return {r["domain"]: r["status"] for r in tr.query("SELECT * FROM clock_domains")}
+
+    with db.Trace(d, cache=tmp_path / "c.duckdb") as tr:
+        tr.refresh()
+        assert same_as_cold(tr)["api:decode@h/run-test"] == "inherited"
+        new = b.write(d, prefix="b-")
+        r = tr.refresh()
+        assert not r.rebuilt and sorted(r.new) == sorted(map(str, new))
+        assert same_as_cold(tr)["api:decode@h/run-test"] == "unresolved"
+        for p in new:
+            p.unlink()
+        tr.refresh()
+        assert same_as_cold(tr)["api:decode@h/run-test"] == "inherited"
+        assert tr.query("SELECT count(*) AS n FROM _mat_clock_engine_part WHERE domain = 'd1'")[0]["n"] == 0
