@@ -5,18 +5,23 @@
 -- of the domain's clock relative to the router's (module clock); a domain
 -- without evidence in a window uses its whole-trace offset, and 0 without any.
 
-CREATE OR REPLACE VIEW _timed AS
+-- The rows of the table or view named `rows` (columns domain, start_ns,
+-- end_ns: raw ns) with their correction: clock_offset_ns, clock_bound_ns
+-- (duration ns) and c_start_ns, c_end_ns (router clock, ns since the epoch).
+CREATE OR REPLACE MACRO _clock_corrected(rows) AS TABLE
 SELECT r.*,
        coalesce(w.offset_ns, a.offset_ns, 0) AS clock_offset_ns,
        CASE WHEN w.offset_ns IS NOT NULL THEN w.bound_ns ELSE a.bound_ns END AS clock_bound_ns,
        r.start_ns - coalesce(w.offset_ns, a.offset_ns, 0) AS c_start_ns,
        r.end_ns - coalesce(w.offset_ns, a.offset_ns, 0) AS c_end_ns
-FROM _records r
+FROM query_table(rows) r
 LEFT JOIN (SELECT * FROM _domain_offsets WHERE window_idx IS NOT NULL) w
        ON w.domain = r.domain AND w.window_idx = r.start_ns // _clock_window_ns()
 LEFT JOIN (SELECT * FROM _domain_offsets WHERE window_idx IS NULL) a
-       ON a.domain = r.domain
-WHERE r.record IN ('span', 'event');
+       ON a.domain = r.domain;
+
+CREATE OR REPLACE VIEW _timed AS
+SELECT * FROM _clock_corrected('_records') WHERE record IN ('span', 'event');
 
 CREATE OR REPLACE VIEW spans AS
 SELECT t.record_id, t.trace_id, t.span_id, t.parent_span_id, t.run_id, t.request_id, t.prompt_index, t.attempt,

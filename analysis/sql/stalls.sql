@@ -1,5 +1,6 @@
 -- module: stalls
 -- requires: spans, request_base
+-- materialize: _step_span_part file
 -- materialize: _step_entries full
 -- materialize: _step_baseline full
 -- materialize: decode_stall_causes full
@@ -40,10 +41,24 @@
 -- Every request decoding in the step waits for the whole step, so each victim
 -- pays the whole excess, attributed to the culprits by share.
 
+-- The engine steps and their connector.* children, per store file (materialize
+-- kind 'file': a refresh reads only new files for them), raw times; duplicate
+-- copies skipped in _step_span_rows.
+CREATE OR REPLACE VIEW _calc_step_span_part AS
+SELECT _file, record_id, span_id, parent_span_id, name, engine_id, domain, start_ns, end_ns,
+       attr_int['step.id'] AS step_id, coalesce(attr_str['step.batch'], '') AS batch,
+       attr_str['vllm.method'] AS method, coalesce(attr_str['connector.request_ids'], '') AS request_ids
+FROM _file_rows
+WHERE record = 'span' AND (name = 'decode.step' OR name LIKE 'connector.%');
+CREATE TABLE IF NOT EXISTS _mat_step_span_part AS SELECT * FROM _calc_step_span_part LIMIT 0;
+CREATE OR REPLACE VIEW _step_span_rows AS
+SELECT * FROM _mat_step_span_part p
+WHERE NOT EXISTS (SELECT 1 FROM _dup_drop d WHERE d.record_id = p.record_id AND d._file = p._file);
+
+-- decode.step spans on the router clock
 CREATE OR REPLACE VIEW _steps AS
-SELECT s.span_id, s.engine_id, s.start_ns, s.end_ns, s.end_ns - s.start_ns AS dur_ns,
-       s.attr_int['step.id'] AS step_id, coalesce(s.attr_str['step.batch'], '') AS batch
-FROM spans s WHERE s.stage = 'decode.step';
+SELECT span_id, engine_id, c_start_ns AS start_ns, c_end_ns AS end_ns, end_ns - start_ns AS dur_ns, step_id, batch
+FROM _clock_corrected('_step_span_rows') WHERE name = 'decode.step';
 
 CREATE OR REPLACE VIEW _calc_step_entries AS
 SELECT span_id, engine_id, _base_request_id(mm.rid) AS request_id, mm.kind AS kind, mm.tok::BIGINT AS tokens
@@ -54,12 +69,11 @@ CREATE TABLE IF NOT EXISTS _mat_step_entries AS SELECT * FROM _calc_step_entries
 CREATE OR REPLACE VIEW _step_entries AS SELECT * FROM _mat_step_entries;
 
 CREATE OR REPLACE VIEW _step_conn AS
-SELECT s.span_id AS step_span_id, c.span_id, c.stage, c.end_ns - c.start_ns AS dur_ns,
-       c.attr_str['vllm.method'] AS method,
-       coalesce(c.attr_str['connector.request_ids'], '') AS request_ids,
+SELECT s.span_id AS step_span_id, c.span_id, c.name AS stage, c.end_ns - c.start_ns AS dur_ns,
+       c.method, c.request_ids,
        -- served a handoff: names at least one request (empty list entries ignored)
-       regexp_matches(coalesce(c.attr_str['connector.request_ids'], ''), '[^;]') AS served
-FROM _steps s JOIN spans c ON c.parent_span_id = s.span_id AND c.stage LIKE 'connector.%';
+       regexp_matches(c.request_ids, '[^;]') AS served
+FROM _steps s JOIN _step_span_rows c ON c.parent_span_id = s.span_id AND c.name LIKE 'connector.%';
 
 CREATE OR REPLACE VIEW _step_stats AS
 WITH e AS (

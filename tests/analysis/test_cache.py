@@ -145,3 +145,44 @@ def test_clock_evidence_absorbed_per_file_equals_a_cold_build(tmp_path):
         tr.refresh()
         assert same_as_cold(tr)["api:decode@h/run-test"] == "inherited"
         assert tr.query("SELECT count(*) AS n FROM _mat_clock_engine_part WHERE domain = 'd1'")[0]["n"] == 0
+
+
+def test_engine_steps_absorbed_per_file_equal_a_cold_build(tmp_path):
+    # decode.step spans and their connector.* children are kept per store file
+    # (materialize kind 'file'). Case J's steps (step 50 stalled 600 ms by R's
+    # recompute and a 150 ms connector.load for Z) arrive in a later file set,
+    # then vanish: each state equals a cold build.
+    from copy import deepcopy
+    from test_handoff_cases import _case_j
+    d = tmp_path / "s"
+    full = _case_j(connector_ms=150)
+    first, steps = deepcopy(full), deepcopy(full)
+    for key in full.rows:
+        first.rows[key] = [r for r in full.rows[key] if r["name"] not in ("decode.step", "connector.load")]
+        steps.rows[key] = [r for r in full.rows[key] if r["name"] in ("decode.step", "connector.load")]
+    first.write(d, prefix="a-")
+    queries = ("SELECT * FROM decode_stalls ORDER BY step_span_id",
+               "SELECT * FROM decode_stall_causes ORDER BY ALL",
+               "SELECT * EXCLUDE (rkey) FROM request_stalls ORDER BY request_id")
+
+    def same_as_cold(tr):
+        with db.open_trace(d) as cold:
+            for q in queries:
+                assert tr.query(q) == cold.query(q), q
+
+    with db.Trace(d, cache=tmp_path / "c.duckdb") as tr:
+        tr.refresh()
+        same_as_cold(tr)
+        assert tr.query("SELECT count(*) AS n FROM decode_stalls")[0]["n"] == 0
+        new = steps.write(d, prefix="b-")
+        tr.refresh()
+        same_as_cold(tr)
+        causes = {r["kind"]: r["share_ms"] for r in tr.query("SELECT * FROM decode_stall_causes")}
+        assert causes == {"connector.load": 150, "recompute": 450}
+        assert {r["request_id"]: r["stall_ms"] for r in tr.query("SELECT * FROM request_stalls")
+                if r["request_id"] in "ABC"} == {"A": 600, "B": 600, "C": 600}
+        for p in new:
+            p.unlink()
+        tr.refresh()
+        same_as_cold(tr)
+        assert tr.query("SELECT count(*) AS n FROM decode_stalls")[0]["n"] == 0
