@@ -336,8 +336,7 @@ class Trace:
             return
         lit = _sql_list(files)
         has_dups = con.execute("SELECT count(*) FROM _dup_drop").fetchone()[0] > 0
-        anti = (" WHERE NOT EXISTS (SELECT 1 FROM _dup_drop d WHERE d.record_id = r.record_id AND d._file = r._file)"
-                if has_dups else "")
+        anti = " WHERE NOT _hidden_copy(r.record_id, r._file)" if has_dups else ""
         con.execute(f"CREATE OR REPLACE VIEW _records AS SELECT * FROM _read_store({lit}) r{anti}")
 
     def _absorb(self, new: list[str], gone: list[str], good: dict[str, tuple[int, int]]) -> int:
@@ -417,10 +416,9 @@ class Trace:
         first file by name (the recorder's compaction briefly leaves a record in a part and a segment).
 
         Cold: every file's record ids are grouped once. Warm: the copies in vanished (or rewritten) files
-        are forgotten, and only the new files' record ids are looked up in the other files -- a scan of
-        their ``record_id`` column between the new ids' min and max, which the Parquet row-group statistics
-        prune (a recorder's ids grow with time, so old files fall outside) -- instead of grouping every
-        record id of the store on each absorb.
+        are forgotten, and only the new files' record ids are looked up in the other files (their
+        ``record_id`` column, restricted to the new ids' min..max so that Parquet row-group statistics can
+        skip the rest) instead of grouping every record id of the store on each absorb.
         """
         con = self.con
         if cold:

@@ -100,7 +100,7 @@ WHERE (record = 'event' AND name IN ('registration.received', 'notification.rece
 CREATE TABLE IF NOT EXISTS _mat_clock_event_part AS SELECT * FROM _calc_clock_event_part LIMIT 0;
 CREATE OR REPLACE VIEW _clock_event_rows AS
 SELECT * FROM _mat_clock_event_part e
-WHERE NOT EXISTS (SELECT 1 FROM _dup_drop d WHERE d.record_id = e.record_id AND d._file = e._file);
+WHERE NOT _hidden_copy(e.record_id, e._file);
 
 -- engines per (role, host, run) and whether API-server rows without engine_id were seen
 CREATE OR REPLACE VIEW _calc_clock_domain_part AS

@@ -23,6 +23,11 @@ CREATE OR REPLACE MACRO _request_key(run_id, request_id, prompt_index) AS
 CREATE OR REPLACE MACRO _api_clock_domain(role, host, run_id) AS
     'api:' || role || '@' || coalesce(host, '?') || '/' || coalesce(run_id, '?');
 
+-- True for a copy of a record that another file also holds and that is not the
+-- visible one (listed in _dup_drop: all copies but the one in the first file by name).
+CREATE OR REPLACE MACRO _hidden_copy(rid, in_file) AS
+    EXISTS (SELECT 1 FROM _dup_drop d WHERE d.record_id = rid AND d._file = in_file);
+
 -- Rows of _records from a list of checked store files.
 CREATE OR REPLACE MACRO _read_store(files) AS TABLE
 SELECT record, record_id, trace_id, span_id, parent_span_id, name, kind, start_ns, end_ns,

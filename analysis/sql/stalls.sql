@@ -53,7 +53,7 @@ WHERE record = 'span' AND (name = 'decode.step' OR name LIKE 'connector.%');
 CREATE TABLE IF NOT EXISTS _mat_step_span_part AS SELECT * FROM _calc_step_span_part LIMIT 0;
 CREATE OR REPLACE VIEW _step_span_rows AS
 SELECT * FROM _mat_step_span_part p
-WHERE NOT EXISTS (SELECT 1 FROM _dup_drop d WHERE d.record_id = p.record_id AND d._file = p._file);
+WHERE NOT _hidden_copy(p.record_id, p._file);
 
 -- decode.step spans on the router clock
 CREATE OR REPLACE VIEW _steps AS
