@@ -245,6 +245,30 @@ def check_transfer_bytes(tr, ids, kv_bytes_per_token: int) -> None:
         assert r["blocks"] in (math.ceil((n - 1) / BLOCK_TOKENS), math.ceil(n / BLOCK_TOKENS)), r
 
 
+def settled_metrics(engine_url: str, name: str, at_least: float, timeout_s: float = 60.0) -> dict:
+    """Scrape ``engine_url``'s ``/metrics`` once series ``name`` totals ``at_least``; return the last scrape.
+
+    vLLM reports a worker's KV-connector stats (the ``vllm:nixl_*`` series)
+    with the output of the engine's next step, so a transfer that completed
+    while the engine was idle, or during a long step (a 7,000-token prefill
+    here), is not in ``/metrics`` until a step ends (seen in CI: 41 transfers
+    traced, 40 in P's counters, scraped right after the last request). While
+    short, this sends the engine a one-token completion of its own (no
+    ``kv_transfer_params``: no handoff, no transfer) to make it step, and
+    scrapes again, for up to ``timeout_s`` s; the caller's check then
+    compares whatever the engine reported.
+    """
+    import time
+    deadline = time.monotonic() + timeout_s
+    m = metrics.scrape(engine_url)
+    while metrics.total(m, name) < at_least and time.monotonic() < deadline:
+        labkit.post_status(engine_url.rstrip("/") + "/v1/completions",
+                           {"model": "lab", "prompt": [16, 17, 18, 19], "max_tokens": 1}, timeout=timeout_s)
+        time.sleep(0.5)
+        m = metrics.scrape(engine_url)
+    return m
+
+
 def check_nixl_counters(tr, m: dict, min_count: int) -> dict:
     """Totals of ``kv.transfer`` (count, bytes, NIXL duration) = vLLM's ``vllm:nixl_*`` counters ``m`` within 1 %."""
     prom_count = metrics.total(m, "vllm:nixl_xfer_time_seconds_count")

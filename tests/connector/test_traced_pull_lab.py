@@ -55,7 +55,7 @@ def traced_run(model_dir, wl, greedy_prompts, tmp_path_factory):
         lt.warm_up(lab, wl.requests[0].prompt, tries=1)
         recs = lt.replay_ok(lab, wl)
         greedy = lt.greedy(lab, greedy_prompts)
-        d_metrics = metrics.scrape(lab.decodes[0].url)
+        d_metrics = lt.settled_metrics(lab.decodes[0].url, "vllm:nixl_xfer_time_seconds_count", N_REPLAY + 4)
         stats = metrics.router_stats(lab.router_url)
         affinity = lt.helper_affinities(lab)
     tr = lt.open_trace(run_dir)

@@ -71,6 +71,11 @@ def gone_prompt(model_dir):
     return [16 + rng.randrange(vocab - 16) for _ in range(7000)]
 
 
+def _transfers_expected(greedy) -> int:
+    """KV transfers of the traced run: warm-up, replay, greedy, concurrent and serial (none for the gone client)."""
+    return 1 + lt.N_REPLAY + len(greedy) + 2 * SEQ
+
+
 @pytest.fixture(scope="module")
 def traced_run(model_dir, wl, greedy_prompts, seq_prompts, gone_prompt, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("push-traced")
@@ -85,7 +90,8 @@ def traced_run(model_dir, wl, greedy_prompts, seq_prompts, gone_prompt, tmp_path
         assert lt.get_json(lab.router_url + "/health")["push_dispatch"] == "serial"
         serial = [lt.one(lab, p, max_tokens=2) for p in seq_prompts[1]]
         lt.send_and_go_away(lab, gone_prompt)  # a client gone while the router waits for P (serial)
-        p_metrics = metrics.scrape(lab.prefills[0].url)
+        p_metrics = lt.settled_metrics(lab.prefills[0].url, "vllm:nixl_xfer_time_seconds_count",
+                                       _transfers_expected(greedy))
         d_metrics = metrics.scrape(lab.decodes[0].url)
     tr = lt.open_trace(run_dir)
     yield {"dir": run_dir, "tr": tr, "recs": recs, "greedy": greedy, "conc": conc, "serial": serial,
@@ -152,8 +158,8 @@ def test_transfer_bytes_are_blocks_times_block_bytes(traced_run):
 
 def test_transfer_totals_equal_vllm_nixl_counters_on_the_writer(traced_run):
     """In push P owns the WRITE handles: P's counters equal the spans; D records no transfer."""
-    n = 1 + lt.N_REPLAY + len(traced_run["greedy"]) + 2 * SEQ
-    lt.check_nixl_counters(traced_run["tr"], traced_run["p_metrics"], min_count=n)
+    lt.check_nixl_counters(traced_run["tr"], traced_run["p_metrics"],
+                           min_count=_transfers_expected(traced_run["greedy"]))
     assert metrics.total(traced_run["d_metrics"], "vllm:nixl_xfer_time_seconds_count") == 0
 
 
