@@ -5,6 +5,13 @@ from test_ttft_cases import _case_a, _case_g, _case_h
 _Q = "SELECT * EXCLUDE (rkey) FROM ttft_breakdown ORDER BY request_id"
 
 
+def _assert_same_as_cold(tr, directory, queries) -> None:
+    """Each query gives the same rows on the warm Trace ``tr`` as on a cold build of ``directory``."""
+    with db.open_trace(directory) as cold:
+        for q in queries:
+            assert tr.query(q) == cold.query(q), q
+
+
 def test_new_file_recomputes_only_its_requests(tmp_path):
     d = tmp_path / "s"
     _case_a().write(d, prefix="a-")
@@ -128,9 +135,7 @@ def test_clock_evidence_absorbed_per_file_equals_a_cold_build(tmp_path):
                _Q)
 
     def same_as_cold(tr):
-        with db.open_trace(d) as cold:
-            for q in queries:
-                assert tr.query(q) == cold.query(q), q
+        _assert_same_as_cold(tr, d, queries)
         return {r["domain"]: r["status"] for r in tr.query("SELECT * FROM clock_domains")}
 
     with db.Trace(d, cache=tmp_path / "c.duckdb") as tr:
@@ -165,18 +170,13 @@ def test_engine_steps_absorbed_per_file_equal_a_cold_build(tmp_path):
                "SELECT * FROM decode_stall_causes ORDER BY ALL",
                "SELECT * EXCLUDE (rkey) FROM request_stalls ORDER BY request_id")
 
-    def same_as_cold(tr):
-        with db.open_trace(d) as cold:
-            for q in queries:
-                assert tr.query(q) == cold.query(q), q
-
     with db.Trace(d, cache=tmp_path / "c.duckdb") as tr:
         tr.refresh()
-        same_as_cold(tr)
+        _assert_same_as_cold(tr, d, queries)
         assert tr.query("SELECT count(*) AS n FROM decode_stalls")[0]["n"] == 0
         new = steps.write(d, prefix="b-")
         tr.refresh()
-        same_as_cold(tr)
+        _assert_same_as_cold(tr, d, queries)
         causes = {r["kind"]: r["share_ms"] for r in tr.query("SELECT * FROM decode_stall_causes")}
         assert causes == {"connector.load": 150, "recompute": 450}
         assert {r["request_id"]: r["stall_ms"] for r in tr.query("SELECT * FROM request_stalls")
@@ -184,5 +184,5 @@ def test_engine_steps_absorbed_per_file_equal_a_cold_build(tmp_path):
         for p in new:
             p.unlink()
         tr.refresh()
-        same_as_cold(tr)
+        _assert_same_as_cold(tr, d, queries)
         assert tr.query("SELECT count(*) AS n FROM decode_stalls")[0]["n"] == 0

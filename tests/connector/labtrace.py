@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -258,7 +259,6 @@ def settled_metrics(engine_url: str, name: str, at_least: float, timeout_s: floa
     scrapes again, for up to ``timeout_s`` s; the caller's check then
     compares whatever the engine reported.
     """
-    import time
     deadline = time.monotonic() + timeout_s
     m = metrics.scrape(engine_url)
     while metrics.total(m, name) < at_least and time.monotonic() < deadline:
