@@ -1,5 +1,6 @@
 -- module: request_base
 -- requires: spans
+-- materialize: _req_link_part file
 -- materialize: _req_base request
 --
 -- Materialized per request: a refresh recomputes the keys in _scope_keys.
@@ -20,13 +21,16 @@
 -- (a re-dispatched or recomputed attempt generates its tokens anew).
 
 -- Request keys that a router span names as its other leg's id (whole store,
--- never restricted by an incremental refresh).
-CREATE OR REPLACE VIEW _req_links AS
-SELECT DISTINCT _request_key(run_id, attr_str['router.linked_request_id'], prompt_index) AS rkey,
+-- never restricted by an incremental refresh): kept per store file
+-- (materialize kind 'file'), so an absorb reads only the new files for them.
+CREATE OR REPLACE VIEW _calc_req_link_part AS
+SELECT DISTINCT _file, _request_key(run_id, attr_str['router.linked_request_id'], prompt_index) AS rkey,
        rkey AS by_rkey, attr_str['router.linked_request_id'] AS linked_id
-FROM _records
+FROM _file_rows
 WHERE role = 'router' AND attr_str['router.linked_request_id'] IS NOT NULL
   AND attr_str['router.linked_request_id'] <> request_id;
+CREATE TABLE IF NOT EXISTS _mat_req_link_part AS SELECT * FROM _calc_req_link_part LIMIT 0;
+CREATE OR REPLACE VIEW _req_links AS SELECT DISTINCT rkey, by_rkey, linked_id FROM _mat_req_link_part;
 
 CREATE OR REPLACE VIEW _calc_req_base AS
 WITH rt AS (

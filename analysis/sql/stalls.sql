@@ -1,7 +1,7 @@
 -- module: stalls
 -- requires: spans, request_base
 -- materialize: _step_span_part file
--- materialize: _step_entries full
+-- materialize: _step_entry_part file
 -- materialize: _step_baseline full
 -- materialize: decode_stall_causes full
 -- materialize: _stall_victims full
@@ -60,13 +60,23 @@ CREATE OR REPLACE VIEW _steps AS
 SELECT span_id, engine_id, c_start_ns AS start_ns, c_end_ns AS end_ns, end_ns - start_ns AS dur_ns, step_id, batch
 FROM _clock_corrected('_step_span_rows') WHERE name = 'decode.step';
 
-CREATE OR REPLACE VIEW _calc_step_entries AS
-SELECT span_id, engine_id, _base_request_id(mm.rid) AS request_id, mm.kind AS kind, mm.tok::BIGINT AS tokens
-FROM (SELECT span_id, engine_id, regexp_extract(e, '^(.*):([pdr])([0-9]+)$', ['rid', 'kind', 'tok']) AS mm
-      FROM _steps, unnest(string_split(batch, ';')) AS u(e) WHERE e <> '')
+-- The batch entries of each decode.step (step.batch 'X:p128;Y:d1;Z:r64'), one
+-- row per (step, request): request_id (base id X), kind ('p' prefill, 'd'
+-- decode, 'r' recompute) and tokens. Parsed once per store file (materialize
+-- kind 'file': the text parse is the costly part, and an absorb parses only the
+-- new files); duplicate copies of a step skipped in _step_entries.
+CREATE OR REPLACE VIEW _calc_step_entry_part AS
+SELECT _file, record_id, span_id, engine_id, _base_request_id(mm.rid) AS request_id, mm.kind AS kind,
+       mm.tok::BIGINT AS tokens
+FROM (SELECT _file, record_id, span_id, engine_id,
+             regexp_extract(e, '^(.*):([pdr])([0-9]+)$', ['rid', 'kind', 'tok']) AS mm
+      FROM _file_rows, unnest(string_split(coalesce(attr_str['step.batch'], ''), ';')) AS u(e)
+      WHERE record = 'span' AND name = 'decode.step' AND e <> '')
 WHERE mm.rid <> '';
-CREATE TABLE IF NOT EXISTS _mat_step_entries AS SELECT * FROM _calc_step_entries LIMIT 0;
-CREATE OR REPLACE VIEW _step_entries AS SELECT * FROM _mat_step_entries;
+CREATE TABLE IF NOT EXISTS _mat_step_entry_part AS SELECT * FROM _calc_step_entry_part LIMIT 0;
+CREATE OR REPLACE VIEW _step_entries AS
+SELECT span_id, engine_id, request_id, kind, tokens FROM _mat_step_entry_part p
+WHERE NOT _hidden_copy(p.record_id, p._file);
 
 CREATE OR REPLACE VIEW _step_conn AS
 SELECT s.span_id AS step_span_id, c.span_id, c.name AS stage, c.end_ns - c.start_ns AS dur_ns,

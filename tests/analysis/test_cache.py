@@ -186,3 +186,63 @@ def test_engine_steps_absorbed_per_file_equal_a_cold_build(tmp_path):
         tr.refresh()
         _assert_same_as_cold(tr, d, queries)
         assert tr.query("SELECT count(*) AS n FROM decode_stalls")[0]["n"] == 0
+
+
+def test_engine_steps_copied_by_compaction_count_once(tmp_path):
+    # The batch entries of each decode.step are parsed once per file (kind
+    # 'file'); a compaction copy of the steps' file must not double them. Case
+    # J with a 150 ms connector.load: step 50's 600 ms excess is 150 for Z's
+    # load and 450 for R's recompute, and each of A, B, C pays 600 once.
+    import shutil
+    from test_handoff_cases import _case_j
+    d = tmp_path / "s"
+    paths = _case_j(connector_ms=150).write(d)
+    queries = ("SELECT * FROM decode_stalls ORDER BY step_span_id",
+               "SELECT * FROM decode_stall_causes ORDER BY ALL",
+               "SELECT * EXCLUDE (rkey) FROM request_stalls ORDER BY request_id")
+    with db.Trace(d, cache=tmp_path / "c.duckdb") as tr:
+        tr.refresh()
+        first = [tr.query(q) for q in queries]
+        dec = [p for p in paths if "decode" in p.name][0]
+        shutil.copy(dec, d / ("0-" + dec.name))             # sorts first: its copies become the visible ones
+        assert not tr.refresh().rebuilt
+        assert [tr.query(q) for q in queries] == first
+        _assert_same_as_cold(tr, d, queries)
+        assert {r["kind"]: r["share_ms"] for r in tr.query("SELECT * FROM decode_stall_causes")} == {
+            "connector.load": 150, "recompute": 450}
+        assert {r["request_id"]: r["stall_ms"] for r in tr.query("SELECT * FROM request_stalls")
+                if r["request_id"] in "ABC"} == {"A": 600, "B": 600, "C": 600}
+
+
+def test_router_link_arriving_later_joins_the_legs(tmp_path):
+    # Case K (the router sent X1 to P and X2 to D): the engines' files come
+    # first, so X2 is a request of its own (no router record); the router's file
+    # then links X2 to X1 (kept per file: an absorb reads only the new file for
+    # links) and X2 is no longer a request; when the router's file vanishes, X2
+    # is back. Every state equals a cold build.
+    from copy import deepcopy
+    from test_incomplete import _case_k
+    d = tmp_path / "s"
+    full = _case_k()
+    engines, router = deepcopy(full), deepcopy(full)
+    for key in full.rows:
+        (router if key[0] == "router" else engines).rows[key] = full.rows[key]
+        (engines if key[0] == "router" else router).rows[key] = []
+    engines.write(d, prefix="a-")
+    queries = ("SELECT * EXCLUDE (rkey) FROM requests ORDER BY request_id",
+               "SELECT * EXCLUDE (rkey) FROM incomplete_requests ORDER BY request_id", _Q)
+    with db.Trace(d, cache=tmp_path / "c.duckdb") as tr:
+        tr.refresh()
+        _assert_same_as_cold(tr, d, queries)
+        assert "X2" in {r["request_id"] for r in tr.query("SELECT request_id FROM requests")}
+        new = router.write(d, prefix="b-")
+        assert not tr.refresh().rebuilt
+        _assert_same_as_cold(tr, d, queries)
+        assert {r["request_id"] for r in tr.query("SELECT request_id FROM requests")} == {"X1", "Y"}
+        inc = tr.query("SELECT * FROM incomplete_requests")
+        assert [(r["request_id"], r["cause"], r["linked_request_id"]) for r in inc] == [("X1", "id_mismatch", "X2")]
+        for p in new:
+            p.unlink()
+        tr.refresh()
+        _assert_same_as_cold(tr, d, queries)
+        assert "X2" in {r["request_id"] for r in tr.query("SELECT request_id FROM requests")}
