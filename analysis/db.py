@@ -343,10 +343,10 @@ class Trace:
         con = self.con
         files = sorted(good)
         cold = self._fresh or con.execute("SELECT count(*) FROM _file_keys").fetchone()[0] == 0
-        con.execute("CREATE OR REPLACE TEMP TABLE _chg (rkey UBIGINT)")
+        con.execute("DELETE FROM _changed_keys")
         if gone:
             con.execute("CREATE OR REPLACE TEMP TABLE _gone AS SELECT unnest(?::VARCHAR[]) AS path", [gone])
-            con.execute("INSERT INTO _chg SELECT rkey FROM _file_keys WHERE _file IN (SELECT path FROM _gone)")
+            con.execute("INSERT INTO _changed_keys SELECT rkey FROM _file_keys WHERE _file IN (SELECT path FROM _gone)")
             con.execute("DELETE FROM _file_keys WHERE _file IN (SELECT path FROM _gone)")
             con.execute("DELETE FROM _files WHERE path IN (SELECT path FROM _gone)")
         if new:
@@ -361,7 +361,7 @@ class Trace:
                         [new, new])
             con.execute("INSERT INTO _file_keys SELECT * FROM _new_keys")
             if not cold:
-                con.execute("INSERT INTO _chg SELECT rkey FROM _new_keys")
+                con.execute("INSERT INTO _changed_keys SELECT rkey FROM _new_keys")
             con.execute("""INSERT OR REPLACE INTO _files
                            SELECT f.path, f.size, f.mtime_ns, c.n, true, '', now()
                            FROM (SELECT unnest(?::VARCHAR[]) AS path, unnest(?::BIGINT[]) AS size,
@@ -372,6 +372,7 @@ class Trace:
         self._refresh_duplicates(files, new, gone, cold)
         self._set_records(files)
         self._refresh_file_parts(files if cold else new, gone, cold)
+        self._refresh_changed(cold)
         # clock offsets: recompute; requests on clocks whose offset moved are dirty too
         con.execute("CREATE OR REPLACE TEMP TABLE _old_offsets AS SELECT * FROM _mat_domain_offsets")
         for name, kind in loader.materializations():
@@ -391,8 +392,8 @@ class Trace:
             moved = con.execute("SELECT count(*) FROM _moved").fetchone()[0] > 0
             con.execute("""
                 INSERT INTO _scope_keys
-                SELECT rkey FROM _chg WHERE rkey IS NOT NULL
-                UNION SELECT by_rkey FROM _req_links WHERE rkey IN (SELECT rkey FROM _chg)""")
+                SELECT rkey FROM _changed_keys WHERE rkey IS NOT NULL
+                UNION SELECT by_rkey FROM _req_links WHERE rkey IN (SELECT rkey FROM _changed_keys)""")
             if moved:
                 con.execute("""
                     INSERT INTO _scope_keys
@@ -459,14 +460,33 @@ class Trace:
                 SELECT record_id, _file, row_number() OVER (PARTITION BY record_id ORDER BY _file) AS rn FROM _dup_copies)
             WHERE rn > 1""")
 
+    def _refresh_changed(self, cold: bool) -> None:
+        """Refresh the ``changed`` materializations (see :mod:`pdtrace.analysis.loader`): recompute the
+        request keys in ``_changed_keys``, or every key on a cold build (``_changed_keys`` is then set
+        to every key of ``_file_keys``)."""
+        con = self.con
+        if cold:
+            con.execute("DELETE FROM _changed_keys")
+            con.execute("INSERT INTO _changed_keys SELECT DISTINCT rkey FROM _file_keys WHERE rkey IS NOT NULL")
+        for name, kind in loader.materializations():
+            if kind == "changed":
+                mat, calc = f"_mat_{name.lstrip('_')}", f"_calc_{name.lstrip('_')}"
+                if cold:
+                    con.execute(f"DELETE FROM {mat}")
+                else:
+                    con.execute(f"DELETE FROM {mat} WHERE rkey IN (SELECT rkey FROM _changed_keys)")
+                con.execute(f"INSERT INTO {mat} SELECT * FROM {calc}")
+
     def _refresh_file_parts(self, read: list[str], gone: list[str], cold: bool) -> None:
         """Refresh the ``file`` materializations (see :mod:`pdtrace.analysis.loader`): delete the rows of
         vanished (or rewritten) files and add those of the files in ``read`` -- the new files, or every
-        file on a cold build -- reading only those files through ``_file_rows``."""
+        file on a cold build -- reading only those files through ``_file_rows`` (and listing them in
+        ``_read_files``)."""
         con = self.con
         parts = [name for name, kind in loader.materializations() if kind == "file"]
         if read:
             con.execute(f"CREATE OR REPLACE VIEW _file_rows AS SELECT * FROM _read_store({_sql_list(read)})")
+            con.execute("INSERT INTO _read_files SELECT unnest(?::VARCHAR[])", [read])
         try:
             for name in parts:
                 mat, calc = f"_mat_{name.lstrip('_')}", f"_calc_{name.lstrip('_')}"
@@ -478,6 +498,7 @@ class Trace:
                     con.execute(f"INSERT INTO {mat} SELECT * FROM {calc}")
         finally:
             con.execute("CREATE OR REPLACE VIEW _file_rows AS SELECT * FROM _records_empty")
+            con.execute("DELETE FROM _read_files")
 
     #: Requests recomputed per batch: a refresh touching more is done in batches
     #: of consecutive requests (see :meth:`_materialize_in_batches`).

@@ -28,9 +28,14 @@ holds an intermediate step for the refreshed requests only and is emptied
 after the refresh (read by several later steps, so computed once); ``file``
 holds what each store file's own rows give (partial aggregates that views
 merge across files, keyed by ``_file``): ``_calc_NAME`` reads ``_file_rows``,
-which a refresh points at the new files only, and a vanished file's rows are
-deleted, so absorbing a file never rescans the others. ``file`` tables are
-refreshed first, then ``full``, then ``request``/``scratch``.
+which a refresh points at the new files only (or an earlier ``file`` table's
+rows of the files listed in ``_read_files``), and a vanished file's rows are
+deleted, so absorbing a file never rescans the others. ``changed`` keeps rows
+keyed by request (``rkey``) that depend only on the request's own rows, as
+the ``file`` tables hold them: it recomputes the keys in ``_changed_keys``
+(those of the files added or removed; every key on a cold build) and may read
+``file`` tables only. ``file`` tables are refreshed first, then ``changed``,
+then ``full``, then ``request``/``scratch``.
 
 ``_tables.sql`` (no header) creates the base tables the connection module
 fills; it runs before every module.
@@ -70,7 +75,7 @@ def expand_comments(text: str) -> str:
 
 @dataclass(frozen=True)
 class Module:
-    """One SQL module: name, declared dependencies, materializations [(view, 'full'|'request')], text."""
+    """One SQL module: name, declared dependencies, materializations [(view, kind)], text."""
 
     name: str
     requires: tuple[str, ...]
@@ -84,7 +89,7 @@ def _sql_dir():
 
 def read_module(name: str, text: str) -> Module:
     """Parse a module's header. Raises ValueError when ``-- module:`` is missing or differs from ``name``,
-    or a materialize line is not ``NAME full|request|scratch|file``."""
+    or a materialize line is not ``NAME full|request|scratch|file|changed``."""
     requires: list[str] = []
     mats: list[tuple[str, str]] = []
     declared = None
@@ -96,7 +101,7 @@ def read_module(name: str, text: str) -> Module:
             requires += [v.strip() for v in value.split(",") if v.strip()]
         else:
             parts = value.split()
-            if len(parts) != 2 or parts[1] not in ("full", "request", "scratch", "file"):
+            if len(parts) != 2 or parts[1] not in ("full", "request", "scratch", "file", "changed"):
                 raise ValueError(f"module {name}: bad materialize line {value!r}")
             mats.append((parts[0], parts[1]))
     if declared != name:
@@ -156,5 +161,5 @@ def library_hash() -> str:
 
 
 def materializations() -> list[tuple[str, str]]:
-    """[(view name, 'full'|'request'|'scratch'|'file')] in load order."""
+    """[(view name, 'full'|'request'|'scratch'|'file'|'changed')] in load order."""
     return [mat for m in load_order() for mat in m.materialize]

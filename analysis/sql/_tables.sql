@@ -21,3 +21,10 @@ CREATE TABLE IF NOT EXISTS _stage_vocab (stage VARCHAR, role VARCHAR, category V
 CREATE TABLE IF NOT EXISTS _event_vocab (event VARCHAR, doc VARCHAR);
 -- Request keys a refresh recomputes (all keys on a cold build).
 CREATE TABLE IF NOT EXISTS _scope_keys (rkey UBIGINT);
+-- Request keys whose rows a refresh changed: the keys of the files added or
+-- removed (all keys on a cold build); what `changed` materializations recompute.
+CREATE TABLE IF NOT EXISTS _changed_keys (rkey UBIGINT);
+-- The store files a refresh reads for the `file` materializations (every file
+-- on a cold build), listed while they are refreshed: a `file` step may read an
+-- earlier one's table for these files instead of _file_rows.
+CREATE TABLE IF NOT EXISTS _read_files (_file VARCHAR);

@@ -4,6 +4,7 @@
 -- materialize: _clock_engine_part file
 -- materialize: _clock_event_part file
 -- materialize: _clock_domain_part file
+-- materialize: _clock_req_bounds changed
 -- materialize: _clock_domain_map full
 -- materialize: _clock_pair_est full
 -- materialize: _domain_offsets full
@@ -79,7 +80,9 @@ CREATE OR REPLACE VIEW _calc_clock_engine_part AS
 SELECT _file, rkey, domain, role,
        min(start_ns) AS first_start,
        max(end_ns) FILTER (WHERE name = 'prefill.compute') AS compute_end,
-       max(end_ns) FILTER (WHERE name = 'decode.first_step') AS first_step_end
+       max(end_ns) FILTER (WHERE name = 'decode.first_step') AS first_step_end,
+       -- an API-server domain (rows without engine_id): mapped to its engine by _clock_domain_map
+       bool_or(engine_id IS NULL) AS api_domain
 FROM _file_rows
 WHERE record = 'span' AND role IN ('prefill', 'decode') AND rkey IS NOT NULL
 GROUP BY _file, rkey, domain, role;
@@ -112,12 +115,6 @@ WHERE role IN ('prefill', 'decode')
 GROUP BY _file, role, host, run_id;
 CREATE TABLE IF NOT EXISTS _mat_clock_domain_part AS SELECT * FROM _calc_clock_domain_part LIMIT 0;
 
-CREATE OR REPLACE VIEW _clock_router_marks AS
-SELECT rkey, max(disp_p_end) AS disp_p_end, max(disp_d_end) AS disp_d_end, min(disp_d_start) AS disp_d_start,
-       min(first_token_ns) AS first_token_ns, any_value(mode) AS mode, any_value(router_domain) AS router_domain
-FROM _mat_clock_router_part
-GROUP BY rkey;
-
 -- API-server rows without engine_id (records.sql: domain _api_clock_domain(role,
 -- host, run)) are on their engine's host clock: they take the engine's domain
 -- when exactly one engine of that role recorded on that host in that run;
@@ -132,12 +129,6 @@ WHERE api_rows;
 
 CREATE TABLE IF NOT EXISTS _mat_clock_domain_map AS SELECT * FROM _calc_clock_domain_map LIMIT 0;
 CREATE OR REPLACE VIEW _clock_domain_map AS SELECT * FROM _mat_clock_domain_map;
-
-CREATE OR REPLACE VIEW _clock_engine_marks AS
-SELECT p.rkey, coalesce(m.clock_domain, p.domain) AS domain, p.role,
-       min(p.first_start) AS first_start, max(p.compute_end) AS compute_end, max(p.first_step_end) AS first_step_end
-FROM _mat_clock_engine_part p LEFT JOIN _clock_domain_map m ON m.domain = p.domain
-GROUP BY p.rkey, coalesce(m.clock_domain, p.domain), p.role;
 
 -- Per clock domain: wall minus monotonic from its processes' (wall, monotonic)
 -- anchor rows (record 'clock'), the median over all anchors (ns). Exact in
@@ -154,57 +145,56 @@ SELECT domain, any_value(d0) + floor(median(d - d0))::BIGINT AS wall_minus_mono,
 FROM a
 GROUP BY domain;
 
--- One row per causal message or sample: sent on src's clock, received on dst's.
-CREATE OR REPLACE VIEW _clock_msgs AS
-WITH pairs AS MATERIALIZED (
-    SELECT * FROM _clock_router_marks r JOIN _clock_engine_marks e USING (rkey)
+-- The router<->engine messages of the requests listed in the table or view
+-- named `keys` (column rkey), one row per message: sent on src's clock,
+-- received on dst's (raw ns), from the router and engine marks merged over the
+-- request's files. An API-server domain is merged into its engine's
+-- (_clock_domain_map); other domains are unchanged by the map.
+CREATE OR REPLACE MACRO _clock_request_msgs(keys) AS TABLE
+WITH r AS (
+    SELECT rkey, max(disp_p_end) AS disp_p_end, max(disp_d_end) AS disp_d_end, min(disp_d_start) AS disp_d_start,
+           min(first_token_ns) AS first_token_ns, any_value(mode) AS mode, any_value(router_domain) AS router_domain
+    FROM _mat_clock_router_part
+    WHERE rkey IN (SELECT rkey FROM query_table(keys))
+    GROUP BY rkey
+), e AS (
+    SELECT p.rkey, coalesce(m.clock_domain, p.domain) AS domain, p.role,
+           min(p.first_start) AS first_start, max(p.compute_end) AS compute_end,
+           max(p.first_step_end) AS first_step_end
+    FROM _mat_clock_engine_part p LEFT JOIN _clock_domain_map m ON m.domain = p.domain
+    WHERE p.rkey IN (SELECT rkey FROM query_table(keys))
+    GROUP BY p.rkey, coalesce(m.clock_domain, p.domain), p.role
+), pairs AS MATERIALIZED (
+    SELECT * FROM r JOIN e USING (rkey)
 )
 -- router -> engine: an engine cannot start a request before the router sent it
-SELECT router_domain AS src, domain AS dst,
+SELECT rkey, router_domain AS src, domain AS dst,
        CASE role WHEN 'prefill' THEN disp_p_end ELSE disp_d_end END AS sent_ns,
        first_start AS recv_ns, 'http_request' AS kind, NULL::BIGINT AS point_ns, NULL::BIGINT AS rtt_ns
 FROM pairs
 UNION ALL
 -- prefill -> router: pull dispatches D only after P's response; in any mode
 -- P's KV is computed before the router writes the first token
-SELECT domain, router_domain, compute_end,
+SELECT rkey, domain, router_domain, compute_end,
        CASE WHEN mode = 'pull' THEN coalesce(disp_d_start, first_token_ns) ELSE first_token_ns END,
        'http_response', NULL, NULL
 FROM pairs WHERE role = 'prefill'
 UNION ALL
 -- decode -> router: the first token is sampled on D before the router writes it
-SELECT domain, router_domain, first_step_end, first_token_ns, 'http_response', NULL, NULL
-FROM pairs WHERE role = 'decode'
-UNION ALL
--- engine <-> engine messages carrying the sender's send time (registration, notifications)
-SELECT coalesce(clock_peer, peer), domain, send_ns, start_ns, name, NULL, NULL
-FROM _clock_event_rows
-WHERE record = 'event' AND name IN ('registration.received', 'notification.received')
-UNION ALL
--- samples (e.g. the NIXL handshake's lowest-RTT estimate): peer clock minus own
--- clock, +- rtt/2. A sample between monotonic clocks (clock.domain =
--- 'monotonic') is converted through both domains' anchors:
---     wall offset = mono offset + (wall - mono)(peer) - (wall - mono)(own)
-SELECT s.domain, s.peer, NULL, s.start_ns, 'clock.sample',
-       CASE WHEN s.cdomain = 'monotonic' THEN s.off + pa.wall_minus_mono - sa.wall_minus_mono ELSE s.off END,
-       s.rtt
-FROM (SELECT domain, clock_peer AS peer, start_ns, sample_offset_ns AS off, sample_rtt_ns AS rtt,
-             sample_clock AS cdomain
-      FROM _clock_event_rows
-      WHERE record = 'event' AND name = 'clock.sample') s
-LEFT JOIN _clock_anchors sa ON sa.domain = s.domain
-LEFT JOIN _clock_anchors pa ON pa.domain = s.peer
-WHERE s.cdomain <> 'monotonic' OR (sa.wall_minus_mono IS NOT NULL AND pa.wall_minus_mono IS NOT NULL);
+SELECT rkey, domain, router_domain, first_step_end, first_token_ns, 'http_response', NULL, NULL
+FROM pairs WHERE role = 'decode';
 
--- Bounds on off(clock_b) - off(clock_a); the router always sorts first.
-CREATE OR REPLACE VIEW _clock_bounds AS
+-- Bounds on off(clock_b) - off(clock_a) from the messages in the table or view
+-- named `msgs` (columns of _clock_request_msgs); the router always sorts first.
+CREATE OR REPLACE MACRO _clock_bounds_of(msgs) AS TABLE
 WITH m AS (
     SELECT *, (CASE WHEN src = 'router' THEN '' ELSE src END) > (CASE WHEN dst = 'router' THEN '' ELSE dst END) AS flip
-    FROM _clock_msgs
+    FROM query_table(msgs)
     WHERE src IS NOT NULL AND dst IS NOT NULL AND src <> dst AND recv_ns IS NOT NULL
       AND (kind = 'clock.sample' OR sent_ns IS NOT NULL)
 )
-SELECT CASE WHEN flip THEN dst ELSE src END AS clock_a,
+SELECT rkey,
+       CASE WHEN flip THEN dst ELSE src END AS clock_a,
        CASE WHEN flip THEN src ELSE dst END AS clock_b,
        recv_ns // _clock_window_ns() AS window_idx,
        kind,
@@ -215,6 +205,51 @@ SELECT CASE WHEN flip THEN dst ELSE src END AS clock_a,
        CASE WHEN kind = 'clock.sample' THEN (CASE WHEN flip THEN -point_ns ELSE point_ns END) END AS point_ns,
        rtt_ns
 FROM m;
+
+-- Requests with engine rows in an API-server domain (rows without engine_id,
+-- from an older middleware): their engine marks merge through the domain map,
+-- which any refresh may change, so their messages are derived on each refresh
+-- (_clock_msgs). Every other request's bounds are kept per request
+-- (_clock_req_bounds, materialize kind 'changed': recomputed only when the
+-- request's rows change).
+CREATE OR REPLACE VIEW _clock_api_keys AS
+SELECT DISTINCT rkey FROM _mat_clock_engine_part WHERE api_domain;
+CREATE OR REPLACE VIEW _clock_changed_plain_keys AS
+SELECT rkey FROM _changed_keys WHERE rkey NOT IN (SELECT rkey FROM _clock_api_keys);
+CREATE OR REPLACE VIEW _clock_changed_msgs AS SELECT * FROM _clock_request_msgs('_clock_changed_plain_keys');
+CREATE OR REPLACE VIEW _calc_clock_req_bounds AS SELECT * FROM _clock_bounds_of('_clock_changed_msgs');
+CREATE TABLE IF NOT EXISTS _mat_clock_req_bounds AS SELECT * FROM _calc_clock_req_bounds LIMIT 0;
+
+-- The messages derived on each refresh: API-server-domain requests', the
+-- engine<->engine messages and the samples (rkey NULL for the last two).
+CREATE OR REPLACE VIEW _clock_msgs AS
+SELECT * FROM _clock_request_msgs('_clock_api_keys')
+UNION ALL
+-- engine <-> engine messages carrying the sender's send time (registration, notifications)
+SELECT NULL::UBIGINT, coalesce(clock_peer, peer), domain, send_ns, start_ns, name, NULL, NULL
+FROM _clock_event_rows
+WHERE record = 'event' AND name IN ('registration.received', 'notification.received')
+UNION ALL
+-- samples (e.g. the NIXL handshake's lowest-RTT estimate): peer clock minus own
+-- clock, +- rtt/2. A sample between monotonic clocks (clock.domain =
+-- 'monotonic') is converted through both domains' anchors:
+--     wall offset = mono offset + (wall - mono)(peer) - (wall - mono)(own)
+SELECT NULL::UBIGINT, s.domain, s.peer, NULL, s.start_ns, 'clock.sample',
+       CASE WHEN s.cdomain = 'monotonic' THEN s.off + pa.wall_minus_mono - sa.wall_minus_mono ELSE s.off END,
+       s.rtt
+FROM (SELECT domain, clock_peer AS peer, start_ns, sample_offset_ns AS off, sample_rtt_ns AS rtt,
+             sample_clock AS cdomain
+      FROM _clock_event_rows
+      WHERE record = 'event' AND name = 'clock.sample') s
+LEFT JOIN _clock_anchors sa ON sa.domain = s.domain
+LEFT JOIN _clock_anchors pa ON pa.domain = s.peer
+WHERE s.cdomain <> 'monotonic' OR (sa.wall_minus_mono IS NOT NULL AND pa.wall_minus_mono IS NOT NULL);
+
+-- Every bound: the kept per-request ones and those derived on this refresh.
+CREATE OR REPLACE VIEW _clock_bounds AS
+SELECT * EXCLUDE (rkey) FROM _mat_clock_req_bounds
+UNION ALL
+SELECT * EXCLUDE (rkey) FROM _clock_bounds_of('_clock_msgs');
 
 -- Per clock pair: one row per window, plus one (window_idx NULL) for the whole trace.
 CREATE OR REPLACE VIEW _calc_clock_pair_est AS

@@ -63,15 +63,16 @@ FROM _clock_corrected('_step_span_rows') WHERE name = 'decode.step';
 -- The batch entries of each decode.step (step.batch 'X:p128;Y:d1;Z:r64'), one
 -- row per (step, request): request_id (base id X), kind ('p' prefill, 'd'
 -- decode, 'r' recompute) and tokens. Parsed once per store file (materialize
--- kind 'file': the text parse is the costly part, and an absorb parses only the
+-- kind 'file', from the steps _step_span_part has just taken from the files
+-- being read: the text parse is the costly part, and an absorb parses only the
 -- new files); duplicate copies of a step skipped in _step_entries.
 CREATE OR REPLACE VIEW _calc_step_entry_part AS
 SELECT _file, record_id, span_id, engine_id, _base_request_id(mm.rid) AS request_id, mm.kind AS kind,
        mm.tok::BIGINT AS tokens
 FROM (SELECT _file, record_id, span_id, engine_id,
              regexp_extract(e, '^(.*):([pdr])([0-9]+)$', ['rid', 'kind', 'tok']) AS mm
-      FROM _file_rows, unnest(string_split(coalesce(attr_str['step.batch'], ''), ';')) AS u(e)
-      WHERE record = 'span' AND name = 'decode.step' AND e <> '')
+      FROM _mat_step_span_part, unnest(string_split(batch, ';')) AS u(e)
+      WHERE _file IN (SELECT _file FROM _read_files) AND name = 'decode.step' AND e <> '')
 WHERE mm.rid <> '';
 CREATE TABLE IF NOT EXISTS _mat_step_entry_part AS SELECT * FROM _calc_step_entry_part LIMIT 0;
 CREATE OR REPLACE VIEW _step_entries AS

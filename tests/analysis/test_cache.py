@@ -246,3 +246,38 @@ def test_router_link_arriving_later_joins_the_legs(tmp_path):
         tr.refresh()
         _assert_same_as_cold(tr, d, queries)
         assert "X2" in {r["request_id"] for r in tr.query("SELECT request_id FROM requests")}
+
+
+def test_request_clock_bounds_follow_files_arriving_and_leaving(tmp_path):
+    # The router<->engine bounds of each request are kept per request (kind
+    # 'changed') and recomputed when a file holding the request's rows arrives
+    # or leaves. Case G (P's clock 250 ms ahead) arrives file by file: router,
+    # then P, then D; then P's file vanishes. Each state equals a cold build.
+    from copy import deepcopy
+    d = tmp_path / "s"
+    full = _case_g()
+    queries = ("SELECT * FROM clock_offsets ORDER BY ALL",
+               "SELECT * EXCLUDE (rkey) FROM spans ORDER BY record_id", _Q)
+    parts = {}
+    for role in ("router", "prefill", "decode"):
+        parts[role] = deepcopy(full)
+        for key in full.rows:
+            parts[role].rows[key] = full.rows[key] if key[0] == role else []
+    d.mkdir()
+    with db.Trace(d, cache=tmp_path / "c.duckdb") as tr:
+        written = {}
+        for role in ("router", "prefill", "decode"):
+            written[role] = parts[role].write(d, prefix=role + "-")
+            tr.refresh()
+            _assert_same_as_cold(tr, d, queries)
+        assert tr.query("SELECT offset_ms FROM clock_offsets WHERE clock_a = 'd0' AND clock_b = 'p0' "
+                        "AND window_start_ns IS NULL")[0]["offset_ms"] == 250
+        assert tr.query("SELECT compute_ms FROM ttft_breakdown")[0]["compute_ms"] == 127
+        for p in written["prefill"]:
+            p.unlink()
+        tr.refresh()
+        _assert_same_as_cold(tr, d, queries)
+        # P's HTTP bounds are gone with its file; D's handshake sample of P's clock stays
+        left = tr.query("SELECT clock_a, clock_b, messages, samples FROM clock_offsets "
+                        "WHERE 'p0' IN (clock_a, clock_b) AND window_start_ns IS NULL")
+        assert left == [{"clock_a": "d0", "clock_b": "p0", "messages": 0, "samples": 1}]
