@@ -461,20 +461,37 @@ class Trace:
             WHERE rn > 1""")
 
     def _refresh_changed(self, cold: bool) -> None:
-        """Refresh the ``changed`` materializations (see :mod:`pdtrace.analysis.loader`): recompute the
-        request keys in ``_changed_keys``, or every key on a cold build (``_changed_keys`` is then set
-        to every key of ``_file_keys``)."""
+        """Refresh the ``changed`` materializations, then the ``window`` ones (see
+        :mod:`pdtrace.analysis.loader`): recompute the request keys in ``_changed_keys``, or every key on a
+        cold build (``_changed_keys`` is then set to every key of ``_file_keys``); the windows a ``changed``
+        table with a ``window_idx`` column held rows of those keys in, before or after, go to
+        ``_changed_windows`` and their roll-ups are recomputed."""
         con = self.con
         if cold:
             con.execute("DELETE FROM _changed_keys")
             con.execute("INSERT INTO _changed_keys SELECT DISTINCT rkey FROM _file_keys WHERE rkey IS NOT NULL")
+        con.execute("DELETE FROM _changed_windows")
         for name, kind in loader.materializations():
+            mat, calc = f"_mat_{name.lstrip('_')}", f"_calc_{name.lstrip('_')}"
             if kind == "changed":
-                mat, calc = f"_mat_{name.lstrip('_')}", f"_calc_{name.lstrip('_')}"
+                windowed = "window_idx" in [d[0] for d in con.execute(f"SELECT * FROM {mat} LIMIT 0").description]
+                touched = (f"INSERT INTO _changed_windows SELECT DISTINCT window_idx FROM {mat} "
+                           "WHERE rkey IN (SELECT rkey FROM _changed_keys)")
                 if cold:
                     con.execute(f"DELETE FROM {mat}")
                 else:
+                    if windowed:
+                        con.execute(touched)
                     con.execute(f"DELETE FROM {mat} WHERE rkey IN (SELECT rkey FROM _changed_keys)")
+                con.execute(f"INSERT INTO {mat} SELECT * FROM {calc}")
+                if windowed:
+                    con.execute(f"INSERT INTO _changed_windows SELECT DISTINCT window_idx FROM {mat}" if cold
+                                else touched)
+            elif kind == "window":
+                if cold:
+                    con.execute(f"DELETE FROM {mat}")
+                else:
+                    con.execute(f"DELETE FROM {mat} WHERE window_idx IN (SELECT window_idx FROM _changed_windows)")
                 con.execute(f"INSERT INTO {mat} SELECT * FROM {calc}")
 
     def _refresh_file_parts(self, read: list[str], gone: list[str], cold: bool) -> None:

@@ -34,8 +34,12 @@ deleted, so absorbing a file never rescans the others. ``changed`` keeps rows
 keyed by request (``rkey``) that depend only on the request's own rows, as
 the ``file`` tables hold them: it recomputes the keys in ``_changed_keys``
 (those of the files added or removed; every key on a cold build) and may read
-``file`` tables only. ``file`` tables are refreshed first, then ``changed``,
-then ``full``, then ``request``/``scratch``.
+``file`` tables only. ``window`` rolls a ``changed`` table that has a
+``window_idx`` column up per window: it recomputes the windows listed in
+``_changed_windows`` (those holding rows of the changed keys, before or after
+the change; every window on a cold build). ``file`` tables are refreshed
+first, then ``changed``, then ``window``, then ``full``, then
+``request``/``scratch``.
 
 ``_tables.sql`` (no header) creates the base tables the connection module
 fills; it runs before every module.
@@ -89,7 +93,7 @@ def _sql_dir():
 
 def read_module(name: str, text: str) -> Module:
     """Parse a module's header. Raises ValueError when ``-- module:`` is missing or differs from ``name``,
-    or a materialize line is not ``NAME full|request|scratch|file|changed``."""
+    or a materialize line is not ``NAME full|request|scratch|file|changed|window``."""
     requires: list[str] = []
     mats: list[tuple[str, str]] = []
     declared = None
@@ -101,7 +105,7 @@ def read_module(name: str, text: str) -> Module:
             requires += [v.strip() for v in value.split(",") if v.strip()]
         else:
             parts = value.split()
-            if len(parts) != 2 or parts[1] not in ("full", "request", "scratch", "file", "changed"):
+            if len(parts) != 2 or parts[1] not in ("full", "request", "scratch", "file", "changed", "window"):
                 raise ValueError(f"module {name}: bad materialize line {value!r}")
             mats.append((parts[0], parts[1]))
     if declared != name:
@@ -161,5 +165,5 @@ def library_hash() -> str:
 
 
 def materializations() -> list[tuple[str, str]]:
-    """[(view name, 'full'|'request'|'scratch'|'file'|'changed')] in load order."""
+    """[(view name, 'full'|'request'|'scratch'|'file'|'changed'|'window')] in load order."""
     return [mat for m in load_order() for mat in m.materialize]

@@ -24,6 +24,9 @@ CREATE TABLE IF NOT EXISTS _scope_keys (rkey UBIGINT);
 -- Request keys whose rows a refresh changed: the keys of the files added or
 -- removed (all keys on a cold build); what `changed` materializations recompute.
 CREATE TABLE IF NOT EXISTS _changed_keys (rkey UBIGINT);
+-- Windows (window_idx) whose rows in a `changed` table a refresh changed (every
+-- window on a cold build); what `window` materializations recompute.
+CREATE TABLE IF NOT EXISTS _changed_windows (window_idx BIGINT);
 -- The store files a refresh reads for the `file` materializations (every file
 -- on a cold build), listed while they are refreshed: a `file` step may read an
 -- earlier one's table for these files instead of _file_rows.

@@ -5,6 +5,7 @@
 -- materialize: _clock_event_part file
 -- materialize: _clock_domain_part file
 -- materialize: _clock_req_bounds changed
+-- materialize: _clock_req_windows window
 -- materialize: _clock_domain_map full
 -- materialize: _clock_pair_est full
 -- materialize: _domain_offsets full
@@ -220,6 +221,17 @@ CREATE OR REPLACE VIEW _clock_changed_msgs AS SELECT * FROM _clock_request_msgs(
 CREATE OR REPLACE VIEW _calc_clock_req_bounds AS SELECT * FROM _clock_bounds_of('_clock_changed_msgs');
 CREATE TABLE IF NOT EXISTS _mat_clock_req_bounds AS SELECT * FROM _calc_clock_req_bounds LIMIT 0;
 
+-- The kept bounds rolled up per clock pair, window and kind (materialize kind
+-- 'window': recomputed only for the windows whose kept bounds changed):
+-- lower_ns = the largest lower bound, upper_ns = the smallest upper bound
+-- (duration ns, NULL when no bound has that side), n = bounds (count).
+CREATE OR REPLACE VIEW _calc_clock_req_windows AS
+SELECT clock_a, clock_b, window_idx, kind, max(lower_ns) AS lower_ns, min(upper_ns) AS upper_ns, count(*) AS n
+FROM _mat_clock_req_bounds
+WHERE window_idx IN (SELECT window_idx FROM _changed_windows)
+GROUP BY clock_a, clock_b, window_idx, kind;
+CREATE TABLE IF NOT EXISTS _mat_clock_req_windows AS SELECT * FROM _calc_clock_req_windows LIMIT 0;
+
 -- The messages derived on each refresh: API-server-domain requests', the
 -- engine<->engine messages and the samples (rkey NULL for the last two).
 CREATE OR REPLACE VIEW _clock_msgs AS
@@ -251,9 +263,17 @@ SELECT * EXCLUDE (rkey) FROM _mat_clock_req_bounds
 UNION ALL
 SELECT * EXCLUDE (rkey) FROM _clock_bounds_of('_clock_msgs');
 
--- Per clock pair: one row per window, plus one (window_idx NULL) for the whole trace.
+-- Per clock pair: one row per window, plus one (window_idx NULL) for the whole
+-- trace, from the kept bounds' roll-ups (each stands for n bounds of one kind:
+-- max/min/count merge exactly) and the bounds derived on this refresh.
 CREATE OR REPLACE VIEW _calc_clock_pair_est AS
-WITH agg AS (
+WITH ev AS (
+    SELECT clock_a, clock_b, window_idx, kind, lower_ns, upper_ns, NULL::BIGINT AS point_ns, NULL::BIGINT AS rtt_ns, n
+    FROM _mat_clock_req_windows
+    UNION ALL
+    SELECT clock_a, clock_b, window_idx, kind, lower_ns, upper_ns, point_ns, rtt_ns, 1
+    FROM _clock_bounds_of('_clock_msgs')
+), agg AS (
     SELECT clock_a, clock_b, window_idx,
            max(lower_ns) AS lo, min(upper_ns) AS hi,
            arg_min(point_ns, rtt_ns) FILTER (WHERE point_ns IS NOT NULL) AS point,
@@ -262,10 +282,10 @@ WITH agg AS (
            min(upper_ns) FILTER (WHERE kind <> 'clock.sample') AS msg_hi,
            arg_min(lower_ns, rtt_ns) FILTER (WHERE point_ns IS NOT NULL) AS sample_lo,
            arg_min(upper_ns, rtt_ns) FILTER (WHERE point_ns IS NOT NULL) AS sample_hi,
-           count(*) FILTER (WHERE kind <> 'clock.sample') AS messages,
-           count(*) FILTER (WHERE kind = 'clock.sample') AS samples,
+           coalesce(sum(n) FILTER (WHERE kind <> 'clock.sample'), 0)::BIGINT AS messages,
+           coalesce(sum(n) FILTER (WHERE kind = 'clock.sample'), 0)::BIGINT AS samples,
            string_agg(DISTINCT kind, ',' ORDER BY kind) AS sources
-    FROM _clock_bounds
+    FROM ev
     GROUP BY GROUPING SETS ((clock_a, clock_b, window_idx), (clock_a, clock_b))
 )
 SELECT *, _clock_estimate(lo, hi, point) AS est,

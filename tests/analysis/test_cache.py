@@ -281,3 +281,35 @@ def test_request_clock_bounds_follow_files_arriving_and_leaving(tmp_path):
         left = tr.query("SELECT clock_a, clock_b, messages, samples FROM clock_offsets "
                         "WHERE 'p0' IN (clock_a, clock_b) AND window_start_ns IS NULL")
         assert left == [{"clock_a": "d0", "clock_b": "p0", "messages": 0, "samples": 1}]
+
+
+def test_clock_window_emptied_by_a_vanished_request(tmp_path):
+    # The kept clock bounds are rolled up per window (kind 'window'); a window
+    # is recomputed when rows of a changed request were in it before or after
+    # the change. Case G (window 0) plus a request 200 s later (its own
+    # clock window, P 250 ms ahead there too) in a second file set; when that
+    # set vanishes, its window's roll-up must go: every state equals a cold build.
+    from pdtrace_case_builder import Case
+    d = tmp_path / "s"
+    _case_g().write(d, prefix="a-")
+    late = Case(clock_shift_ms={"p0": 250})
+    b = 200_000
+    root = late.router_request("late", b, b + 160, "pull", first_token_ms=b + 150)
+    late.span("router", "router.dispatch", b, b + 2, rid="late", parent=root, attrs={"router.leg": "prefill"})
+    late.span("prefill", "prefill.compute", b + 2, b + 100, rid="late", engine="p0")
+    late.span("router", "router.dispatch", b + 101, b + 103, rid="late", parent=root, attrs={"router.leg": "decode"})
+    late.span("decode", "decode.first_step", b + 103, b + 150, rid="late", engine="d0")
+    queries = ("SELECT * FROM clock_offsets ORDER BY ALL", _Q)
+    windows = "SELECT DISTINCT window_start_ns FROM clock_offsets WHERE window_start_ns IS NOT NULL"
+    with db.Trace(d, cache=tmp_path / "c.duckdb") as tr:
+        tr.refresh()
+        n0 = len(tr.query(windows))
+        new = late.write(d, prefix="b-")
+        tr.refresh()
+        _assert_same_as_cold(tr, d, queries)
+        assert len(tr.query(windows)) == n0 + 1
+        for p in new:
+            p.unlink()
+        tr.refresh()
+        _assert_same_as_cold(tr, d, queries)
+        assert len(tr.query(windows)) == n0
