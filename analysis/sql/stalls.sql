@@ -71,8 +71,11 @@ SELECT _file, record_id, span_id, engine_id, _base_request_id(mm.rid) AS request
        mm.tok::BIGINT AS tokens
 FROM (SELECT _file, record_id, span_id, engine_id,
              regexp_extract(e, '^(.*):([pdr])([0-9]+)$', ['rid', 'kind', 'tok']) AS mm
-      FROM _mat_step_span_part, unnest(string_split(batch, ';')) AS u(e)
-      WHERE _file IN (SELECT _file FROM _read_files) AND name = 'decode.step' AND e <> '')
+      -- the join to _read_files sits below the unnest: filtered after it, DuckDB
+      -- split every kept step's text first (0.53 s vs 0.04 s per absorb at 1M requests)
+      FROM (SELECT s.* FROM _mat_step_span_part s JOIN _read_files USING (_file)
+            WHERE s.name = 'decode.step') AS s, unnest(string_split(batch, ';')) AS u(e)
+      WHERE e <> '')
 WHERE mm.rid <> '';
 CREATE TABLE IF NOT EXISTS _mat_step_entry_part AS SELECT * FROM _calc_step_entry_part LIMIT 0;
 CREATE OR REPLACE VIEW _step_entries AS
