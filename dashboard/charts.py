@@ -66,7 +66,7 @@ def share_by_bucket(long: pd.DataFrame, title: str = "") -> go.Figure:
     """Stacked bars of the category shares (%) per mode × prompt-length bucket (``category_share_by_bucket``)."""
     from . import data
 
-    order = [b for b in data.bucket_order() if b in set(long["prompt_bucket"])]
+    order = data.sorted_buckets(long["prompt_bucket"])
     fig = go.Figure()
     for c in CATEGORIES:
         d = long[long["category"] == c].copy()
@@ -269,7 +269,7 @@ def compare_shares(a: pd.DataFrame, b: pd.DataFrame, name_a: str, name_b: str) -
     for label, d in ((name_a, a), (name_b, b)):
         if d.empty:
             continue
-        order = [x for x in data.bucket_order() if x in set(d["prompt_bucket"])]
+        order = data.sorted_buckets(d["prompt_bucket"])
         for c in CATEGORIES:
             dc = d[d["category"] == c].copy()
             dc["_o"] = dc["prompt_bucket"].map({x: i for i, x in enumerate(order)})

@@ -22,16 +22,12 @@ import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import pandas as pd
 
 from pdtrace.instrument.stages import CATEGORIES
 
-#: Prompt-length buckets (prompt tokens): label -> [lo, hi).
-PROMPT_BUCKETS: list[tuple[str, int, int]] = [
-    ("<256", 0, 256), ("256-1k", 256, 1024), ("1k-4k", 1024, 4096), ("4k-16k", 4096, 16384), (">=16k", 16384, 2**62),
-]
 #: Descriptor-count buckets of a request's KV transfers (descriptors): label -> [lo, hi).
 DESCRIPTOR_BUCKETS: list[tuple[str, int, int]] = [
     ("<1k", 0, 1000), ("1k-10k", 1000, 10_000), ("10k-100k", 10_000, 100_000), (">=100k", 100_000, 2**62),
@@ -47,13 +43,25 @@ def _bucket_case(col: str, buckets: Sequence[tuple[str, int, int]]) -> str:
     return f"(CASE WHEN {col} IS NULL THEN 'unknown' {parts} END)"
 
 
+def prompt_bucket_sql(col: str = "prompt_tokens") -> str:
+    """SQL expression: the prompt-length bucket label of ``col`` (prompt tokens).
+
+    The buckets are those of ``pdtrace report`` and the ``summary_by_prompt_bucket``
+    view (``_bucket_lo`` in analysis/sql/summary.sql): powers of two [lo, 2*lo)
+    tokens, labelled 'lo-(2*lo-1)' (e.g. '256-511'); '0' for no tokens,
+    'unknown' when NULL.
+    """
+    return (f"(CASE WHEN {col} IS NULL THEN 'unknown' WHEN {col} < 1 THEN '0' "
+            f"ELSE printf('%d-%d', _bucket_lo({col}), 2 * _bucket_lo({col}) - 1) END)")
+
+
 #: SQL expression: the prompt-length bucket of a row with a ``prompt_tokens`` column.
-PROMPT_BUCKET_SQL = _bucket_case("prompt_tokens", PROMPT_BUCKETS)
+PROMPT_BUCKET_SQL = prompt_bucket_sql()
 
 
-def bucket_order(buckets: Sequence[tuple[str, int, int]] = PROMPT_BUCKETS) -> list[str]:
-    """Bucket labels in ascending order, then 'unknown'."""
-    return [b[0] for b in buckets] + ["unknown"]
+def sorted_buckets(labels: Iterable[str]) -> list[str]:
+    """Distinct prompt-bucket labels of :func:`prompt_bucket_sql` in ascending token order, 'unknown' last."""
+    return sorted(set(labels), key=lambda b: (b == "unknown", int(b.split("-")[0]) if b != "unknown" else 0))
 
 
 @dataclass(frozen=True)
@@ -299,7 +307,7 @@ def _long_shares(df: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
 def category_share_by_bucket(t: Trace, w: Window = ALL) -> pd.DataFrame:
     """Share of TTFT per category by mode and prompt-length bucket (long form).
 
-    Columns: mode, prompt_bucket (see :data:`PROMPT_BUCKETS`), requests (count),
+    Columns: mode, prompt_bucket (see :func:`prompt_bucket_sql`), requests (count),
     category, ms (summed, ms), share (fraction of the group's summed TTFT),
     mean_ms (per request, ms).
     """
@@ -427,7 +435,7 @@ def percentiles_by_bucket(t: Trace, w: Window = ALL) -> pd.DataFrame:
                quantile_cont(ttft_ms, 0.99) AS ttft_p99_ms,
                quantile_cont(tpot_ms, 0.5) AS tpot_p50_ms, quantile_cont(tpot_ms, 0.9) AS tpot_p90_ms,
                quantile_cont(tpot_ms, 0.99) AS tpot_p99_ms
-        FROM requests WHERE status = 'complete' AND {w.sql()} GROUP BY ALL ORDER BY mode, prompt_bucket""")
+        FROM requests WHERE status = 'complete' AND {w.sql()} GROUP BY ALL ORDER BY mode, min(prompt_tokens)""")
 
 
 # ---------------------------------------------------------------------------
@@ -532,7 +540,7 @@ CHANGE_ATTRIBUTES: dict[str, str] = {
     "mode": "b.mode",
     "prefill engine": "b.prefill_engine",
     "decode engine": "b.decode_engine",
-    "prompt bucket": PROMPT_BUCKET_SQL.replace("prompt_tokens", "b.prompt_tokens"),
+    "prompt bucket": prompt_bucket_sql("b.prompt_tokens"),
     "first contact": "CASE WHEN b.first_contact THEN 'first contact' ELSE 'warm pair' END",
     "descriptors": _bucket_case("b.kv_descriptors", DESCRIPTOR_BUCKETS),
 }

@@ -65,9 +65,9 @@ for col, name, h in ((cols[0], a_name, ha), (cols[1], b_name, hb)):
 st.plotly_chart(charts.compare_shares(sa, sb, a_name, b_name), width="stretch", key="cmp_shares")
 
 st.subheader("Percentiles per prompt-length bucket (ms)")
-order = {b: i for i, b in enumerate(data.bucket_order())}
 both = pd.concat([pa.assign(trace=a_name), pb.assign(trace=b_name)], ignore_index=True)
 if not both.empty:
+    order = {b: i for i, b in enumerate(data.sorted_buckets(both["prompt_bucket"]))}
     both["_o"] = both["prompt_bucket"].map(order)
     both = both.sort_values(["_o", "trace"]).drop(columns=["_o", "mode"])
     both = both[["prompt_bucket", "trace"] + [c for c in both.columns if c not in ("prompt_bucket", "trace")]]

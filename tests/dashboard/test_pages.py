@@ -184,6 +184,23 @@ def test_compare_two_modes(app, views, hand_stores):
         assert vals[4 * i: 4 * i + 4] == [fmt_ms(e["p50"]), fmt_ms(e["p99"]), fmt_ms(e["t50"]), f"{e['inc']:,}"]
 
 
+def test_compare_buckets_are_the_reports(app, views, hand_stores):
+    """The compare page's prompt-length buckets are those of ``pdtrace report`` and the
+    summary_by_prompt_bucket view ([lo, 2*lo) tokens, labelled 'lo-(2*lo-1)'), listed in token
+    order, with the view's complete-request counts and TTFT p50 (the dashboard once had buckets of
+    its own, so the two disagreed)."""
+    d = hand_stores["mixed"]
+    at = app(d, "app_pages/compare.py")
+    _no_errors(at)
+    pct = _df(at, "prompt_bucket", "trace")
+    exp = views(d).query("""SELECT mode, prompt_bucket_lo AS lo, complete, ttft_p50_ms FROM summary_by_prompt_bucket
+                            WHERE complete > 0 AND mode IN ('pull', 'push') ORDER BY prompt_bucket_lo, mode""")
+    assert len({e["lo"] for e in exp}) >= 3  # the store spans several buckets
+    got = [(r.trace, r.prompt_bucket, r.requests, r.ttft_p50_ms) for r in pct.itertuples()]
+    assert got == [(e["mode"], f"{e['lo']}-{2 * e['lo'] - 1}", e["complete"], pytest.approx(e["ttft_p50_ms"]))
+                   for e in exp]
+
+
 def test_compare_two_directories(app, views, hand_stores):
     at = app(hand_stores["pull"], "app_pages/compare.py")
     at.radio(key="cmp_how").set_value("another trace directory").run()
