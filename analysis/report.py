@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import decimal
 import math
 from typing import Any
 
@@ -58,13 +59,19 @@ def fmt_value(v: Any) -> str:
 
 
 def table(rows: list[dict[str, Any]], cols: list[str] | None = None) -> str:
-    """Fixed-width text table of ``rows`` (list of dicts) over ``cols`` (default: the first row's keys)."""
+    """Fixed-width text table of ``rows`` (list of dicts) over ``cols`` (default: the first row's keys).
+
+    Columns whose values are all numbers (or missing) are right-aligned, the others left-aligned.
+    """
     if not rows:
         return "(none)"
     cols = cols or list(rows[0])
     cells = [[fmt_value(r.get(c)) for c in cols] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
-    line = lambda vals: "  ".join(v.rjust(w) if i else v.ljust(w) for i, (v, w) in enumerate(zip(vals, widths)))
+    numeric = [all(isinstance(r.get(c), (int, float, decimal.Decimal, type(None))) and not isinstance(r.get(c), bool) for r in rows)
+               for c in cols]
+    line = lambda vals: "  ".join(v.rjust(w) if num else v.ljust(w)
+                                  for v, w, num in zip(vals, widths, numeric)).rstrip()
     return "\n".join([line(cols), line(["-" * w for w in widths])] + [line(r) for r in cells])
 
 

@@ -24,6 +24,23 @@ def test_sql_formats(tmp_path):
     assert r.exit_code == 0 and "dest.register" in r.output
 
 
+def test_sql_table_aligns_text_left_and_numbers_right(tmp_path):
+    """Text columns (stage names, comments) read left-aligned, wherever they are; numbers line up on the right."""
+    d = tmp_path / "h"
+    _case_h().write(d)
+    r = _run(["sql", str(d), "SELECT seq, stage, dur_ns // 1000000 AS ms FROM ttft_segments ORDER BY seq"], tmp_path)
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    assert lines[0].split() == ["seq", "stage", "ms"]
+    rows = [ln for ln in lines[2:] if ln]
+    assert len(rows) >= 3 and len({len(ln.split()[1]) for ln in rows}) > 1  # stage names of different lengths
+    at = lines[0].index("stage")
+    for ln in rows:
+        seq, stage, ms = ln.split()
+        assert ln.index(stage, len(seq)) == at  # every stage name starts under its header
+        assert len(ln) == len(lines[1])  # and every ms value ends at the column's right edge
+
+
 def test_sql_refuses_writes(tmp_path):
     d = tmp_path / "h"
     _case_h().write(d)
