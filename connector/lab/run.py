@@ -82,8 +82,16 @@ class WarmupError(RuntimeError):
     """The untimed first request (first contact between P and D) did not complete."""
 
 
+#: Client request id (``X-Request-Id``) of the i-th warm-up request; the router records it as
+#: ``request.client_id`` on the request's ``router.request`` span, so the warm-up can be told apart in SQL.
+WARMUP_CLIENT_ID = "pdtrace-lab-warmup-{}"
+
+
 def _warmup(router_url: str, vocab: int, n: int, timeout_s: float = 300.0) -> float:
     """One short request per P/D pair through the router (pays first-contact handshakes); seconds taken.
+
+    Each carries the client id :data:`WARMUP_CLIENT_ID`; it is traced like any
+    other request, so the run's ``pdtrace report`` counts it.
 
     The first push request after start has been seen to stall 18-25 s (and once
     >300 s) on this 2-core machine under load (see BENCHMARKS.md "Lab"); a failed
@@ -96,7 +104,8 @@ def _warmup(router_url: str, vocab: int, n: int, timeout_s: float = 300.0) -> fl
             body = {"model": "lab", "prompt": [16 + (i * 7 + attempt + k) % (vocab - 16) for k in range(32)],
                     "max_tokens": 2, "ignore_eos": True}
             req = urllib.request.Request(router_url + "/v1/completions", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
+                                         headers={"Content-Type": "application/json",
+                                                  "X-Request-Id": WARMUP_CLIENT_ID.format(i)})
             try:
                 with urllib.request.urlopen(req, timeout=timeout_s) as r:
                     r.read()
@@ -190,6 +199,11 @@ def run_lab(o: LabOptions, echo=print) -> dict:
          f"{src['external_kv_transfer']:.0f}, local prefix-cache hits {src['local_cache_hit']:.0f}")
     echo(f"scale factors: length x{length_scale}, rate x{o.rate_scale}; run directory: {out}")
     if o.report:
+        if o.warmup and no_report_reason(o) is None:
+            k = max(cfg.n_prefill, cfg.n_decode)
+            echo(f"the report counts every request the router traced: the {len(recs)} replayed and the {k} "
+                 f"warm-up request{'s' if k > 1 else ''} (client id {WARMUP_CLIENT_ID.format('N')}, which paid the "
+                 "first-contact handshake)")
         summary["report"] = print_report(out, o, echo)
         (out / "run.json").write_text(json.dumps(summary, indent=2, default=str))
     return summary

@@ -127,8 +127,14 @@ def test_pdtrace_lab_cli_prints_the_report(unshifted):
     rep = s["report"]
     by_mode = {r["mode"]: r for r in rep["by_mode"]}
     assert set(by_mode) == {"pull"}, by_mode
-    # the replay + the warm-up request, all complete
+    # the replay + the warm-up request, all complete; the lab says so before the report, and the
+    # warm-up's root carries its client id
     assert by_mode["pull"]["complete"] == N_REPLAY + 1 and by_mode["pull"]["incomplete"] == 0, by_mode
+    assert (f"the report counts every request the router traced: the {N_REPLAY} replayed and the 1 warm-up request"
+            in out[:i]), out[:i][-2000:]
+    warm = unshifted["tr"].query("""SELECT request_id FROM spans WHERE stage = 'router.request'
+                                    AND attr_str['request.client_id'] = 'pdtrace-lab-warmup-0'""")
+    assert len(warm) == 1 and warm[0]["request_id"] not in _replayed(unshifted), warm
     # the printed numbers are the analysis' numbers for this directory (pdtrace report DIR)
     from pdtrace.analysis import report
     again = json.loads(json.dumps(report.collect(unshifted["tr"].con), default=str))
