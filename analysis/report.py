@@ -58,6 +58,10 @@ def fmt_value(v: Any) -> str:
     return str(v)
 
 
+def _is_number_or_none(v: Any) -> bool:
+    return v is None or (isinstance(v, (int, float, decimal.Decimal)) and not isinstance(v, bool))
+
+
 def table(rows: list[dict[str, Any]], cols: list[str] | None = None) -> str:
     """Fixed-width text table of ``rows`` (list of dicts) over ``cols`` (default: the first row's keys).
 
@@ -68,8 +72,7 @@ def table(rows: list[dict[str, Any]], cols: list[str] | None = None) -> str:
     cols = cols or list(rows[0])
     cells = [[fmt_value(r.get(c)) for c in cols] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
-    numeric = [all(isinstance(r.get(c), (int, float, decimal.Decimal, type(None))) and not isinstance(r.get(c), bool) for r in rows)
-               for c in cols]
+    numeric = [all(_is_number_or_none(r.get(c)) for r in rows) for c in cols]
     line = lambda vals: "  ".join(v.rjust(w) if num else v.ljust(w)
                                   for v, w, num in zip(vals, widths, numeric)).rstrip()
     return "\n".join([line(cols), line(["-" * w for w in widths])] + [line(r) for r in cells])
