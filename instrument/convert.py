@@ -8,6 +8,8 @@ here: an unknown key or a value of the wrong type is dropped and counted
 """
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pyarrow as pa
 
@@ -18,6 +20,13 @@ _T = {name: typ for name, typ, _ in schema.COLUMNS}
 
 #: Slots of a record tuple before its attributes (recorder.py's record layout).
 N_FIXED = 15
+
+#: Value types of the three attribute map columns (attr_int, attr_float, attr_str).
+_VALUE_TYPES = (pa.int64(), pa.float64(), pa.string())
+#: Python types accepted for an int, a float and a str attribute (bool counts as int; int as float).
+_INT_OK = frozenset((int, bool))
+_FLOAT_OK = frozenset((float, int))
+_STR_OK = frozenset((str,))
 
 
 class Converter:
@@ -38,8 +47,7 @@ class Converter:
         if n == 0:
             raise ValueError("Converter.table: no records")
         (rtype, record_id, span_id, parent, name, kind, start, end, status, msg,
-         rid, pidx, attempt, rank, thread) = zip(*(r[:N_FIXED] for r in recs))
-        attrs = [r[N_FIXED:] for r in recs]
+         rid, pidx, attempt, rank, thread) = itertools.islice(zip(*recs), N_FIXED)  # columns, zip is lazy
         cols: dict[str, pa.Array] = dict(self._resource_columns(resource, n))
         cols["record"] = pa.DictionaryArray.from_arrays(pa.array(rtype, pa.int32()), _RTYPES)
         cols["record_id"] = pa.array(record_id, pa.uint64())
@@ -63,55 +71,131 @@ class Converter:
             rank = [default_rank if r is None else r for r in rank]
         cols["tp_rank"] = pa.array(rank, pa.int16())
         cols["thread"] = pa.array(thread, pa.string()).dictionary_encode()
-        cols["attr_int"], cols["attr_float"], cols["attr_str"] = self._attr_maps(attrs)
+        cols["attr_int"], cols["attr_float"], cols["attr_str"] = self._attr_maps(recs)
         arrays = [cols[c].cast(_T[c]) if cols[c].type != _T[c] else cols[c] for c, _, _ in schema.COLUMNS]
         return pa.Table.from_arrays(arrays, schema=schema.SCHEMA)
 
-    def _attr_maps(self, attrs: tuple) -> tuple[pa.Array, pa.Array, pa.Array]:
+    def _attr_maps(self, recs: list[tuple]) -> tuple[pa.Array, pa.Array, pa.Array]:
         """The three typed attribute map columns (int64, float64, string values) of one batch.
 
-        ``attrs``: per record, its slots after the fixed ones: the keys then the values, in the same
-        order (recorder.py's record layout), empty without attributes.
+        ``recs``: record tuples; a record's slots after the :data:`N_FIXED` fixed ones hold its
+        attribute keys, then their values in the same order (recorder.py's record layout).
+
+        Records are grouped by their key tuple (a call site passes the same keys every time), and each
+        group's values are checked and converted a column at a time; a group whose values are not all
+        of their key's type goes record by record (:meth:`_rowwise`), with the same result. Either way
+        every map keeps its record's key order.
         """
-        oi, ki, vi = [0], [], []
-        of, kf, vf = [0], [], []
-        os_, ks, vs = [0], [], []
+        groups: dict[tuple, list[int]] = {}
+        for j, r in enumerate(recs):
+            n = len(r)
+            if n > N_FIXED:
+                k = r[N_FIXED: (n + N_FIXED) // 2]
+                g = groups.get(k)
+                if g is None:
+                    groups[k] = [j]
+                else:
+                    g.append(j)
+        pieces: tuple[list, list, list] = ([], [], [])  # per value type: its pieces (rows, counts, keys, values)
         allowed = attributes.ALLOWED
+        for keys, rows in groups.items():
+            piece = self._group(keys, rows, recs, allowed)
+            if piece is None:
+                piece = self._rowwise(rows, recs, allowed)
+            for t in range(3):
+                if piece[t] is not None:
+                    pieces[t].append(piece[t])
+        return tuple(_map_column(len(recs), pieces[t], _VALUE_TYPES[t]) for t in range(3))
+
+    def _group(self, keys: tuple, rows: list[int], recs: list[tuple], allowed: dict) -> tuple | None:
+        """One key tuple's records converted a column at a time: per value type (int, float, str) a
+        piece ``(rows, counts, keys, values)`` or None; None for the whole group when some value is
+        not of its key's type (the caller then converts the group record by record)."""
+        m, h = len(rows), N_FIXED + len(keys)
+        cols: tuple[list, list, list] = ([], [], [])  # per type: [(key, values)]
         dropped = 0
-        for a in attrs:
-            if a:
-                n = len(a) // 2
-                for k, v in zip(a[:n], a[n:]):
-                    spec = allowed.get(k)
-                    if spec is None:
-                        dropped += 1
-                        continue
-                    t = spec.type
-                    tv = type(v)
-                    if t is int:
-                        if tv is int or tv is bool:
-                            ki.append(k)
-                            vi.append(int(v))
-                        else:
-                            dropped += 1
-                    elif t is str:
-                        if tv is str:
-                            ks.append(k)
-                            vs.append(v if len(v) <= spec.max_len else v[: spec.max_len])
-                        else:
-                            dropped += 1
-                    elif tv is float or tv is int:
-                        kf.append(k)
-                        vf.append(float(v))
+        for p, k in enumerate(keys):
+            spec = allowed.get(k)
+            if spec is None:
+                dropped += m
+                continue
+            vals = [recs[j][h + p] for j in rows]
+            types = set(map(type, vals))
+            t = spec.type
+            if t is int:
+                if types <= _INT_OK:
+                    cols[0].append((k, vals if bool not in types else [int(v) for v in vals]))
+                    continue
+            elif t is str:
+                if types == _STR_OK:
+                    lim = spec.max_len
+                    if max(map(len, vals)) > lim:
+                        vals = [v[:lim] for v in vals]
+                    cols[2].append((k, vals))
+                    continue
+            elif types <= _FLOAT_OK:
+                cols[1].append((k, [float(v) for v in vals] if int in types else vals))
+                continue
+            return None
+        self.dropped_attributes += dropped
+        rows_a = np.asarray(rows, dtype=np.int64)
+        out = []
+        for t in range(3):
+            kv = cols[t]
+            if not kv:
+                out.append(None)
+                continue
+            k = len(kv)
+            # values row-major (record by record, keys in order): column c, row r -> c * m + r
+            flat = pa.array([v for _, vs in kv for v in vs], _VALUE_TYPES[t])
+            order = (np.arange(k, dtype=np.int64)[None, :] * m + np.arange(m, dtype=np.int64)[:, None]).ravel()
+            key_arr = pa.array([key for key, _ in kv], pa.string()).take(np.tile(np.arange(k, dtype=np.int32), m))
+            out.append((rows_a, np.full(m, k, dtype=np.int64), key_arr, flat.take(order)))
+        return tuple(out)
+
+    def _rowwise(self, rows: list[int], recs: list[tuple], allowed: dict) -> tuple:
+        """The records ``rows`` converted one value at a time: an unknown key or a value of the wrong
+        type is dropped and counted, a long string cut; per value type a piece as in :meth:`_group`."""
+        acc = tuple(([], [], []) for _ in range(3))  # per type: counts, keys, values
+        dropped = 0
+        for j in rows:
+            a = recs[j][N_FIXED:]
+            n = len(a) // 2
+            c = [0, 0, 0]
+            for k, v in zip(a[:n], a[n:]):
+                spec = allowed.get(k)
+                if spec is None:
+                    dropped += 1
+                    continue
+                t = spec.type
+                tv = type(v)
+                if t is int:
+                    if tv is int or tv is bool:
+                        i, v = 0, int(v)
                     else:
                         dropped += 1
-            oi.append(len(ki))
-            of.append(len(kf))
-            os_.append(len(ks))
+                        continue
+                elif t is str:
+                    if tv is str:
+                        i, v = 2, (v if len(v) <= spec.max_len else v[: spec.max_len])
+                    else:
+                        dropped += 1
+                        continue
+                elif tv is float or tv is int:
+                    i, v = 1, float(v)
+                else:
+                    dropped += 1
+                    continue
+                c[i] += 1
+                acc[i][1].append(k)
+                acc[i][2].append(v)
+            for i in range(3):
+                acc[i][0].append(c[i])
         self.dropped_attributes += dropped
-        return (pa.MapArray.from_arrays(pa.array(oi, pa.int32()), pa.array(ki, pa.string()), pa.array(vi, pa.int64())),
-                pa.MapArray.from_arrays(pa.array(of, pa.int32()), pa.array(kf, pa.string()), pa.array(vf, pa.float64())),
-                pa.MapArray.from_arrays(pa.array(os_, pa.int32()), pa.array(ks, pa.string()), pa.array(vs, pa.string())))
+        rows_a = np.asarray(rows, dtype=np.int64)
+        return tuple((rows_a, np.asarray(counts, dtype=np.int64), pa.array(ks, pa.string()),
+                      pa.array(vs, _VALUE_TYPES[i])) if ks else None
+                     for i, (counts, ks, vs) in enumerate(acc))
 
     def _trace_id(self, rid: str) -> str:
         t = self._trace_ids.get(rid)
@@ -138,3 +222,28 @@ def _const(value, n: int) -> pa.Array:
     if value is None:
         return pa.nulls(n, pa.dictionary(pa.int32(), pa.string()))
     return pa.DictionaryArray.from_arrays(pa.array(np.zeros(n, dtype=np.int32)), pa.array([str(value)]))
+
+
+def _map_column(n: int, pieces: list[tuple], value_type: pa.DataType) -> pa.Array:
+    """A map column of ``n`` records from pieces ``(rows, counts, keys, values)``: record ``rows[i]``
+    holds ``counts[i]`` entries, and ``keys``/``values`` list the pieces' entries record by record.
+    Records no piece names have an empty map."""
+    counts = np.zeros(n, dtype=np.int64)
+    for rows, cnt, _, _ in pieces:
+        counts[rows] = cnt
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    if not pieces:
+        return pa.MapArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array([], pa.string()),
+                                       pa.array([], value_type))
+    # where each piece's entries go in the column's flat key/value arrays
+    pos = []
+    for rows, cnt, _, _ in pieces:
+        within = np.arange(int(cnt.sum()), dtype=np.int64) - np.repeat(np.cumsum(cnt) - cnt, cnt)
+        pos.append(np.repeat(offsets[rows], cnt) + within)
+    pos_a = np.concatenate(pos)
+    inv = np.empty_like(pos_a)
+    inv[pos_a] = np.arange(len(pos_a), dtype=np.int64)
+    keys = pa.concat_arrays([p[2] for p in pieces]).take(inv)
+    values = pa.concat_arrays([p[3] for p in pieces]).take(inv)
+    return pa.MapArray.from_arrays(pa.array(offsets.astype(np.int32)), keys, values)

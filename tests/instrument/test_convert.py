@@ -1,0 +1,63 @@
+"""The sink's conversion of record tuples to Arrow: each record keeps its own attributes.
+
+The converter groups records by their key tuple and converts a group's values a
+column at a time; these tests mix call sites, wrong types and records without
+attributes in one batch and check every record's maps and the drop count.
+"""
+from pdtrace.instrument import attributes, convert
+
+RES = {"service_name": "pdtrace-decode", "role": "decode", "engine_id": "d0", "host": "h", "pid": 1}
+
+
+def _rec(i: int, attrs: dict | None = None) -> tuple:
+    """A span record in recorder.py's layout: 15 fixed slots, then the keys, then the values."""
+    a = attrs or {}
+    return (0, i, i, None, "kv.transfer", 1, 1000 + i, 2000 + i, 0, None, f"X{i}", 0, 0, None, "MainThread",
+            *a, *a.values())
+
+
+def _maps(table):
+    return list(zip(table.column("attr_int").to_pylist(), table.column("attr_float").to_pylist(),
+                    table.column("attr_str").to_pylist()))
+
+
+def test_a_batch_of_call_sites_keeps_each_records_attributes():
+    attributes.register("test.convert_ratio", float, "a float key for this test (ratio)")
+    recs = [
+        _rec(0, {"kv.bytes": 4096, "kv.op": "READ", "step.id": 1}),
+        _rec(1, {"kv.blocks": 3}),  # another call site between record 0 and its next record
+        _rec(2, {"kv.bytes": 8192, "kv.op": "WRITE", "step.id": 2}),  # same call site as record 0
+        _rec(3, {"kv.bytes": True, "kv.post_ns": 5}),  # bool is an int
+        _rec(4, {"kv.bytes": "12", "kv.post_ns": 7}),  # same keys as record 3, a str where an int belongs
+        _rec(5, {"prompt": "secret text", "step.id": 9}),  # not allowlisted
+        _rec(6, {"kv.op": "x" * 1000}),  # cut to max_len
+        _rec(7, {"test.convert_ratio": 3, "kv.op": "READ"}),  # an int where a float belongs is a float
+        _rec(8, {"test.convert_ratio": 0.25, "kv.op": "WRITE"}),
+        _rec(9, {"kv.op": "READ", "kv.bytes": 4096, "step.id": 3}),  # record 0's keys in another order
+    ]
+    conv = convert.Converter()
+    table = conv.table(recs, RES, offset_ns=10)
+    got = _maps(table)
+    assert [list(i) for i, _, _ in got] == [
+        [("kv.bytes", 4096), ("step.id", 1)], [("kv.blocks", 3)], [("kv.bytes", 8192), ("step.id", 2)],
+        [("kv.bytes", 1), ("kv.post_ns", 5)], [("kv.post_ns", 7)], [("step.id", 9)], [], [], [],
+        [("kv.bytes", 4096), ("step.id", 3)]]
+    assert [list(s) for _, _, s in got] == [
+        [("kv.op", "READ")], [], [("kv.op", "WRITE")], [], [], [], [("kv.op", "x" * 256)], [("kv.op", "READ")],
+        [("kv.op", "WRITE")], [("kv.op", "READ")]]
+    assert [list(f) for _, f, _ in got] == [[]] * 7 + [[("test.convert_ratio", 3.0)], [("test.convert_ratio", 0.25)], []]
+    assert conv.dropped_attributes == 2  # record 4's "12" and record 5's prompt
+    assert table.column("request_id").to_pylist() == [f"X{i}" for i in range(10)]
+    assert table.column("start_ns").to_pylist() == [1010 + i for i in range(10)]
+
+
+def test_one_bad_value_drops_only_itself_among_thousands():
+    recs = [_rec(i, {"kv.bytes": i, "kv.op": "READ"}) for i in range(5000)]
+    recs[1234] = _rec(1234, {"kv.bytes": 1.5, "kv.op": "READ"})
+    recs[10:4000:7] = [_rec(i, {"kv.op": "WRITE", "kv.blocks": i}) for i in range(10, 4000, 7)]  # a second call site
+    conv = convert.Converter()
+    ints = conv.table(recs, RES, 0).column("attr_int").to_pylist()
+    assert conv.dropped_attributes == 1
+    assert ints[1234] == []
+    assert all(ints[i] == ([("kv.blocks", i)] if 10 <= i < 4000 and (i - 10) % 7 == 0 else [("kv.bytes", i)])
+               for i in range(5000) if i != 1234)
