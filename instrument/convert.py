@@ -9,6 +9,7 @@ here: an unknown key or a value of the wrong type is dropped and counted
 from __future__ import annotations
 
 import itertools
+from typing import Iterable
 
 import numpy as np
 import pyarrow as pa
@@ -27,6 +28,11 @@ _VALUE_TYPES = (pa.int64(), pa.float64(), pa.string())
 _INT_OK = frozenset((int, bool))
 _FLOAT_OK = frozenset((float, int))
 _STR_OK = frozenset((str,))
+#: Records of one key tuple from which a batch converts them a column at a time: a column-wise
+#: group costs ~80-110 µs of numpy/pyarrow calls and saves ~0.5-0.7 µs per record against
+#: converting value by value (BENCHMARKS.md, Recorder, session 11), so it pays from ~200 records;
+#: smaller batches (the per-second part files of a lightly loaded engine) keep the per-value path.
+GROUP_MIN = 256
 
 
 class Converter:
@@ -81,31 +87,45 @@ class Converter:
         ``recs``: record tuples; a record's slots after the :data:`N_FIXED` fixed ones hold its
         attribute keys, then their values in the same order (recorder.py's record layout).
 
-        Records are grouped by their key tuple (a call site passes the same keys every time), and each
-        group's values are checked and converted a column at a time; a group whose values are not all
-        of their key's type goes record by record (:meth:`_rowwise`), with the same result. Either way
-        every map keeps its record's key order.
+        Records are grouped by their key tuple (a call site passes the same keys every time). A group of
+        at least :data:`GROUP_MIN` records is type-checked and converted a column at a time
+        (:meth:`_group`); the other records, and a group holding any value of the wrong type, go one
+        value at a time (:meth:`_rowwise`), with the same result. Either way every map keeps its
+        record's key order.
         """
+        n = len(recs)
+        allowed = attributes.ALLOWED
         groups: dict[tuple, list[int]] = {}
-        for j, r in enumerate(recs):
-            n = len(r)
-            if n > N_FIXED:
-                k = r[N_FIXED: (n + N_FIXED) // 2]
+        for j, r in enumerate(recs if n >= GROUP_MIN else ()):
+            w = len(r)
+            if w > N_FIXED:
+                k = r[N_FIXED: (w + N_FIXED) // 2]
                 g = groups.get(k)
                 if g is None:
                     groups[k] = [j]
                 else:
                     g.append(j)
         pieces: tuple[list, list, list] = ([], [], [])  # per value type: its pieces (rows, counts, keys, values)
-        allowed = attributes.ALLOWED
+        slow: list[int] = []
         for keys, rows in groups.items():
-            piece = self._group(keys, rows, recs, allowed)
+            piece = self._group(keys, rows, recs, allowed) if len(rows) >= GROUP_MIN else None
             if piece is None:
-                piece = self._rowwise(rows, recs, allowed)
+                slow.extend(rows)
+                continue
             for t in range(3):
                 if piece[t] is not None:
                     pieces[t].append(piece[t])
-        return tuple(_map_column(len(recs), pieces[t], _VALUE_TYPES[t]) for t in range(3))
+        if not any(pieces):  # every record a value at a time, in record order: the maps directly
+            return tuple(pa.MapArray.from_arrays(pa.array(offs, pa.int32()), pa.array(ks, pa.string()),
+                                                 pa.array(vs, _VALUE_TYPES[t]))
+                         for t, (offs, ks, vs) in enumerate(self._rowwise(range(n), recs, allowed)))
+        if slow:
+            rows_a = np.asarray(slow, dtype=np.int64)
+            for t, (offs, ks, vs) in enumerate(self._rowwise(slow, recs, allowed)):
+                if ks:
+                    pieces[t].append((rows_a, np.diff(np.asarray(offs, dtype=np.int64)), pa.array(ks, pa.string()),
+                                      pa.array(vs, _VALUE_TYPES[t])))
+        return tuple(_map_column(n, pieces[t], _VALUE_TYPES[t]) for t in range(3))
 
     def _group(self, keys: tuple, rows: list[int], recs: list[tuple], allowed: dict) -> tuple | None:
         """One key tuple's records converted a column at a time: per value type (int, float, str) a
@@ -153,16 +173,19 @@ class Converter:
             out.append((rows_a, np.full(m, k, dtype=np.int64), key_arr, flat.take(order)))
         return tuple(out)
 
-    def _rowwise(self, rows: list[int], recs: list[tuple], allowed: dict) -> tuple:
+    def _rowwise(self, rows: Iterable[int], recs: list[tuple], allowed: dict) -> tuple:
         """The records ``rows`` converted one value at a time: an unknown key or a value of the wrong
-        type is dropped and counted, a long string cut; per value type a piece as in :meth:`_group`."""
-        acc = tuple(([], [], []) for _ in range(3))  # per type: counts, keys, values
+        type is dropped and counted, a long string cut. Per value type (int, float, str): the map
+        offsets (list of len(rows) + 1 ints, from 0), then the keys and the values of the entries,
+        record after record in ``rows`` order (lists)."""
+        oi, ki, vi = [0], [], []
+        of, kf, vf = [0], [], []
+        os_, ks, vs = [0], [], []
         dropped = 0
         for j in rows:
-            a = recs[j][N_FIXED:]
-            n = len(a) // 2
-            c = [0, 0, 0]
-            for k, v in zip(a[:n], a[n:]):
+            a = recs[j]
+            n = (len(a) - N_FIXED) // 2
+            for k, v in zip(a[N_FIXED: N_FIXED + n], a[N_FIXED + n:]):
                 spec = allowed.get(k)
                 if spec is None:
                     dropped += 1
@@ -171,31 +194,26 @@ class Converter:
                 tv = type(v)
                 if t is int:
                     if tv is int or tv is bool:
-                        i, v = 0, int(v)
+                        ki.append(k)
+                        vi.append(int(v))
                     else:
                         dropped += 1
-                        continue
                 elif t is str:
                     if tv is str:
-                        i, v = 2, (v if len(v) <= spec.max_len else v[: spec.max_len])
+                        ks.append(k)
+                        vs.append(v if len(v) <= spec.max_len else v[: spec.max_len])
                     else:
                         dropped += 1
-                        continue
                 elif tv is float or tv is int:
-                    i, v = 1, float(v)
+                    kf.append(k)
+                    vf.append(float(v))
                 else:
                     dropped += 1
-                    continue
-                c[i] += 1
-                acc[i][1].append(k)
-                acc[i][2].append(v)
-            for i in range(3):
-                acc[i][0].append(c[i])
+            oi.append(len(ki))
+            of.append(len(kf))
+            os_.append(len(ks))
         self.dropped_attributes += dropped
-        rows_a = np.asarray(rows, dtype=np.int64)
-        return tuple((rows_a, np.asarray(counts, dtype=np.int64), pa.array(ks, pa.string()),
-                      pa.array(vs, _VALUE_TYPES[i])) if ks else None
-                     for i, (counts, ks, vs) in enumerate(acc))
+        return (oi, ki, vi), (of, kf, vf), (os_, ks, vs)
 
     def _trace_id(self, rid: str) -> str:
         t = self._trace_ids.get(rid)

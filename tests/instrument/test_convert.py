@@ -1,9 +1,12 @@
 """The sink's conversion of record tuples to Arrow: each record keeps its own attributes.
 
-The converter groups records by their key tuple and converts a group's values a
-column at a time; these tests mix call sites, wrong types and records without
-attributes in one batch and check every record's maps and the drop count.
+The converter groups the records of a large batch by their key tuple and
+converts a big group's values a column at a time, the rest a value at a time;
+these tests mix call sites, wrong types and records without attributes in one
+batch and check every record's maps and the drop count, both ways.
 """
+import pytest
+
 from pdtrace.instrument import attributes, convert
 
 RES = {"service_name": "pdtrace-decode", "role": "decode", "engine_id": "d0", "host": "h", "pid": 1}
@@ -21,7 +24,9 @@ def _maps(table):
                     table.column("attr_str").to_pylist()))
 
 
-def test_a_batch_of_call_sites_keeps_each_records_attributes():
+@pytest.mark.parametrize("group_min", [1, convert.GROUP_MIN], ids=["by-column", "by-value"])
+def test_a_batch_of_call_sites_keeps_each_records_attributes(monkeypatch, group_min):
+    monkeypatch.setattr(convert, "GROUP_MIN", group_min)  # 1: every key tuple converted a column at a time
     attributes.register("test.convert_ratio", float, "a float key for this test (ratio)")
     recs = [
         _rec(0, {"kv.bytes": 4096, "kv.op": "READ", "step.id": 1}),
