@@ -4,7 +4,12 @@ Runs in the sink process (:mod:`pdtrace.instrument.sink`), never in the traced
 process, so it holds no GIL a traced thread could wait for and needs no yield
 points. Attribute values pass the allowlist (:mod:`pdtrace.instrument.attributes`)
 here: an unknown key or a value of the wrong type is dropped and counted
-(``dropped_attributes``); a string longer than its spec's ``max_len`` is cut.
+(``dropped_attributes``); a string longer than its spec's ``max_len`` is cut. An
+int outside int64 (e.g. an unsigned 64-bit handle above 2**63 - 1) is of the wrong
+type for an int key, and an int too large for a float of the wrong type for a
+float key. :meth:`Converter.table` raises for a record it still cannot convert
+(e.g. a string that is not valid Unicode); the sink then converts the batch
+record by record and drops only that record.
 """
 from __future__ import annotations
 
@@ -26,6 +31,10 @@ N_FIXED = 15
 _VALUE_TYPES = (pa.int64(), pa.float64(), pa.string())
 #: Python types accepted for an int, a float and a str attribute (bool counts as int; int as float).
 _INT_OK = frozenset((int, bool))
+#: int attribute values are stored as int64: outside [-2**63, 2**63) a value is of the wrong type.
+_I64_LO, _I64_HI = -(1 << 63), (1 << 63) - 1
+#: Largest int a float attribute takes (float(v) raises OverflowError beyond ~1.8e308).
+_F64_INT = int(1.7976931348623157e308)
 _FLOAT_OK = frozenset((float, int))
 _STR_OK = frozenset((str,))
 #: Records of one key tuple from which a batch converts them a column at a time: a column-wise
@@ -143,7 +152,7 @@ class Converter:
             types = set(map(type, vals))
             t = spec.type
             if t is int:
-                if types <= _INT_OK:
+                if types <= _INT_OK and _I64_LO <= min(vals) and max(vals) <= _I64_HI:
                     cols[0].append((k, vals if bool not in types else [int(v) for v in vals]))
                     continue
             elif t is str:
@@ -154,8 +163,11 @@ class Converter:
                     cols[2].append((k, vals))
                     continue
             elif types <= _FLOAT_OK:
-                cols[1].append((k, [float(v) for v in vals] if int in types else vals))
-                continue
+                try:
+                    cols[1].append((k, [float(v) for v in vals] if int in types else vals))
+                    continue
+                except OverflowError:  # an int too large for a float: value by value drops it alone
+                    pass
             return None
         self.dropped_attributes += dropped
         rows_a = np.asarray(rows, dtype=np.int64)
@@ -193,7 +205,7 @@ class Converter:
                 t = spec.type
                 tv = type(v)
                 if t is int:
-                    if tv is int or tv is bool:
+                    if (tv is int or tv is bool) and _I64_LO <= v <= _I64_HI:
                         ki.append(k)
                         vi.append(int(v))
                     else:
@@ -204,7 +216,7 @@ class Converter:
                         vs.append(v if len(v) <= spec.max_len else v[: spec.max_len])
                     else:
                         dropped += 1
-                elif tv is float or tv is int:
+                elif tv is float or (tv is int and -_F64_INT <= v <= _F64_INT):
                     kf.append(k)
                     vf.append(float(v))
                 else:

@@ -160,10 +160,35 @@ class Sink:
                 self.convert_received()
 
     def convert_received(self) -> None:
-        """Convert the records received so far with the current resource, allowlist and anchor."""
-        if self._raw:
-            self._pending.append(self.conv.table(self._raw, self.resource, self._anchor.offset_ns))
-            self._raw = []
+        """Convert the records received so far with the current resource, allowlist and anchor.
+
+        A batch that fails to convert is converted again record by record: a record that still
+        fails is dropped and counted (``dropped``, one warning per exception class), never kept
+        to fail every later batch; the others are kept.
+        """
+        if not self._raw:
+            return
+        raw, self._raw = self._raw, []
+        res, offset = self.resource, self._anchor.offset_ns
+        try:
+            self._pending.append(self.conv.table(raw, res, offset))
+            return
+        except Exception:  # noqa: BLE001 - the record at fault is found below
+            pass
+        good = []
+        for r in raw:
+            try:
+                self.conv.table([r], res, offset)
+            except Exception as exc:  # noqa: BLE001
+                self.dropped += 1
+                self._pending_rows -= 1
+                # the class only: an encoding error's message quotes the offending text
+                self._warn_once(f"convert-{type(exc).__name__}", "pdtrace: a record could not be converted "
+                                "(%s); such records are dropped and counted", type(exc).__name__)
+            else:
+                good.append(r)
+        if good:
+            self._pending.append(self.conv.table(good, res, offset))
 
     def tick(self, traced: dict, final: bool) -> None:
         """Write the pending records (with a stats row, and a clock anchor when due) as one part file."""

@@ -66,3 +66,21 @@ def test_one_bad_value_drops_only_itself_among_thousands():
     assert ints[1234] == []
     assert all(ints[i] == ([("kv.blocks", i)] if 10 <= i < 4000 and (i - 10) % 7 == 0 else [("kv.bytes", i)])
                for i in range(5000) if i != 1234)
+
+
+@pytest.mark.parametrize("group_min", [1, convert.GROUP_MIN], ids=["by-column", "by-value"])
+def test_ints_that_do_not_fit_are_wrong_typed(monkeypatch, group_min):
+    """int64 columns: an int key's value outside [-2**63, 2**63) is dropped and counted; a float
+    key's int too large for a float too. The record and its other values stay."""
+    monkeypatch.setattr(convert, "GROUP_MIN", group_min)
+    attributes.register("test.convert_ratio", float, "a float key for this test (ratio)")
+    recs = [_rec(0, {"kv.handle": 2**63 - 1, "test.convert_ratio": 2}),
+            _rec(1, {"kv.handle": 2**63, "test.convert_ratio": 10**400}),
+            _rec(2, {"kv.handle": -(2**63) - 1, "test.convert_ratio": 0.5}),
+            _rec(3, {"kv.handle": -(2**63), "test.convert_ratio": -3})]
+    conv = convert.Converter()
+    got = _maps(conv.table(recs, RES, 0))
+    assert [list(i) for i, _, _ in got] == [[("kv.handle", 2**63 - 1)], [], [], [("kv.handle", -(2**63))]]
+    assert [list(f) for _, f, _ in got] == [[("test.convert_ratio", 2.0)], [], [("test.convert_ratio", 0.5)],
+                                            [("test.convert_ratio", -3.0)]]
+    assert conv.dropped_attributes == 3

@@ -281,6 +281,48 @@ def test_foreign_attribute_values_are_dropped_and_counted(tmp_path):
     assert ints == {"step.num_reqs": 5} and strs == {}
 
 
+def test_int_beyond_int64_drops_the_value_not_the_process_spans(tmp_path):
+    """An unsigned 64-bit value above 2**63 - 1 (a NIXL handle, say) in an int attribute
+    is dropped and counted like a wrong-typed value; its span and every later span are
+    written. (Before, the sink's conversion raised on it for every later batch too,
+    and nothing more of the process was written.)"""
+    from pdtrace.instrument import config, recorder
+
+    t = recorder.Tracer()
+    t.configure(config.from_env({"PDTRACE_DIR": str(tmp_path)}))
+    t.record("kv.transfer", "X1", 1, 2, {"kv.handle": 2**64 - 1, "kv.bytes": 4096})
+    assert t.force_flush(10)
+    for i in range(300):  # a batch big enough to be converted a column at a time, one bad value in it
+        t.record("kv.transfer", f"Y{i}", 3, 4, {"kv.handle": 2**63 if i == 7 else i, "kv.bytes": i})
+    assert t.shutdown()
+    st = t.stats()
+    assert (st["written"], st["dropped"], st["dropped_attributes"]) == (301, 0, 2)
+    rows = dict(duckdb.sql(f"select request_id, attr_int from read_parquet('{tmp_path}/*.parquet') "
+                           "where name='kv.transfer'").fetchall())
+    assert rows["X1"] == {"kv.bytes": 4096}
+    assert rows["Y7"] == {"kv.bytes": 7}
+    assert rows["Y8"] == {"kv.handle": 8, "kv.bytes": 8} and len(rows) == 301
+
+
+def test_a_record_the_sink_cannot_convert_is_dropped_alone(tmp_path):
+    """Strings that are not valid Unicode (lone surrogates) cannot be written as Parquet
+    text: each such record is dropped and counted, with one warning naming only the
+    exception class; the other records of the same batches are written."""
+    from pdtrace.instrument import config, recorder
+
+    t = recorder.Tracer()
+    t.configure(config.from_env({"PDTRACE_DIR": str(tmp_path)}))
+    t.record("kv.transfer", "X1", 1, 2, {"kv.op": "READ\ud800"})
+    t.record("kv.transfer", "X2\udcff", 1, 2, {"kv.bytes": 3})
+    for i in range(300):
+        t.record("kv.transfer", f"Y{i}", 3, 4, {"kv.bytes": i, "kv.op": "READ"})
+    assert t.shutdown()
+    st = t.stats()
+    assert (st["recorded"], st["written"], st["dropped"]) == (302, 300, 2)
+    assert _count(tmp_path, "name='kv.transfer' and request_id like 'Y%'") == 300
+    assert _count(tmp_path, "name='kv.transfer'") == 300
+
+
 def test_traced_process_never_imports_pyarrow(child, tmp_path):
     """Arrow conversion and Parquet encoding happen only in the sink process: the
     traced process, with tracing on, records and flushes without importing pyarrow."""
