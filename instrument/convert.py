@@ -33,8 +33,6 @@ _VALUE_TYPES = (pa.int64(), pa.float64(), pa.string())
 _INT_OK = frozenset((int, bool))
 #: int attribute values are stored as int64: outside [-2**63, 2**63) a value is of the wrong type.
 _I64_LO, _I64_HI = -(1 << 63), (1 << 63) - 1
-#: Largest int a float attribute takes (float(v) raises OverflowError beyond ~1.8e308).
-_F64_INT = int(1.7976931348623157e308)
 _FLOAT_OK = frozenset((float, int))
 _STR_OK = frozenset((str,))
 #: Records of one key tuple from which a batch converts them a column at a time: a column-wise
@@ -116,15 +114,17 @@ class Converter:
                     g.append(j)
         pieces: tuple[list, list, list] = ([], [], [])  # per value type: its pieces (rows, counts, keys, values)
         slow: list[int] = []
+        by_column = False
         for keys, rows in groups.items():
             piece = self._group(keys, rows, recs, allowed) if len(rows) >= GROUP_MIN else None
             if piece is None:
                 slow.extend(rows)
                 continue
+            by_column = True
             for t in range(3):
                 if piece[t] is not None:
                     pieces[t].append(piece[t])
-        if not any(pieces):  # every record a value at a time, in record order: the maps directly
+        if not by_column:  # every record a value at a time, in record order: the maps directly
             return tuple(pa.MapArray.from_arrays(pa.array(offs, pa.int32()), pa.array(ks, pa.string()),
                                                  pa.array(vs, _VALUE_TYPES[t]))
                          for t, (offs, ks, vs) in enumerate(self._rowwise(range(n), recs, allowed)))
@@ -216,9 +216,14 @@ class Converter:
                         vs.append(v if len(v) <= spec.max_len else v[: spec.max_len])
                     else:
                         dropped += 1
-                elif tv is float or (tv is int and -_F64_INT <= v <= _F64_INT):
+                elif tv is float or tv is int:
+                    try:
+                        fv = float(v)
+                    except OverflowError:  # an int too large for a float
+                        dropped += 1
+                        continue
                     kf.append(k)
-                    vf.append(float(v))
+                    vf.append(fv)
                 else:
                     dropped += 1
             oi.append(len(ki))

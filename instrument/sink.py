@@ -164,31 +164,43 @@ class Sink:
 
         A batch that fails to convert is converted again record by record: a record that still
         fails is dropped and counted (``dropped``, one warning per exception class), never kept
-        to fail every later batch; the others are kept.
+        to fail every later batch; the others are kept. ``dropped_attributes`` counts the kept
+        records' dropped attributes once, whatever the retries.
         """
         if not self._raw:
             return
         raw, self._raw = self._raw, []
         res, offset = self.resource, self._anchor.offset_ns
+        conv = self.conv
+        before = conv.dropped_attributes
         try:
-            self._pending.append(self.conv.table(raw, res, offset))
+            self._pending.append(conv.table(raw, res, offset))
             return
         except Exception:  # noqa: BLE001 - the record at fault is found below
             pass
         good = []
         for r in raw:
             try:
-                self.conv.table([r], res, offset)
+                conv.table([r], res, offset)
             except Exception as exc:  # noqa: BLE001
-                self.dropped += 1
-                self._pending_rows -= 1
-                # the class only: an encoding error's message quotes the offending text
-                self._warn_once(f"convert-{type(exc).__name__}", "pdtrace: a record could not be converted "
-                                "(%s); such records are dropped and counted", type(exc).__name__)
+                self._drop_unconvertible(1, exc)
             else:
                 good.append(r)
+        conv.dropped_attributes = before
         if good:
-            self._pending.append(self.conv.table(good, res, offset))
+            try:
+                self._pending.append(conv.table(good, res, offset))
+            except Exception as exc:  # noqa: BLE001 - each converts alone, but not together
+                conv.dropped_attributes = before
+                self._drop_unconvertible(len(good), exc)
+
+    def _drop_unconvertible(self, n: int, exc: Exception) -> None:
+        """Count ``n`` received records as dropped (not written) and warn once per exception class."""
+        self.dropped += n
+        self._pending_rows -= n
+        # the class only: an encoding error's message quotes the offending text
+        self._warn_once(f"convert-{type(exc).__name__}", "pdtrace: a record could not be converted "
+                        "(%s); such records are dropped and counted", type(exc).__name__)
 
     def tick(self, traced: dict, final: bool) -> None:
         """Write the pending records (with a stats row, and a clock anchor when due) as one part file."""

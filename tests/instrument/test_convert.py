@@ -24,7 +24,7 @@ def _maps(table):
                     table.column("attr_str").to_pylist()))
 
 
-@pytest.mark.parametrize("group_min", [1, convert.GROUP_MIN], ids=["by-column", "by-value"])
+@pytest.mark.parametrize("group_min", [1, 10**9], ids=["by-column", "by-value"])
 def test_a_batch_of_call_sites_keeps_each_records_attributes(monkeypatch, group_min):
     monkeypatch.setattr(convert, "GROUP_MIN", group_min)  # 1: every key tuple converted a column at a time
     attributes.register("test.convert_ratio", float, "a float key for this test (ratio)")
@@ -68,7 +68,7 @@ def test_one_bad_value_drops_only_itself_among_thousands():
                for i in range(5000) if i != 1234)
 
 
-@pytest.mark.parametrize("group_min", [1, convert.GROUP_MIN], ids=["by-column", "by-value"])
+@pytest.mark.parametrize("group_min", [1, 10**9], ids=["by-column", "by-value"])
 def test_ints_that_do_not_fit_are_wrong_typed(monkeypatch, group_min):
     """int64 columns: an int key's value outside [-2**63, 2**63) is dropped and counted; a float
     key's int too large for a float too. The record and its other values stay."""
@@ -84,3 +84,27 @@ def test_ints_that_do_not_fit_are_wrong_typed(monkeypatch, group_min):
     assert [list(f) for _, f, _ in got] == [[("test.convert_ratio", 2.0)], [], [("test.convert_ratio", 0.5)],
                                             [("test.convert_ratio", -3.0)]]
     assert conv.dropped_attributes == 3
+
+
+@pytest.mark.parametrize("group_min", [1, 10**9], ids=["by-column", "by-value"])
+def test_a_call_site_of_unknown_keys_counts_each_value_once(monkeypatch, group_min):
+    """A busy call site whose keys were never allowlisted (a plug-in that did not register
+    them): every value is dropped and counted once, whichever way the batch is converted."""
+    monkeypatch.setattr(convert, "GROUP_MIN", group_min)
+    recs = [_rec(i, {"plugin.unregistered": i}) for i in range(300)]
+    conv = convert.Converter()
+    got = _maps(conv.table(recs, RES, 0))
+    assert conv.dropped_attributes == 300
+    assert all(m == ([], [], []) for m in got)
+
+
+@pytest.mark.parametrize("group_min", [1, 10**9], ids=["by-column", "by-value"])
+def test_an_int_that_rounds_to_the_largest_float_is_kept_both_ways(monkeypatch, group_min):
+    monkeypatch.setattr(convert, "GROUP_MIN", group_min)
+    attributes.register("test.convert_ratio", float, "a float key for this test (ratio)")
+    big = int(1.7976931348623157e308) + 1  # float() rounds it down; only ints from ~2**1024 overflow
+    recs = [_rec(i, {"test.convert_ratio": big if i == 0 else i}) for i in range(300)]
+    conv = convert.Converter()
+    floats = conv.table(recs, RES, 0).column("attr_float").to_pylist()
+    assert floats[0] == [("test.convert_ratio", 1.7976931348623157e308)] and conv.dropped_attributes == 0
+    assert floats[299] == [("test.convert_ratio", 299.0)]

@@ -323,6 +323,26 @@ def test_a_record_the_sink_cannot_convert_is_dropped_alone(tmp_path):
     assert _count(tmp_path, "name='kv.transfer'") == 300
 
 
+def test_sink_fallback_counts_records_and_attributes_once(tmp_path):
+    """The sink's record-by-record fallback (one record of ten cannot be written): the
+    other nine are kept, the one is counted as dropped, and the attributes the kept
+    records lose to the allowlist are counted once each, not once per retry."""
+    from pdtrace.instrument import config
+    from pdtrace.instrument import sink as sinkmod
+
+    s = sinkmod.Sink(config.from_env({"PDTRACE_DIR": str(tmp_path)}),
+                     {"service_name": "pdtrace-decode", "role": "decode", "engine_id": "d0", "host": "h", "pid": 1},
+                     1, "t")
+    recs = [(0, i, i, None, "kv.transfer", 1, i, i, 0, None, f"X{i}", 0, 0, None, "MainThread",
+             "prompt", "kv.bytes", "secret", i) for i in range(10)]
+    recs[3] = (0, 3, 3, None, "kv.transfer", 1, 3, 3, 0, None, "X3", 0, 0, None, "MainThread",
+               "prompt", "kv.op", "secret", "READ\ud800")
+    s.add(recs)
+    s.convert_received()
+    assert (s.dropped, s._pending_rows, sum(t.num_rows for t in s._pending)) == (1, 9, 9)
+    assert s.conv.dropped_attributes == 9
+
+
 def test_traced_process_never_imports_pyarrow(child, tmp_path):
     """Arrow conversion and Parquet encoding happen only in the sink process: the
     traced process, with tracing on, records and flushes without importing pyarrow."""
