@@ -13,7 +13,11 @@ correction moved -- are recomputed.
 
 Bad files (empty, truncated, foreign, another schema major) are skipped and
 named in a :class:`SkippedFileWarning`; the store's reader rules are
-:func:`pdtrace.instrument.store.check_file`'s.
+:func:`pdtrace.instrument.store.check_file`'s. A file whose footer is sound but
+whose data cannot be decoded (a corrupted page) is found when a refresh fails
+to read it: each file that refresh read is then decoded in full, the ones that
+fail are skipped and named the same way (until they change), and the database
+is rebuilt without them (:meth:`Trace.refresh`).
 
 Queries go through :func:`connect_readonly` (or :meth:`Trace.readonly`): the
 database opened read-only with file system access disabled and the
@@ -216,6 +220,12 @@ class Trace:
         self.cache = Path(cache) if cache is not None else None
         self._threads = threads
         self.con = self._open()
+        # files whose data failed to decode: path -> (size, mtime_ns, reason), skipped until they
+        # change; a cache file remembers those an earlier run found
+        self._corrupt: dict[str, tuple[int, int, str]] = {
+            p: (size, mtime, reason) for p, size, mtime, reason in self.con.execute(
+                "SELECT path, size, mtime_ns, reason FROM _files "
+                "WHERE NOT ok AND starts_with(reason, 'corrupt data:') AND size IS NOT NULL").fetchall()}
 
     # -- database lifecycle ---------------------------------------------------
     def _open(self) -> duckdb.DuckDBPyConnection:
@@ -294,6 +304,10 @@ class Trace:
             except OSError as exc:  # vanished between listing and stat
                 bad.append((str(p), f"unreadable: {type(exc).__name__}"))
                 continue
+            known = self._corrupt.get(str(p))
+            if known is not None and known[:2] == (st.st_size, st.st_mtime_ns):
+                bad.append((str(p), known[2]))
+                continue
             good[str(p)] = (st.st_size, st.st_mtime_ns)
         return good, bad
 
@@ -301,7 +315,37 @@ class Trace:
         """Absorb new/changed files, drop vanished ones, recompute what they touch.
 
         Warns (SkippedFileWarning) once per bad file. Returns a RefreshResult.
+        When reading the files fails (duckdb.Error), every file this refresh
+        was reading is decoded in full; those that fail are skipped from then
+        on (until their size or mtime changes) and the database is rebuilt
+        from scratch without them. Raises the original error when every file
+        decodes (the fault is not a file's).
         """
+        try:
+            return self._refresh()
+        except duckdb.Error:
+            good, _ = self.scan()
+            known = {p for p, in self.con.execute("SELECT path FROM _files WHERE ok").fetchall()}
+            suspects = sorted(p for p in good if p not in known) or sorted(good)
+            found = {p: good[p] + (reason,) for p in suspects if (reason := _undecodable(p)) is not None}
+            if not found:
+                raise
+            self._corrupt.update(found)
+            self._rebuild()
+            res = self._refresh()
+            res.rebuilt = True
+            return res
+
+    def _rebuild(self) -> None:
+        """Drop this Trace's database (the cache file too) and open a fresh one."""
+        self.con.close()
+        if self.cache is not None:
+            for f in (self.cache, Path(str(self.cache) + ".wal")):
+                if f.exists():
+                    f.unlink()
+        self.con = self._open()
+
+    def _refresh(self) -> RefreshResult:
         t0 = time.perf_counter()
         res = RefreshResult(rebuilt=self._fresh)
         good, bad = self.scan()
@@ -319,8 +363,9 @@ class Trace:
         if True:
             con.execute("DELETE FROM _files WHERE NOT ok")
             if bad:
-                con.executemany("INSERT OR REPLACE INTO _files VALUES (?, NULL, NULL, NULL, false, ?, now())",
-                                [(p, r) for p, r in bad])
+                # a corrupt file keeps its size and mtime: skipped, without a new rebuild, until it changes
+                con.executemany("INSERT OR REPLACE INTO _files VALUES (?, ?, ?, NULL, false, ?, now())",
+                                [(p, *self._corrupt.get(p, (None, None))[:2], r) for p, r in bad])
             if res.new or res.gone or self._fresh:
                 res.dirty_requests = self._absorb(res.new, res.gone, good)
             con.execute("INSERT OR REPLACE INTO _meta VALUES ('state', 'clean')")
@@ -603,6 +648,23 @@ class Trace:
         cur = self.con.execute(sql, params or [])
         cols = [d[0] for d in cur.description]
         return [dict(zip(cols, row)) for row in cur.fetchall()]
+
+
+def _undecodable(path: str) -> str | None:
+    """None if DuckDB decodes every column of every row of store file ``path``; else the reason to skip it.
+
+    The footer was already checked (:func:`pdtrace.instrument.store.check_file`); this
+    reads the data pages, in a separate in-memory connection.
+    """
+    con = duckdb.connect()
+    try:
+        con.execute("CREATE TEMP TABLE _check AS SELECT * FROM read_parquet(?)", [path])
+        return None
+    except duckdb.Error as exc:  # DuckDB's first line, e.g. 'Payload value bigger than allowed. Corrupted file?'
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        return f"corrupt data: {first[:200]}"
+    finally:
+        con.close()
 
 
 def open_trace(directory: str | os.PathLike, cache: str | os.PathLike | None = None,

@@ -64,6 +64,52 @@ def test_bad_files_skipped_and_named(tmp_path):
     tr.close()
 
 
+def _corrupt_first_page(path):
+    """Overwrite the first data page header of ``path``: the footer stays sound (check_file passes)."""
+    off = pq.ParquetFile(path).metadata.row_group(0).column(0).data_page_offset
+    b = bytearray(path.read_bytes())
+    b[off:off + 64] = b"\xff" * 64
+    path.write_bytes(bytes(b))
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["in-memory", "cache-file"])
+def test_a_file_with_corrupt_data_is_skipped_and_named(tmp_path, cached):
+    """A store file whose footer is sound but whose data pages are not (bit rot, a bad copy):
+    the refresh that meets it skips it and names it, and every other file is analysed."""
+    d = tmp_path / "s"
+    _case_h().write(d)
+    cache = tmp_path / "c.duckdb" if cached else None
+    rows = [{"name": "prefill.compute", "request_id": f"z{i}", "span_id": 10_000 + i,
+             "start_ns": 10**9 + i, "end_ns": 10**9 + i + 5} for i in range(2000)]
+    res = {"role": "prefill", "engine_id": "p9", "host": "h", "pid": 9}
+    tr = db.Trace(d, cache=cache)
+    tr.refresh()
+    assert tr.query("SELECT ttft_ms FROM ttft_breakdown")[0]["ttft_ms"] == 4070
+    bad = store.write_rows(d, rows, resource=res, name="p9-late.parquet")
+    _corrupt_first_page(bad)
+    assert store.check_file(bad).ok  # only the data is bad
+    with pytest.warns(db.SkippedFileWarning, match="p9-late.parquet: corrupt data"):
+        r = tr.refresh()
+    assert r.skipped and r.skipped[0][0] == str(bad)
+    assert tr.query("SELECT ttft_ms FROM ttft_breakdown")[0]["ttft_ms"] == 4070
+    skipped = tr.query("SELECT path, reason FROM store_files WHERE NOT ok")
+    assert [s["path"] for s in skipped] == [str(bad)] and skipped[0]["reason"].startswith("corrupt data: ")
+    if cached:  # a later run on the same cache remembers the file: skipped again, no second rebuild
+        tr.close()
+        tr = db.Trace(d, cache=cache)
+        with pytest.warns(db.SkippedFileWarning, match="corrupt data"):
+            r = tr.refresh()
+        assert not r.rebuilt and r.new == [] and [p for p, _ in r.skipped] == [str(bad)]
+        assert tr.query("SELECT ttft_ms FROM ttft_breakdown")[0]["ttft_ms"] == 4070
+    # the file is rewritten whole: read again, and its requests appear
+    store.write_rows(d, rows, resource=res, name="p9-late.parquet")
+    tr.refresh()
+    assert tr.query("SELECT count(*) AS n FROM store_files WHERE NOT ok")[0]["n"] == 0
+    assert tr.query("SELECT count(*) AS n FROM spans WHERE engine_id = 'p9'")[0]["n"] == 2000
+    assert tr.query("SELECT ttft_ms FROM ttft_breakdown")[0]["ttft_ms"] == 4070
+    tr.close()
+
+
 def test_lab_client_records_are_not_a_bad_store_file(tmp_path):
     """The lab writes its client's view (client/requests.parquet) inside the trace dir: no warning, not skipped."""
     import warnings
