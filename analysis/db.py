@@ -219,6 +219,7 @@ class Trace:
             raise FileNotFoundError(f"trace directory not found: {self.directory}")
         self.cache = Path(cache) if cache is not None else None
         self._threads = threads
+        self._listing: dict[str, tuple[int, int]] = {}
         self.con = self._open()
         # files whose data failed to decode: path -> (size, mtime_ns, reason), skipped until they
         # change; a cache file remembers those an earlier run found
@@ -311,30 +312,47 @@ class Trace:
             good[str(p)] = (st.st_size, st.st_mtime_ns)
         return good, bad
 
+    #: Refresh attempts when reading the store fails (see :meth:`refresh`).
+    refresh_tries = 3
+
     def refresh(self) -> RefreshResult:
         """Absorb new/changed files, drop vanished ones, recompute what they touch.
 
         Warns (SkippedFileWarning) once per bad file. Returns a RefreshResult.
-        When reading the files fails (duckdb.Error), every file this refresh
-        was reading is decoded in full; those that fail are skipped from then
-        on (until their size or mtime changes) and the database is rebuilt
-        from scratch without them. Raises the original error when every file
-        decodes (the fault is not a file's).
+        When reading the files fails (duckdb.Error), the database is rebuilt
+        from scratch and the refresh tried again (at most :attr:`refresh_tries`
+        attempts in all) if either:
+
+        - the directory changed while it was read (the recorder compacts its
+          part files into a segment and deletes the parts, so a file listed a
+          moment ago can be gone), or
+        - some file this refresh was reading fails to decode in full: each
+          such file is skipped from then on (until its size or mtime changes).
+
+        Otherwise (or on the last attempt) the original error is raised: the
+        fault is not a file's.
         """
-        try:
-            return self._refresh()
-        except duckdb.Error:
-            good, _ = self.scan()
-            known = {p for p, in self.con.execute("SELECT path FROM _files WHERE ok").fetchall()}
-            suspects = sorted(p for p in good if p not in known) or sorted(good)
-            found = {p: good[p] + (reason,) for p in suspects if (reason := _undecodable(p)) is not None}
-            if not found:
-                raise
-            self._corrupt.update(found)
-            self._rebuild()
-            res = self._refresh()
-            res.rebuilt = True
-            return res
+        rebuilt = False
+        for attempt in range(self.refresh_tries):
+            try:
+                res = self._refresh()
+                res.rebuilt = res.rebuilt or rebuilt
+                return res
+            except duckdb.Error:
+                listed = self._listing
+                good, _ = self.scan()
+                if good == listed:  # the same files: is one of them unreadable?
+                    known = {p for p, in self.con.execute("SELECT path FROM _files WHERE ok").fetchall()}
+                    suspects = sorted(p for p in good if p not in known) or sorted(good)
+                    found = {p: good[p] + (reason,) for p in suspects if (reason := _undecodable(p)) is not None}
+                    if not found:
+                        raise
+                    self._corrupt.update(found)
+                if attempt == self.refresh_tries - 1:
+                    raise
+                self._rebuild()
+                rebuilt = True
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def _rebuild(self) -> None:
         """Drop this Trace's database (the cache file too) and open a fresh one."""
@@ -349,6 +367,7 @@ class Trace:
         t0 = time.perf_counter()
         res = RefreshResult(rebuilt=self._fresh)
         good, bad = self.scan()
+        self._listing = good  # what this refresh reads (refresh() compares it after a failure)
         con = self.con
         known = {p: (s, m) for p, s, m in con.execute("SELECT path, size, mtime_ns FROM _files WHERE ok").fetchall()}
         res.new = sorted(p for p, sm in good.items() if known.get(p) != sm)

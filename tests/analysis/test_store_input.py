@@ -110,6 +110,33 @@ def test_a_file_with_corrupt_data_is_skipped_and_named(tmp_path, cached):
     tr.close()
 
 
+def test_a_file_compacted_away_while_read_does_not_fail_the_refresh(tmp_path):
+    """The recorder deletes its part files once merged into a segment, so a file listed by
+    a refresh can be gone when DuckDB opens it. The deletion here is real, but forced right
+    after the listing (a subclass of Trace deletes the part in scan()) instead of waiting
+    for the race. The refresh reads the directory again and analyses what is there."""
+    d = tmp_path / "s"
+    _case_h().write(d)
+    part = store.write_rows(d, [{"name": "prefill.compute", "request_id": f"z{i}", "span_id": 10_000 + i,
+                                 "start_ns": 10**9 + i, "end_ns": 10**9 + i + 5} for i in range(50)],
+                            resource={"role": "prefill", "engine_id": "p9", "host": "h", "pid": 9},
+                            name="p9-p000001.parquet")
+
+    class CompactedWhileRead(db.Trace):
+        def scan(self):
+            listed = super().scan()
+            if part.exists():
+                part.unlink()  # compaction: the part is gone once listed
+            return listed
+
+    with CompactedWhileRead(d) as tr:
+        r = tr.refresh()
+        assert r.rebuilt and r.skipped == []
+        assert tr.query("SELECT ttft_ms FROM ttft_breakdown")[0]["ttft_ms"] == 4070
+        assert tr.query("SELECT count(*) AS n FROM spans WHERE engine_id = 'p9'")[0]["n"] == 0
+        assert str(part) not in {x["path"] for x in tr.query("SELECT path FROM store_files")}
+
+
 def test_lab_client_records_are_not_a_bad_store_file(tmp_path):
     """The lab writes its client's view (client/requests.parquet) inside the trace dir: no warning, not skipped."""
     import warnings
