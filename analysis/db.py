@@ -13,11 +13,7 @@ correction moved -- are recomputed.
 
 Bad files (empty, truncated, foreign, another schema major) are skipped and
 named in a :class:`SkippedFileWarning`; the store's reader rules are
-:func:`pdtrace.instrument.store.check_file`'s. A file whose footer is sound but
-whose data cannot be decoded (a corrupted page) is found when a refresh fails
-to read it: each file that refresh read is then decoded in full, the ones that
-fail are skipped and named the same way (until they change), and the database
-is rebuilt without them (:meth:`Trace.refresh`).
+:func:`pdtrace.instrument.store.check_file`'s.
 
 Queries go through :func:`connect_readonly` (or :meth:`Trace.readonly`): the
 database opened read-only with file system access disabled and the
@@ -219,14 +215,7 @@ class Trace:
             raise FileNotFoundError(f"trace directory not found: {self.directory}")
         self.cache = Path(cache) if cache is not None else None
         self._threads = threads
-        self._listing: dict[str, tuple[int, int]] = {}
         self.con = self._open()
-        # files whose data failed to decode: path -> (size, mtime_ns, reason), skipped until they
-        # change; a cache file remembers those an earlier run found
-        self._corrupt: dict[str, tuple[int, int, str]] = {
-            p: (size, mtime, reason) for p, size, mtime, reason in self.con.execute(
-                "SELECT path, size, mtime_ns, reason FROM _files "
-                "WHERE NOT ok AND starts_with(reason, 'corrupt data:') AND size IS NOT NULL").fetchall()}
 
     # -- database lifecycle ---------------------------------------------------
     def _open(self) -> duckdb.DuckDBPyConnection:
@@ -305,69 +294,17 @@ class Trace:
             except OSError as exc:  # vanished between listing and stat
                 bad.append((str(p), f"unreadable: {type(exc).__name__}"))
                 continue
-            known = self._corrupt.get(str(p))
-            if known is not None and known[:2] == (st.st_size, st.st_mtime_ns):
-                bad.append((str(p), known[2]))
-                continue
             good[str(p)] = (st.st_size, st.st_mtime_ns)
         return good, bad
-
-    #: Refresh attempts when reading the store fails (see :meth:`refresh`).
-    refresh_tries = 3
 
     def refresh(self) -> RefreshResult:
         """Absorb new/changed files, drop vanished ones, recompute what they touch.
 
         Warns (SkippedFileWarning) once per bad file. Returns a RefreshResult.
-        When reading the files fails (duckdb.Error), the database is rebuilt
-        from scratch and the refresh tried again (at most :attr:`refresh_tries`
-        attempts in all) if either:
-
-        - the directory changed while it was read (the recorder compacts its
-          part files into a segment and deletes the parts, so a file listed a
-          moment ago can be gone), or
-        - some file this refresh was reading fails to decode in full: each
-          such file is skipped from then on (until its size or mtime changes).
-
-        Otherwise (or on the last attempt) the original error is raised: the
-        fault is not a file's.
         """
-        rebuilt = False
-        for attempt in range(self.refresh_tries):
-            try:
-                res = self._refresh()
-                res.rebuilt = res.rebuilt or rebuilt
-                return res
-            except duckdb.Error:
-                listed = self._listing
-                good, _ = self.scan()
-                if good == listed:  # the same files: is one of them unreadable?
-                    known = {p for p, in self.con.execute("SELECT path FROM _files WHERE ok").fetchall()}
-                    suspects = sorted(p for p in good if p not in known) or sorted(good)
-                    found = {p: good[p] + (reason,) for p in suspects if (reason := _undecodable(p)) is not None}
-                    if not found:
-                        raise
-                    self._corrupt.update(found)
-                if attempt == self.refresh_tries - 1:
-                    raise
-                self._rebuild()
-                rebuilt = True
-        raise AssertionError("unreachable")  # pragma: no cover
-
-    def _rebuild(self) -> None:
-        """Drop this Trace's database (the cache file too) and open a fresh one."""
-        self.con.close()
-        if self.cache is not None:
-            for f in (self.cache, Path(str(self.cache) + ".wal")):
-                if f.exists():
-                    f.unlink()
-        self.con = self._open()
-
-    def _refresh(self) -> RefreshResult:
         t0 = time.perf_counter()
         res = RefreshResult(rebuilt=self._fresh)
         good, bad = self.scan()
-        self._listing = good  # what this refresh reads (refresh() compares it after a failure)
         con = self.con
         known = {p: (s, m) for p, s, m in con.execute("SELECT path, size, mtime_ns FROM _files WHERE ok").fetchall()}
         res.new = sorted(p for p, sm in good.items() if known.get(p) != sm)
@@ -382,9 +319,8 @@ class Trace:
         if True:
             con.execute("DELETE FROM _files WHERE NOT ok")
             if bad:
-                # a corrupt file keeps its size and mtime: skipped, without a new rebuild, until it changes
-                con.executemany("INSERT OR REPLACE INTO _files VALUES (?, ?, ?, NULL, false, ?, now())",
-                                [(p, *self._corrupt.get(p, (None, None))[:2], r) for p, r in bad])
+                con.executemany("INSERT OR REPLACE INTO _files VALUES (?, NULL, NULL, NULL, false, ?, now())",
+                                [(p, r) for p, r in bad])
             if res.new or res.gone or self._fresh:
                 res.dirty_requests = self._absorb(res.new, res.gone, good)
             con.execute("INSERT OR REPLACE INTO _meta VALUES ('state', 'clean')")
@@ -667,23 +603,6 @@ class Trace:
         cur = self.con.execute(sql, params or [])
         cols = [d[0] for d in cur.description]
         return [dict(zip(cols, row)) for row in cur.fetchall()]
-
-
-def _undecodable(path: str) -> str | None:
-    """None if DuckDB decodes every column of every row of store file ``path``; else the reason to skip it.
-
-    The footer was already checked (:func:`pdtrace.instrument.store.check_file`); this
-    reads the data pages, in a separate in-memory connection.
-    """
-    con = duckdb.connect()
-    try:
-        con.execute("CREATE TEMP TABLE _check AS SELECT * FROM read_parquet(?)", [path])
-        return None
-    except duckdb.Error as exc:  # DuckDB's first line, e.g. 'Payload value bigger than allowed. Corrupted file?'
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        return f"corrupt data: {first[:200]}"
-    finally:
-        con.close()
 
 
 def open_trace(directory: str | os.PathLike, cache: str | os.PathLike | None = None,
