@@ -15,9 +15,9 @@ import asyncio
 import json
 import math
 import time
-import uuid
 import urllib.error
 import urllib.request
+import uuid
 from pathlib import Path
 
 import labkit
