@@ -15,8 +15,10 @@ Columns: ``run_id``, ``request_index``, ``trace_index``, ``router_request_id``
 ``max_tokens``, ``shared_prefix_tokens``, ``scheduled_ns`` (planned send),
 ``send_ns``, ``first_token_ns`` (null if none), ``end_ns``, ``token_times_ns``
 (list, one per generated token), ``output_tokens``, ``status`` (``ok``,
-``http_error``, ``stream_error``, ``timeout``, ``connection_error``),
-``http_status``, ``error_type``.
+``http_error``, ``stream_error``, ``timeout``, ``connection_error``; ``ok``
+only for a stream that ended with ``data: [DONE]`` and carried no error
+event, ``stream_error`` with ``error_type`` ``stream_truncated`` for one whose
+bytes stopped before it), ``http_status``, ``error_type``.
 """
 from __future__ import annotations
 
@@ -116,7 +118,11 @@ async def send_one(session: aiohttp.ClientSession, url: str, req: ReplayRequest,
                                 rec.first_token_ns = t
                             rec.token_times_ns.extend([t] * new)
                 if rec.status == "pending":
-                    rec.status = "ok"
+                    if dec.done:
+                        rec.status = "ok"
+                    else:  # the bytes stopped before "data: [DONE]": cut short, not complete
+                        rec.status = "stream_error"
+                        rec.error_type = "stream_truncated"
     except TimeoutError:
         rec.status = "timeout"
     except (aiohttp.ClientError, ConnectionError) as exc:

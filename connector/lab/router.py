@@ -22,7 +22,8 @@ aiohttp server and client. For each client request the router makes one id X
 
 D's stream is relayed chunk by chunk. Errors from a leg keep their HTTP status;
 a failure after the stream started becomes an in-stream ``{"error": ...}``
-event. A per-request timeout (``timeout_s``) applies; when one leg fails or the
+event; a D stream that ends without its final ``data: [DONE]`` is such a
+failure (type ``stream_truncated``), never a complete response. A per-request timeout (``timeout_s``) applies; when one leg fails or the
 client disconnects, the other leg is cancelled (closing its connection makes
 vLLM abort it). Engines are picked round-robin.
 
@@ -30,8 +31,9 @@ Spans (through ``pdtrace.instrument.tracer``, when ``PDTRACE_DIR`` is set):
 ``router.request`` (root), ``router.dispatch`` (one per leg: router work
 before the leg is sent), ``router.wait`` (one per leg: sent → P's response /
 D's first token chunk received), the event ``router.first_token`` on the root
-when the first chunk carrying a generated token is written (TTFT end, DESIGN.md
-§3), ``router.last_token`` and ``router.leg_failed``. No prompt or completion
+at the instant the first chunk carrying a generated token is handed to the
+client's connection (read just before the write, so it never falls after the
+client could have the token; TTFT end, DESIGN.md §3), ``router.last_token`` and ``router.leg_failed``. No prompt or completion
 text is recorded or logged.
 
 The router also keeps its own added latency per request (``GET /_lab/stats``):
@@ -484,10 +486,11 @@ class Router:
                         resp = web.Response(status=200, body=raw, content_type="application/json",
                                             headers={"X-Request-Id": x})
                         ctx["status"] = 200
+                        t_w = _now()  # before the write: the client cannot have the token earlier
                         await resp.prepare(request)
                         await resp.write_eof()
-                        ctx["first_token_ns"] = _now()
-                        sp.event("router.first_token", x, root, t=ctx["first_token_ns"], pidx=pidx)
+                        ctx["first_token_ns"] = t_w
+                        sp.event("router.first_token", x, root, t=t_w, pidx=pidx)
                         ctx["done"] = True
                         ctx["t_done"] = _now()
                         return resp
@@ -512,9 +515,12 @@ class Router:
                             raise LegError(502, "decode engine finished the request with an error "
                                                 "(e.g. KV load from the prefill engine failed)",
                                            "decode", "decode_failed")
+                        # the token's instant is read before the write: once written, a busy event loop
+                        # can delay this task well after the client has the bytes (TTFT would then
+                        # exceed the client's own)
+                        t_w = _now() if has_tok else None
                         await resp.write(data)
                         if has_tok:
-                            t_w = _now()
                             last_token_t = t_w
                             if ctx["first_token_ns"] is None:
                                 first_rx = t_rx
@@ -523,6 +529,12 @@ class Router:
                                 sp.event("router.first_token", x, root, t=t_w, pidx=pidx)
                     if last_token_t:
                         sp.event("router.last_token", x, root, t=last_token_t, pidx=pidx)
+                    if not dec.done:
+                        # an OpenAI stream ends with "data: [DONE]"; without it D's stream was cut short
+                        # (D died, or the connection closed) even though no exception said so
+                        raise LegError(502, "decode engine's stream ended before its final 'data: [DONE]' "
+                                            "event (the engine died or the connection closed mid-stream)",
+                                       "decode", "stream_truncated")
                     await resp.write_eof()
                     ctx["done"] = True
                     ctx["t_done"] = _now()

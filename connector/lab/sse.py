@@ -11,12 +11,17 @@ import json
 class SSEDecoder:
     """Feed raw bytes as they arrive; get back the JSON objects of every complete event.
 
-    ``data: [DONE]``, non-``data:`` lines and payloads that are not JSON are
-    skipped; a partial event is kept until the bytes that complete it arrive.
+    Non-``data:`` lines and payloads that are not JSON are skipped; a partial
+    event is kept until the bytes that complete it arrive. ``data: [DONE]``
+    yields nothing but sets :attr:`done`: an OpenAI stream ends with it, so a
+    stream whose bytes stop before it was cut short (the engine died, or a
+    connection in between closed), even when no exception was raised.
     """
 
     def __init__(self) -> None:
         self._buf = b""
+        #: True once the ``data: [DONE]`` event was decoded (the stream ended normally).
+        self.done = False
 
     def feed(self, data: bytes) -> list:
         """Append ``data``; return the decoded payloads of the events it completed, in order."""
@@ -25,7 +30,10 @@ class SSEDecoder:
         while b"\n\n" in self._buf:
             ev, self._buf = self._buf.split(b"\n\n", 1)
             for line in ev.split(b"\n"):
-                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                if line == b"data: [DONE]":
+                    self.done = True
+                    continue
+                if not line.startswith(b"data: "):
                     continue
                 try:
                     out.append(json.loads(line[6:]))

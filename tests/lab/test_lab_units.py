@@ -148,7 +148,9 @@ def test_sse_decoder_splits_events_across_chunks():
     from pdtrace.connector.lab.sse import SSEDecoder
     d = SSEDecoder()
     assert d.feed(b'data: {"a": 1}\n\ndata: [DO') == [{"a": 1}]
+    assert not d.done  # half of "[DONE]" is not the end
     assert d.feed(b'NE]\n\n: comment\n\ndata: {"b"') == []
+    assert d.done
     assert d.feed(b': 2}\n\ndata: not json\n\n') == [{"b": 2}]
 
 

@@ -1,0 +1,102 @@
+"""A decode stream is whole only when it ends with ``data: [DONE]``: router and client both check.
+
+The upstream engines here are stand-ins (small aiohttp apps), not vLLM: the
+failure is a D whose stream stops early *without* an exception reaching the
+router -- what CI saw once when killing D mid-stream made a 753-of-6,000-token
+stream pass as ``ok`` -- and killing a real engine ends its stream in either
+way depending on timing (``tests/lab/test_push.py::test_kill_decode_mid_run``
+kills a real D). The router and the client under test are the real ones.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from pdtrace.connector.lab import procs, replay
+from pdtrace.connector.lab.router import Router
+from pdtrace.connector.lab.workload import ReplayRequest
+
+TOKENS = 3
+
+
+def _upstreams(done: bool) -> web.Application:
+    """A stand-in P (answers with kv_transfer_params) and D (streams TOKENS chunks, then [DONE] or not)."""
+
+    async def completions(request: web.Request):
+        body = await request.json()
+        if not body.get("stream"):  # the prefill leg
+            return web.json_response({"choices": [{"text": "x", "finish_reason": "length"}],
+                                      "kv_transfer_params": {"do_remote_prefill": True, "remote_block_ids": [0]}})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(TOKENS):
+            chunk = {"choices": [{"index": 0, "text": "t", "finish_reason": None}],
+                     "usage": {"completion_tokens": i + 1}}
+            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        if done:
+            await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()  # a clean end of the HTTP body either way: no exception for the router
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    return app
+
+
+async def _serve(app: web.Application, port: int) -> web.AppRunner:
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner
+
+
+async def _one_request(done: bool) -> replay.ClientRecord:
+    up_port, r_port = procs.free_ports(2)
+    up = await _serve(_upstreams(done), up_port)
+    url = f"http://127.0.0.1:{up_port}"
+    router = Router({"mode": "pull", "prefill": [{"url": url, "engine_id": "p"}],
+                     "decode": [{"url": url, "engine_id": "d"}], "timeout_s": 30})
+    rt = await _serve(router.app(), r_port)
+    try:
+        req = ReplayRequest(0, 0, 0.0, [11, 12, 13], TOKENS)
+        rec = replay.ClientRecord(0, 0, 3, TOKENS, 0)
+        async with aiohttp.ClientSession() as s:
+            await replay.send_one(s, f"http://127.0.0.1:{r_port}/v1/completions", req, rec, replay._Clock(), 30)
+        return rec
+    finally:
+        await rt.cleanup()
+        await up.cleanup()
+
+
+@pytest.mark.parametrize("done, status, error_type", [
+    (True, "ok", ""),
+    (False, "stream_error", "stream_truncated"),
+])
+def test_stream_without_done_is_an_error(done, status, error_type):
+    rec = asyncio.run(_one_request(done))
+    assert (rec.status, rec.error_type) == (status, error_type)
+    assert rec.http_status == (200 if done else 502)  # the in-stream error event carries the router's 502
+    assert len(rec.token_times_ns) == TOKENS  # the tokens before the cut still reached the client
+
+
+def test_client_calls_a_stream_without_done_truncated():
+    """The client's own check, without the router: bytes that stop before [DONE] are not 'ok'."""
+
+    async def run(done: bool) -> replay.ClientRecord:
+        (port,) = procs.free_ports(1)
+        up = await _serve(_upstreams(done), port)
+        try:
+            rec = replay.ClientRecord(0, 0, 3, TOKENS, 0)
+            async with aiohttp.ClientSession() as s:
+                await replay.send_one(s, f"http://127.0.0.1:{port}/v1/completions",
+                                      ReplayRequest(0, 0, 0.0, [1, 2, 3], TOKENS), rec, replay._Clock(), 30)
+            return rec
+        finally:
+            await up.cleanup()
+
+    assert (asyncio.run(run(True)).status, asyncio.run(run(False)).status) == ("ok", "stream_error")
+    assert asyncio.run(run(False)).error_type == "stream_truncated"
