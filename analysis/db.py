@@ -13,7 +13,11 @@ correction moved -- are recomputed.
 
 Bad files (empty, truncated, foreign, another schema major) are skipped and
 named in a :class:`SkippedFileWarning`; the store's reader rules are
-:func:`pdtrace.instrument.store.check_file`'s.
+:func:`pdtrace.instrument.store.check_file`'s. A file whose footer is sound but
+whose data pages do not decode is found when a refresh fails to read it, and
+skipped and named the same way; a file that vanishes while a refresh reads it
+(compaction) makes the refresh start again; a refresh that fails otherwise
+leaves the database as the last complete refresh left it (:meth:`Trace.refresh`).
 
 Queries go through :func:`connect_readonly` (or :meth:`Trace.readonly`): the
 database opened read-only with file system access disabled and the
@@ -216,6 +220,12 @@ class Trace:
         self.cache = Path(cache) if cache is not None else None
         self._threads = threads
         self.con = self._open()
+        # files whose data failed to decode: path -> (size, mtime_ns, reason), skipped until they
+        # change; a cache file remembers those an earlier run found
+        self._corrupt: dict[str, tuple[int, int, str]] = {
+            p: (size, mtime, reason) for p, size, mtime, reason in self.con.execute(
+                "SELECT path, size, mtime_ns, reason FROM _files "
+                "WHERE NOT ok AND starts_with(reason, 'corrupt data:') AND size IS NOT NULL").fetchall()}
 
     # -- database lifecycle ---------------------------------------------------
     def _open(self) -> duckdb.DuckDBPyConnection:
@@ -294,38 +304,133 @@ class Trace:
             except OSError as exc:  # vanished between listing and stat
                 bad.append((str(p), f"unreadable: {type(exc).__name__}"))
                 continue
+            known = self._corrupt.get(str(p))
+            if known is not None and known[:2] == (st.st_size, st.st_mtime_ns):
+                bad.append((str(p), known[2]))  # its data failed to decode (until it changes)
+                continue
             good[str(p)] = (st.st_size, st.st_mtime_ns)
         return good, bad
+
+    #: Attempts of one :meth:`refresh` when store files change or fail under it.
+    refresh_attempts = 3
 
     def refresh(self) -> RefreshResult:
         """Absorb new/changed files, drop vanished ones, recompute what they touch.
 
         Warns (SkippedFileWarning) once per bad file. Returns a RefreshResult.
+
+        The database stays whole when a refresh fails: a warm refresh runs in
+        one transaction and is rolled back; a cold build (no transaction: large
+        inserts into transaction-local storage are ~3x slower) leaves the state
+        'dirty', and the next refresh empties the tables and builds again on
+        the same connection (its settings, such as the dashboard's file
+        sandbox, are kept; :meth:`_wipe`).
+
+        When reading fails (duckdb.Error), the files are blamed only on
+        evidence, and the refresh is tried again, at most
+        :attr:`refresh_attempts` times in all:
+
+        - a listed file vanished or changed since it was listed (the recorder
+          deletes the part files it compacted into a segment): the directory
+          is listed again;
+        - a new file of this attempt fails to decode in full (a sound footer
+          over corrupt data pages; :func:`_undecodable`): it is skipped and
+          named (reason ``corrupt data: ...``) until its size or mtime changes,
+          remembered in a cache file too.
+
+        Any other error -- out of memory, an interrupt, a fault in the SQL -- is
+        raised as it is, and no file is blamed.
         """
         t0 = time.perf_counter()
-        res = RefreshResult(rebuilt=self._fresh)
-        good, bad = self.scan()
-        con = self.con
-        known = {p: (s, m) for p, s, m in con.execute("SELECT path, size, mtime_ns FROM _files WHERE ok").fetchall()}
-        res.new = sorted(p for p, sm in good.items() if known.get(p) != sm)
-        res.gone = sorted(p for p in known if p not in good or p in res.new)
-        res.skipped = bad
-        for path, reason in bad:
+        rebuilt = False
+        for attempt in range(self.refresh_attempts):
+            rebuilt = rebuilt or self._fresh
+            # cold: a new database, one whose last cold build died half-way (state not 'clean'), or
+            # one holding no request yet; it starts from empty tables
+            cold = (self._fresh or self._state() != "clean"
+                    or self.con.execute("SELECT count(*) FROM _file_keys").fetchone()[0] == 0)
+            if cold:
+                self._wipe()
+            good, bad = self.scan()
+            known = {p: (s, m) for p, s, m in
+                     self.con.execute("SELECT path, size, mtime_ns FROM _files WHERE ok").fetchall()}
+            new = sorted(p for p, sm in good.items() if known.get(p) != sm)
+            gone = sorted(p for p in known if p not in good or p in new)
+            try:
+                res = self._refresh_files(good, bad, new, gone, cold)
+                break
+            except duckdb.Error as exc:
+                if attempt == self.refresh_attempts - 1 or not self._blame_files(exc, good, new):
+                    raise
+        for path, reason in res.skipped:
             warnings.warn(f"skipped store file {path}: {reason}", SkippedFileWarning, stacklevel=2)
-        # No enclosing transaction (large inserts into transaction-local storage
-        # are ~3x slower); a refresh that dies half-way leaves state 'dirty' and
-        # the next open rebuilds the cache from scratch.
-        con.execute("INSERT OR REPLACE INTO _meta VALUES ('state', 'dirty')")
-        if True:
+        res.rebuilt = rebuilt
+        res.seconds = time.perf_counter() - t0
+        return res
+
+    def _state(self) -> str | None:
+        """The cache's ``state`` in ``_meta``: 'clean', 'dirty' (a refresh is running or died), None (new)."""
+        row = self.con.execute("SELECT value FROM _meta WHERE key = 'state'").fetchone()
+        return row[0] if row else None
+
+    def _wipe(self) -> None:
+        """Empty every table a refresh fills, keeping the connection, its settings and the
+        files known to be corrupt; the next refresh builds from scratch (cold)."""
+        con = self.con
+        for table in ("_dup_copies", "_dup_drop", "_file_keys", "_scope_keys", "_changed_keys",
+                      "_changed_windows", "_read_files"):
+            con.execute(f"DELETE FROM {table}")
+        con.execute("DELETE FROM _files WHERE ok OR NOT starts_with(coalesce(reason, ''), 'corrupt data:')")
+        for name, _ in loader.materializations():
+            con.execute(f"DELETE FROM _mat_{name.lstrip('_')}")
+        con.execute("INSERT OR REPLACE INTO _meta VALUES ('state', 'wiped')")
+        self._fresh = True
+
+    def _blame_files(self, exc: duckdb.Error, good: dict[str, tuple[int, int]], new: list[str]) -> bool:
+        """After a refresh failed with ``exc``: True when a store file explains it (see :meth:`refresh`).
+
+        A listed file that vanished or changed since ``good`` was listed explains
+        it; else each file in ``new`` is decoded in full and the ones that fail
+        are remembered in ``self._corrupt``. Errors that say nothing about a
+        file (:data:`_NOT_FILE_ERRORS`: out of memory, an interrupt, a fault of
+        the SQL) blame no file.
+        """
+        if isinstance(exc, _NOT_FILE_ERRORS):
+            return False
+        now, _ = self.scan()
+        if any(now.get(p) != sm for p, sm in good.items()):
+            return True
+        found = {p: good[p] + (reason,) for p in new if (reason := _undecodable(p)) is not None}
+        self._corrupt.update(found)
+        return bool(found)
+
+    def _refresh_files(self, good: dict[str, tuple[int, int]], bad: list[tuple[str, str]],
+                       new: list[str], gone: list[str], cold: bool) -> RefreshResult:
+        """One refresh attempt over a listing (``good``, ``bad``) and its ``new``/``gone`` files."""
+        res = RefreshResult(new=new, gone=gone, skipped=bad)
+        con = self.con
+        if not cold:
+            con.execute("BEGIN TRANSACTION")
+        try:
+            con.execute("INSERT OR REPLACE INTO _meta VALUES ('state', 'dirty')")
             con.execute("DELETE FROM _files WHERE NOT ok")
             if bad:
-                con.executemany("INSERT OR REPLACE INTO _files VALUES (?, NULL, NULL, NULL, false, ?, now())",
-                                [(p, r) for p, r in bad])
-            if res.new or res.gone or self._fresh:
-                res.dirty_requests = self._absorb(res.new, res.gone, good)
+                # a corrupt file keeps its size and mtime: skipped, without decoding it again, until it changes
+                con.executemany("INSERT OR REPLACE INTO _files VALUES (?, ?, ?, NULL, false, ?, now())",
+                                [(p, *self._corrupt.get(p, (None, None))[:2], r) for p, r in bad])
+            if new or gone or cold:
+                res.dirty_requests = self._absorb(new, gone, good, cold)
             con.execute("INSERT OR REPLACE INTO _meta VALUES ('state', 'clean')")
+            if not cold:
+                con.execute("COMMIT")
+        except BaseException:
+            if not cold:
+                try:
+                    con.execute("ROLLBACK")
+                except duckdb.Error:  # pragma: no cover - the transaction is already gone
+                    pass
+            raise
         self._fresh = False
-        res.seconds = time.perf_counter() - t0
         return res
 
     def _set_records(self, files: list[str]) -> None:
@@ -339,10 +444,9 @@ class Trace:
         anti = " WHERE NOT _hidden_copy(r.record_id, r._file)" if has_dups else ""
         con.execute(f"CREATE OR REPLACE VIEW _records AS SELECT * FROM _read_store({lit}) r{anti}")
 
-    def _absorb(self, new: list[str], gone: list[str], good: dict[str, tuple[int, int]]) -> int:
+    def _absorb(self, new: list[str], gone: list[str], good: dict[str, tuple[int, int]], cold: bool) -> int:
         con = self.con
         files = sorted(good)
-        cold = self._fresh or con.execute("SELECT count(*) FROM _file_keys").fetchone()[0] == 0
         con.execute("DELETE FROM _changed_keys")
         if gone:
             con.execute("CREATE OR REPLACE TEMP TABLE _gone AS SELECT unnest(?::VARCHAR[]) AS path", [gone])
@@ -409,8 +513,19 @@ class Trace:
             else:
                 self._materialize_in_batches(files, n_scope)
         finally:
-            self._set_records(files)
+            self._tidy(lambda: self._set_records(files))
         return n_scope
+
+    def _tidy(self, step) -> None:
+        """Run the clean-up ``step()`` of a refresh step (from a ``finally``). After a failure inside
+        a warm refresh's transaction DuckDB refuses every statement ('transaction is aborted') and
+        the rollback undoes the step anyway: the clean-up is skipped there, so that the step's own
+        error is the one raised."""
+        try:
+            step()
+        except duckdb.TransactionException as exc:
+            if "aborted" not in str(exc):
+                raise
 
     def _refresh_duplicates(self, files: list[str], new: list[str], gone: list[str], cold: bool) -> None:
         """Bring ``_dup_copies`` and ``_dup_drop`` up to date: one visible copy per record_id, the copy in the
@@ -514,8 +629,8 @@ class Trace:
                 if read:
                     con.execute(f"INSERT INTO {mat} SELECT * FROM {calc}")
         finally:
-            con.execute("CREATE OR REPLACE VIEW _file_rows AS SELECT * FROM _records_empty")
-            con.execute("DELETE FROM _read_files")
+            self._tidy(lambda: (con.execute("CREATE OR REPLACE VIEW _file_rows AS SELECT * FROM _records_empty"),
+                                con.execute("DELETE FROM _read_files")))
 
     #: Requests recomputed per batch: a refresh touching more is done in batches
     #: of consecutive requests (see :meth:`_materialize_in_batches`).
@@ -541,9 +656,8 @@ class Trace:
                     con.execute(f"DELETE FROM {mat}")
                     con.execute(f"INSERT INTO {mat} SELECT * FROM {calc}")
         finally:
-            for name, kind in loader.materializations():
-                if kind == "scratch":
-                    con.execute(f"DELETE FROM _mat_{name.lstrip('_')}")
+            self._tidy(lambda: [con.execute(f"DELETE FROM _mat_{name.lstrip('_')}")
+                                for name, kind in loader.materializations() if kind == "scratch"])
 
     def _materialize_in_batches(self, files: list[str], n_scope: int) -> None:
         """Recompute ``n_scope`` requests in time-ordered batches of :attr:`batch_requests`.
@@ -603,6 +717,37 @@ class Trace:
         cur = self.con.execute(sql, params or [])
         cols = [d[0] for d in cur.description]
         return [dict(zip(cols, row)) for row in cur.fetchall()]
+
+
+#: DuckDB errors that say nothing about a file's bytes: a fault of the SQL, the memory limit, an
+#: interrupt, the sandbox (a corrupt page raises a plain duckdb.Error, IOException or
+#: InvalidInputException, depending on where the decoder stumbles).
+_NOT_FILE_ERRORS = (duckdb.OutOfMemoryException, duckdb.InterruptException, duckdb.BinderException,
+                    duckdb.ParserException, duckdb.CatalogException, duckdb.PermissionException,
+                    duckdb.TransactionException)
+
+
+def _undecodable(path: str) -> str | None:
+    """None if DuckDB decodes every value of store file ``path``; else why not.
+
+    The footer was already checked (:func:`pdtrace.instrument.store.check_file`);
+    this hashes every value of every column (a streaming aggregate: bounded
+    memory) on a separate in-memory connection. Returns ``'corrupt data:
+    <DuckDB's first line>'`` (non-printable characters escaped); None as well
+    when the decode failed for a reason that is not the file's
+    (:data:`_NOT_FILE_ERRORS`, e.g. out of memory).
+    """
+    con = duckdb.connect()
+    try:
+        con.execute("SELECT max(hash(COLUMNS(*))) FROM read_parquet(?)", [path]).fetchall()
+        return None
+    except _NOT_FILE_ERRORS:
+        return None
+    except duckdb.Error as exc:  # e.g. 'Corrupted file?', "don't know what type"
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        return "corrupt data: " + "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in first)
+    finally:
+        con.close()
 
 
 def open_trace(directory: str | os.PathLike, cache: str | os.PathLike | None = None,

@@ -64,6 +64,187 @@ def test_bad_files_skipped_and_named(tmp_path):
     tr.close()
 
 
+def _corrupt_first_page(path):
+    """Overwrite the first data page header of ``path``: the footer stays sound (check_file passes)."""
+    off = pq.ParquetFile(path).metadata.row_group(0).column(0).data_page_offset
+    b = bytearray(path.read_bytes())
+    b[off:off + 64] = b"\xff" * 64
+    path.write_bytes(bytes(b))
+
+
+_P9 = {"role": "prefill", "engine_id": "p9", "host": "h", "pid": 9}
+
+
+def _p9_rows(n=2000):
+    """n prefill.compute spans of requests z0.. on engine p9 (a file of case H's store's size or larger)."""
+    return [{"name": "prefill.compute", "request_id": f"z{i}", "span_id": 10_000 + i,
+             "start_ns": 10**9 + i, "end_ns": 10**9 + i + 5} for i in range(n)]
+
+
+@pytest.fixture
+def decoded(monkeypatch):
+    """The paths db._undecodable was asked to decode (the real function runs)."""
+    seen = []
+    real = db._undecodable
+
+    def spy(path):
+        seen.append(path)
+        return real(path)
+
+    monkeypatch.setattr(db, "_undecodable", spy)
+    return seen
+
+
+def _sandbox(tr, d):
+    """The dashboard's file sandbox on a Trace's connection (dashboard/data.py): only ``d`` is readable."""
+    tr.con.execute("SET allowed_directories = ?", [[str(d.resolve()) + "/"]])
+    tr.con.execute("SET enable_external_access = false")
+
+
+@pytest.mark.parametrize("setup", ["in-memory", "cache-file", "sandboxed"])
+def test_a_file_with_corrupt_data_is_skipped_and_named(tmp_path, setup, decoded):
+    """A store file whose footer is sound but whose data pages are not (bit rot, a bad copy):
+    the refresh that meets it skips it and names it once, decodes only the new files to find
+    it, and every other file is analysed; the connection keeps its settings (the dashboard's
+    sandbox)."""
+    d = tmp_path / "s"
+    _case_h().write(d)
+    cache = tmp_path / "c.duckdb" if setup == "cache-file" else None
+    tr = db.Trace(d, cache=cache)
+    if setup == "sandboxed":
+        _sandbox(tr, d)
+    tr.refresh()
+    assert tr.query("SELECT ttft_ms FROM ttft_breakdown")[0]["ttft_ms"] == 4070
+    bad = store.write_rows(d, _p9_rows(), resource=_P9, name="p9-late.parquet")
+    _corrupt_first_page(bad)
+    assert store.check_file(bad).ok  # only the data is bad
+    with pytest.warns(db.SkippedFileWarning) as rec:
+        r = tr.refresh()
+    assert [str(w.message).split(":")[0] for w in rec] == [f"skipped store file {bad}"]  # named once
+    assert "corrupt data: " in str(rec[0].message)
+    assert decoded == [str(bad)]  # only the refresh's new file was decoded, not the store
+    assert r.skipped and r.skipped[0][0] == str(bad) and not r.rebuilt
+    assert tr.query("SELECT ttft_ms FROM ttft_breakdown")[0]["ttft_ms"] == 4070
+    skipped = tr.query("SELECT path, reason FROM store_files WHERE NOT ok")
+    assert [s["path"] for s in skipped] == [str(bad)] and skipped[0]["reason"].startswith("corrupt data: ")
+    if setup == "sandboxed":  # the recovery kept the sandbox: a file outside the trace dir is still refused
+        outside = store.write_rows(tmp_path / "elsewhere", _p9_rows(3), resource=_P9, name="x.parquet")
+        with pytest.raises(duckdb.PermissionException):
+            tr.con.execute("SELECT count(*) FROM read_parquet(?)", [str(outside)]).fetchall()
+    if setup == "cache-file":  # a later run on the same cache remembers the file: skipped, not decoded again
+        tr.close()
+        tr = db.Trace(d, cache=cache)
+        with pytest.warns(db.SkippedFileWarning, match="corrupt data"):
+            r = tr.refresh()
+        assert not r.rebuilt and r.new == [] and [p for p, _ in r.skipped] == [str(bad)]
+        assert decoded == [str(bad)]
+        assert tr.query("SELECT ttft_ms FROM ttft_breakdown")[0]["ttft_ms"] == 4070
+    # the file is rewritten whole: read again, and its requests appear
+    store.write_rows(d, _p9_rows(), resource=_P9, name="p9-late.parquet")
+    tr.refresh()
+    assert tr.query("SELECT count(*) AS n FROM store_files WHERE NOT ok")[0]["n"] == 0
+    assert tr.query("SELECT count(*) AS n FROM spans WHERE engine_id = 'p9'")[0]["n"] == 2000
+    assert tr.query("SELECT ttft_ms FROM ttft_breakdown")[0]["ttft_ms"] == 4070
+    tr.close()
+
+
+def test_a_corrupt_file_in_a_cold_build_is_skipped(tmp_path):
+    """The first refresh of a directory that already holds a corrupt file: skipped and named, the rest analysed."""
+    d = tmp_path / "s"
+    _case_h().write(d)
+    bad = store.write_rows(d, _p9_rows(), resource=_P9, name="p9-late.parquet")
+    _corrupt_first_page(bad)
+    with pytest.warns(db.SkippedFileWarning, match="p9-late.parquet: corrupt data"):
+        tr = db.open_trace(d)
+    assert tr.query("SELECT ttft_ms FROM ttft_breakdown")[0]["ttft_ms"] == 4070
+    assert tr.query("SELECT count(*) AS n FROM spans WHERE engine_id = 'p9'")[0]["n"] == 0
+    tr.close()
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["cold", "warm"])
+def test_a_file_compacted_away_while_read_does_not_fail_the_refresh(tmp_path, warm):
+    """The recorder deletes its part files once merged into a segment, so a file listed by a
+    refresh can be gone when DuckDB opens it. The deletion here is real, but forced right after
+    the listing (a subclass of Trace deletes the part in scan()) instead of waiting for the race.
+    The refresh lists the directory again and analyses what is there."""
+    d = tmp_path / "s"
+    _case_h().write(d)
+    armed = [not warm]
+    part = d / "p9-p000001.parquet"
+
+    class CompactedWhileRead(db.Trace):
+        def scan(self):
+            listed = super().scan()
+            if armed[0] and part.exists():
+                part.unlink()  # compaction: the part is gone once listed
+            return listed
+
+    with CompactedWhileRead(d) as tr:
+        if warm:
+            tr.refresh()
+            armed[0] = True
+        store.write_rows(d, _p9_rows(50), resource=_P9, name=part.name)
+        r = tr.refresh()
+        assert r.skipped == [] and r.rebuilt == (not warm)
+        assert tr.query("SELECT ttft_ms FROM ttft_breakdown")[0]["ttft_ms"] == 4070
+        assert tr.query("SELECT count(*) AS n FROM spans WHERE engine_id = 'p9'")[0]["n"] == 0
+        assert str(part) not in {x["path"] for x in tr.query("SELECT path FROM store_files")}
+        armed[0] = False  # the part comes back (a new flush): absorbed
+        store.write_rows(d, _p9_rows(50), resource=_P9, name=part.name)
+        tr.refresh()
+        assert tr.query("SELECT count(*) AS n FROM spans WHERE engine_id = 'p9'")[0]["n"] == 50
+
+
+class _FailsLate(db.Trace):
+    """A Trace whose refresh raises a duckdb.Error late: after the new files were recorded in
+    ``_files`` and their request keys read. A stand-in for a failure that cannot be caused for
+    real at that point on demand (an interrupt, or memory running out there rather than earlier)."""
+
+    fail = False
+
+    def _refresh_changed(self, cold):
+        super()._refresh_changed(cold)
+        if self.fail:
+            raise duckdb.Error("injected failure after the new files were recorded")
+
+
+@pytest.mark.parametrize("failure", ["out-of-memory", "late-error"])
+@pytest.mark.parametrize("warm", [False, True], ids=["cold", "warm"])
+def test_a_refresh_that_fails_not_for_a_file_blames_none_and_loses_nothing(tmp_path, warm, failure, decoded):
+    """A refresh that fails for a reason other than a file is raised as it is and marks no file
+    bad, and the next refresh of the same Trace -- as the dashboard does -- has every file's rows:
+    a warm refresh is rolled back whole, a cold build half-done is built again. The out-of-memory
+    error is real (a DuckDB memory limit 0.5 MiB above what the database holds: it strikes early);
+    the late error is injected (``_FailsLate``)."""
+    d = tmp_path / "s"
+    _case_h().write(d)
+    tr = _FailsLate(d)
+    if warm:
+        tr.refresh()
+    late = store.write_rows(d, _p9_rows(), resource=_P9, name="p9-late.parquet")
+    if failure == "out-of-memory":
+        used = tr.con.execute("SELECT sum(memory_usage_bytes) FROM duckdb_memory()").fetchone()[0]
+        tr.con.execute(f"SET memory_limit = '{used // 1024 + 512}KB'")
+        with pytest.raises(duckdb.OutOfMemoryException):
+            tr.refresh()
+        assert decoded == []  # out of memory says nothing about a file: none is decoded
+        tr.con.execute("RESET memory_limit")
+    else:
+        tr.fail = True
+        with pytest.raises(duckdb.Error, match="injected"):
+            tr.refresh()
+        # the refresh's new files were decoded to look for a corrupt one: all sound, none blamed
+        assert decoded == ([str(late)] if warm else sorted(str(p) for p in store.store_files(d)))
+        tr.fail = False
+    r = tr.refresh()
+    assert r.skipped == [] and r.rebuilt == (not warm)
+    assert tr.query("SELECT count(*) AS n FROM store_files WHERE NOT ok")[0]["n"] == 0
+    assert tr.query("SELECT count(*) AS n FROM spans WHERE engine_id = 'p9'")[0]["n"] == 2000
+    assert tr.query("SELECT ttft_ms FROM ttft_breakdown")[0]["ttft_ms"] == 4070
+    assert tr.query("SELECT count(*) AS n FROM requests")[0]["n"] == 2001
+    tr.close()
+
+
 def test_lab_client_records_are_not_a_bad_store_file(tmp_path):
     """The lab writes its client's view (client/requests.parquet) inside the trace dir: no warning, not skipped."""
     import warnings
