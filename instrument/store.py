@@ -11,6 +11,7 @@ moment sees only whole files.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import uuid
 from dataclasses import dataclass
@@ -211,6 +212,16 @@ def check_file(path: str | os.PathLike) -> FileCheck:
     if major != schema.SCHEMA_MAJOR:
         return FileCheck(p, False, f"schema {version}: major {major} is not {schema.SCHEMA_MAJOR}, skipped", version)
     return FileCheck(p, True, "", version)
+
+
+#: Name of a *part* file (the sink's ``<role>-<host>-<pid>-<start>-p<seq>.parquet``): the sink deletes
+#: its parts once they are merged into a segment (``-s<seq>``), so a reader may see one vanish.
+PART_FILE = re.compile(r"-p\d+\.parquet$")
+
+
+def is_part_file(path: str | os.PathLike) -> bool:
+    """True when ``path`` names a part file (deleted by the sink after its merge); segments stay."""
+    return PART_FILE.search(Path(path).name) is not None
 
 
 def store_files(directory: str | os.PathLike) -> list[Path]:

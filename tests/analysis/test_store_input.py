@@ -64,34 +64,38 @@ def test_bad_files_skipped_and_named(tmp_path):
     tr.close()
 
 
-def _corrupt_first_page(path):
-    """Overwrite the first data page header of ``path``: the footer stays sound (check_file passes)."""
-    off = pq.ParquetFile(path).metadata.row_group(0).column(0).data_page_offset
+def _corrupt_first_page(path, column=0):
+    """Overwrite the first data page header of ``column`` (index) in ``path``: the footer stays sound."""
+    off = pq.ParquetFile(path).metadata.row_group(0).column(column).data_page_offset
     b = bytearray(path.read_bytes())
     b[off:off + 64] = b"\xff" * 64
     path.write_bytes(bytes(b))
 
 
+def _column_index(path, name):
+    return pq.ParquetFile(path).schema_arrow.names.index(name)
+
+
 _P9 = {"role": "prefill", "engine_id": "p9", "host": "h", "pid": 9}
 
 
-def _p9_rows(n=2000):
-    """n prefill.compute spans of requests z0.. on engine p9 (a file of case H's store's size or larger)."""
+def _p9_rows(n=2000, first=0):
+    """n prefill.compute spans of requests z<first>.. on engine p9 (a file of case H's store's size or larger)."""
     return [{"name": "prefill.compute", "request_id": f"z{i}", "span_id": 10_000 + i,
-             "start_ns": 10**9 + i, "end_ns": 10**9 + i + 5} for i in range(n)]
+             "start_ns": 10**9 + i, "end_ns": 10**9 + i + 5} for i in range(first, first + n)]
 
 
 @pytest.fixture
 def decoded(monkeypatch):
-    """The paths db._undecodable was asked to decode (the real function runs)."""
+    """Every path db._decode_error was asked to decode, in order (the real function runs)."""
     seen = []
-    real = db._undecodable
+    real = db._decode_error
 
-    def spy(path):
-        seen.append(path)
-        return real(path)
+    def spy(paths):
+        seen.extend(paths)
+        return real(paths)
 
-    monkeypatch.setattr(db, "_undecodable", spy)
+    monkeypatch.setattr(db, "_decode_error", spy)
     return seen
 
 
@@ -101,12 +105,13 @@ def _sandbox(tr, d):
     tr.con.execute("SET enable_external_access = false")
 
 
+@pytest.mark.parametrize("column", ["record", "status_code"])
 @pytest.mark.parametrize("setup", ["in-memory", "cache-file", "sandboxed"])
-def test_a_file_with_corrupt_data_is_skipped_and_named(tmp_path, setup, decoded):
-    """A store file whose footer is sound but whose data pages are not (bit rot, a bad copy):
-    the refresh that meets it skips it and names it once, decodes only the new files to find
-    it, and every other file is analysed; the connection keeps its settings (the dashboard's
-    sandbox)."""
+def test_a_file_with_corrupt_data_is_skipped_and_named(tmp_path, setup, column, decoded):
+    """A store file whose footer is sound but whose data pages are not (bit rot, a bad copy), in a
+    column every refresh reads (record) or one it never reads (status_code: only queries of spans do):
+    the refresh that meets it skips it and names it once, decodes only the new file to find it, and
+    every other file is analysed; the connection keeps its settings (the dashboard's sandbox)."""
     d = tmp_path / "s"
     _case_h().write(d)
     cache = tmp_path / "c.duckdb" if setup == "cache-file" else None
@@ -115,29 +120,32 @@ def test_a_file_with_corrupt_data_is_skipped_and_named(tmp_path, setup, decoded)
         _sandbox(tr, d)
     tr.refresh()
     assert tr.query("SELECT ttft_ms FROM ttft_breakdown")[0]["ttft_ms"] == 4070
+    decoded.clear()
     bad = store.write_rows(d, _p9_rows(), resource=_P9, name="p9-late.parquet")
-    _corrupt_first_page(bad)
+    _corrupt_first_page(bad, _column_index(bad, column))
     assert store.check_file(bad).ok  # only the data is bad
     with pytest.warns(db.SkippedFileWarning) as rec:
         r = tr.refresh()
     assert [str(w.message).split(":")[0] for w in rec] == [f"skipped store file {bad}"]  # named once
     assert "corrupt data: " in str(rec[0].message)
-    assert decoded == [str(bad)]  # only the refresh's new file was decoded, not the store
-    assert r.skipped and r.skipped[0][0] == str(bad) and not r.rebuilt
+    assert set(decoded) == {str(bad)}  # only the refresh's new file was decoded, not the store
+    assert r.skipped and r.skipped[0][0] == str(bad) and not r.rebuilt and r.new == []
     assert tr.query("SELECT ttft_ms FROM ttft_breakdown")[0]["ttft_ms"] == 4070
+    assert tr.query("SELECT count(*) AS n FROM spans WHERE status_code = 0")[0]["n"] > 0  # spans still query
     skipped = tr.query("SELECT path, reason FROM store_files WHERE NOT ok")
     assert [s["path"] for s in skipped] == [str(bad)] and skipped[0]["reason"].startswith("corrupt data: ")
-    if setup == "sandboxed":  # the recovery kept the sandbox: a file outside the trace dir is still refused
+    if setup == "sandboxed":  # the sandbox is still in force: a file outside the trace dir is refused
         outside = store.write_rows(tmp_path / "elsewhere", _p9_rows(3), resource=_P9, name="x.parquet")
         with pytest.raises(duckdb.PermissionException):
             tr.con.execute("SELECT count(*) FROM read_parquet(?)", [str(outside)]).fetchall()
     if setup == "cache-file":  # a later run on the same cache remembers the file: skipped, not decoded again
         tr.close()
+        decoded.clear()
         tr = db.Trace(d, cache=cache)
         with pytest.warns(db.SkippedFileWarning, match="corrupt data"):
             r = tr.refresh()
         assert not r.rebuilt and r.new == [] and [p for p, _ in r.skipped] == [str(bad)]
-        assert decoded == [str(bad)]
+        assert decoded == []
         assert tr.query("SELECT ttft_ms FROM ttft_breakdown")[0]["ttft_ms"] == 4070
     # the file is rewritten whole: read again, and its requests appear
     store.write_rows(d, _p9_rows(), resource=_P9, name="p9-late.parquet")
@@ -161,6 +169,33 @@ def test_a_corrupt_file_in_a_cold_build_is_skipped(tmp_path):
     tr.close()
 
 
+def test_a_file_that_cannot_be_opened_is_not_called_corrupt(tmp_path):
+    """Failing to open a file says nothing about its bytes: a file gone, a directory, and a sound file
+    while the process is out of file descriptors (a real EMFILE: the soft RLIMIT_NOFILE lowered to 0,
+    which leaves the open descriptors alone) are not 'corrupt data'."""
+    import resource
+
+    sound = store.write_rows(tmp_path, _p9_rows(10), resource=_P9, name="p9.parquet")
+    assert db._decode_error([str(tmp_path / "gone.parquet")]) is None
+    assert db._decode_error([str(tmp_path)]) is None
+    con = duckdb.connect()  # opened before the limit: decoding needs no new connection's descriptors
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (0, hard))  # open descriptors stay; every new open: EMFILE
+    try:
+        with pytest.raises(duckdb.Error) as exc:
+            con.execute("SELECT count(*) FROM read_parquet(?)", [str(sound)]).fetchall()
+        assert db._access_error(exc.value), str(exc.value)
+        assert db._decode_error([str(sound)]) is None  # the decode check meets the same: no blame
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        con.close()
+    assert db._decode_error([str(sound)]) is None  # and the file itself is sound
+
+
+def _part_name(seq):
+    return f"prefill-h-9-T-p{seq:06d}.parquet"
+
+
 @pytest.mark.parametrize("warm", [False, True], ids=["cold", "warm"])
 def test_a_file_compacted_away_while_read_does_not_fail_the_refresh(tmp_path, warm):
     """The recorder deletes its part files once merged into a segment, so a file listed by a
@@ -170,7 +205,7 @@ def test_a_file_compacted_away_while_read_does_not_fail_the_refresh(tmp_path, wa
     d = tmp_path / "s"
     _case_h().write(d)
     armed = [not warm]
-    part = d / "p9-p000001.parquet"
+    part = d / _part_name(1)
 
     class CompactedWhileRead(db.Trace):
         def scan(self):
@@ -195,6 +230,81 @@ def test_a_file_compacted_away_while_read_does_not_fail_the_refresh(tmp_path, wa
         assert tr.query("SELECT count(*) AS n FROM spans WHERE engine_id = 'p9'")[0]["n"] == 50
 
 
+def test_a_rebuild_does_not_race_compaction(tmp_path):
+    """A rebuild of a live store takes longer than the recorder's rotation (70 s for 1M requests vs 60 s),
+    so parts are compacted while it runs, every time. Here each rebuild pass meets a real compaction
+    (the parts merged into a segment, then deleted, during the pass) and a new part: the rebuild reads
+    the segments only, the parts come in a second, incremental pass, and the refresh neither fails
+    nor loses a row."""
+    d = tmp_path / "s"
+    _case_h().write(d)
+    seq = [0]
+
+    def flush(n=100):
+        seq[0] += 1
+        return store.write_rows(d, _p9_rows(n, first=seq[0] * 1000), resource=_P9, name=_part_name(seq[0]))
+
+    def compact():
+        parts = sorted(d.glob("prefill-h-9-T-p*.parquet"))
+        seq[0] += 1
+        store.write_tables(d, [pq.read_table(p) for p in parts], f"prefill-h-9-T-s{seq[0]:06d}.parquet")
+        for p in parts:
+            p.unlink()
+
+    class LiveStore(db.Trace):
+        passes = []
+
+        def _absorb(self, new, gone, good, cold):
+            self.passes.append((cold, len(new)))
+            if cold:  # the recorder compacts and flushes while the rebuild runs
+                compact()
+                flush()
+            return super()._absorb(new, gone, good, cold)
+
+    for _ in range(3):
+        flush()
+    compact()
+    flush()
+    flush()
+    tr = LiveStore(d)
+    r = tr.refresh()
+    assert r.rebuilt and r.skipped == []
+    assert [cold for cold, _ in tr.passes] == [True, False]  # segments, then the parts, once each
+    n_store = sum(pq.read_metadata(p).num_rows for p in d.glob("prefill-h-9-T-*.parquet"))
+    assert tr.query("SELECT count(*) AS n FROM spans WHERE engine_id = 'p9'")[0]["n"] == n_store == 600
+    assert tr.query("SELECT ttft_ms FROM ttft_breakdown")[0]["ttft_ms"] == 4070
+    tr.close()
+
+
+def test_a_store_without_requests_is_not_rebuilt_on_every_refresh(tmp_path):
+    """Engines flush their per-step spans before the first request (a dashboard opened on an idle
+    deployment): a refresh with nothing new reads nothing and rebuilds nothing; a new file is
+    absorbed incrementally, and a failed refresh (out of memory, for real) keeps what was there."""
+    d = tmp_path / "s"
+    dec = {"role": "decode", "engine_id": "d0", "host": "h", "pid": 7}
+    for k in range(3):
+        store.write_rows(d, [{"name": "decode.step", "span_id": 100 * k + i, "start_ns": 10**9 + 1000 * (100 * k + i),
+                              "end_ns": 10**9 + 1000 * (100 * k + i) + 500} for i in range(100)],
+                         resource=dec, name=f"decode-h-7-T-s{k:06d}.parquet")
+    tr = db.Trace(d)
+    assert tr.refresh().rebuilt
+    r = tr.refresh()
+    assert (r.new, r.rebuilt) == ([], False)
+    assert tr.query("SELECT count(*) AS n FROM spans")[0]["n"] == 300
+    store.write_rows(d, [{"name": "decode.step", "span_id": 999, "start_ns": 2 * 10**9, "end_ns": 2 * 10**9 + 5}],
+                     resource=dec, name="decode-h-7-T-s000009.parquet")
+    used = tr.con.execute("SELECT sum(memory_usage_bytes) FROM duckdb_memory()").fetchone()[0]
+    tr.con.execute(f"SET memory_limit = '{used // 1024 + 512}KB'")
+    with pytest.raises(duckdb.OutOfMemoryException):
+        tr.refresh()
+    tr.con.execute("RESET memory_limit")
+    assert tr.query("SELECT count(*) AS n FROM spans")[0]["n"] == 300  # rolled back, not emptied
+    r = tr.refresh()
+    assert (len(r.new), r.rebuilt) == (1, False)
+    assert tr.query("SELECT count(*) AS n FROM spans")[0]["n"] == 301
+    tr.close()
+
+
 class _FailsLate(db.Trace):
     """A Trace whose refresh raises a duckdb.Error late: after the new files were recorded in
     ``_files`` and their request keys read. A stand-in for a failure that cannot be caused for
@@ -210,7 +320,7 @@ class _FailsLate(db.Trace):
 
 @pytest.mark.parametrize("failure", ["out-of-memory", "late-error"])
 @pytest.mark.parametrize("warm", [False, True], ids=["cold", "warm"])
-def test_a_refresh_that_fails_not_for_a_file_blames_none_and_loses_nothing(tmp_path, warm, failure, decoded):
+def test_a_refresh_that_fails_not_for_a_file_blames_none_and_loses_nothing(tmp_path, warm, failure):
     """A refresh that fails for a reason other than a file is raised as it is and marks no file
     bad, and the next refresh of the same Trace -- as the dashboard does -- has every file's rows:
     a warm refresh is rolled back whole, a cold build half-done is built again. The out-of-memory
@@ -221,21 +331,21 @@ def test_a_refresh_that_fails_not_for_a_file_blames_none_and_loses_nothing(tmp_p
     tr = _FailsLate(d)
     if warm:
         tr.refresh()
-    late = store.write_rows(d, _p9_rows(), resource=_P9, name="p9-late.parquet")
+    store.write_rows(d, _p9_rows(), resource=_P9, name="p9-late.parquet")
     if failure == "out-of-memory":
         used = tr.con.execute("SELECT sum(memory_usage_bytes) FROM duckdb_memory()").fetchone()[0]
         tr.con.execute(f"SET memory_limit = '{used // 1024 + 512}KB'")
         with pytest.raises(duckdb.OutOfMemoryException):
             tr.refresh()
-        assert decoded == []  # out of memory says nothing about a file: none is decoded
         tr.con.execute("RESET memory_limit")
     else:
         tr.fail = True
         with pytest.raises(duckdb.Error, match="injected"):
             tr.refresh()
-        # the refresh's new files were decoded to look for a corrupt one: all sound, none blamed
-        assert decoded == ([str(late)] if warm else sorted(str(p) for p in store.store_files(d)))
         tr.fail = False
+    assert tr.query("SELECT count(*) AS n FROM store_files WHERE NOT ok")[0]["n"] == 0  # no file blamed
+    if warm:  # rolled back: the views answer as before the failed refresh
+        assert tr.query("SELECT count(*) AS n FROM requests")[0]["n"] == 1
     r = tr.refresh()
     assert r.skipped == [] and r.rebuilt == (not warm)
     assert tr.query("SELECT count(*) AS n FROM store_files WHERE NOT ok")[0]["n"] == 0
