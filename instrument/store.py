@@ -214,9 +214,10 @@ def check_file(path: str | os.PathLike) -> FileCheck:
     return FileCheck(p, True, "", version)
 
 
-#: Name of a *part* file (the sink's ``<role>-<host>-<pid>-<start>-p<seq>.parquet``): the sink deletes
-#: its parts once they are merged into a segment (``-s<seq>``), so a reader may see one vanish.
-PART_FILE = re.compile(r"-p\d+\.parquet$")
+#: Name of a *part* file, as the sink writes it (``<role>-<host>-<pid>-<start>-p<seq>.parquet``: pid,
+#: start time ``%Y%m%dT%H%M%S``, 6-digit sequence): the sink deletes its parts once they are merged
+#: into a segment (``-s<seq>``), so a reader may see one vanish. Other names are never parts.
+PART_FILE = re.compile(r"-\d+-\d{8}T\d{6}-p\d{6}\.parquet$")
 
 
 def is_part_file(path: str | os.PathLike) -> bool:

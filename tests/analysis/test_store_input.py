@@ -192,8 +192,14 @@ def test_a_file_that_cannot_be_opened_is_not_called_corrupt(tmp_path):
     assert db._decode_error([str(sound)]) is None  # and the file itself is sound
 
 
-def _part_name(seq):
-    return f"prefill-h-9-T-p{seq:06d}.parquet"
+def _part_name(seq, kind="p"):
+    """A file name as the sink writes it (``store.PART_FILE``): a part (kind p) or a segment (s)."""
+    return f"prefill-h-9-20261202T000000-{kind}{seq:06d}.parquet"
+
+
+def test_part_files_are_named_by_the_sinks_pattern():
+    assert store.is_part_file(_part_name(3)) and not store.is_part_file(_part_name(4, "s"))
+    assert not store.is_part_file("a-prefill-p1.parquet")  # an engine named p1 is not a part
 
 
 @pytest.mark.parametrize("warm", [False, True], ids=["cold", "warm"])
@@ -245,9 +251,9 @@ def test_a_rebuild_does_not_race_compaction(tmp_path):
         return store.write_rows(d, _p9_rows(n, first=seq[0] * 1000), resource=_P9, name=_part_name(seq[0]))
 
     def compact():
-        parts = sorted(d.glob("prefill-h-9-T-p*.parquet"))
+        parts = sorted(p for p in d.glob("prefill-h-9-*.parquet") if store.is_part_file(p))
         seq[0] += 1
-        store.write_tables(d, [pq.read_table(p) for p in parts], f"prefill-h-9-T-s{seq[0]:06d}.parquet")
+        store.write_tables(d, [pq.read_table(p) for p in parts], _part_name(seq[0], "s"))
         for p in parts:
             p.unlink()
 
@@ -270,7 +276,7 @@ def test_a_rebuild_does_not_race_compaction(tmp_path):
     r = tr.refresh()
     assert r.rebuilt and r.skipped == []
     assert [cold for cold, _ in tr.passes] == [True, False]  # segments, then the parts, once each
-    n_store = sum(pq.read_metadata(p).num_rows for p in d.glob("prefill-h-9-T-*.parquet"))
+    n_store = sum(pq.read_metadata(p).num_rows for p in d.glob("prefill-h-9-*.parquet"))
     assert tr.query("SELECT count(*) AS n FROM spans WHERE engine_id = 'p9'")[0]["n"] == n_store == 600
     assert tr.query("SELECT ttft_ms FROM ttft_breakdown")[0]["ttft_ms"] == 4070
     tr.close()
