@@ -14,9 +14,8 @@ correction moved -- are recomputed.
 Bad files (empty, truncated, foreign, another schema major) are skipped and
 named in a :class:`SkippedFileWarning`; the store's reader rules are
 :func:`pdtrace.instrument.store.check_file`'s. A file whose footer is sound but
-whose data pages do not decode is found when a refresh fails to read it, and
-skipped and named the same way (every new file is decoded in full before it
-is absorbed); a file that vanishes while a refresh reads it (compaction) makes
+whose data pages do not decode is skipped and named the same way: every new
+file is decoded in full before it is absorbed. A file that vanishes while a refresh reads it (compaction) makes
 the refresh start again; an incremental refresh that fails otherwise is rolled
 back, and a rebuild that fails is redone by the next refresh
 (:meth:`Trace.refresh`).
@@ -291,7 +290,10 @@ class Trace:
         """List the directory: ({readable file: (size, mtime_ns)}, [(skipped file, reason)]).
 
         pdtrace files that are not spans (``FileCheck.artifact``: the lab client's
-        records) are in neither list.
+        records) are in neither list, nor is a file that vanished since the
+        listing. A file that exists but could not be opened just now has a
+        reason starting ``unreadable:`` (:meth:`refresh` keeps such a file's
+        rows when it absorbed the file before).
         """
         good: dict[str, tuple[int, int]] = {}
         bad: list[tuple[str, str]] = []
@@ -300,12 +302,14 @@ class Trace:
             if chk.artifact:  # another pdtrace file (the lab's client records): not spans, not bad
                 continue
             if not chk.ok:
-                bad.append((str(p), chk.reason))
+                if not (chk.unreadable and not p.exists()):  # a file gone since the listing: nothing to say
+                    bad.append((str(p), chk.reason))
                 continue
             try:
                 st = p.stat()
-            except OSError as exc:  # vanished between listing and stat
-                bad.append((str(p), f"unreadable: {type(exc).__name__}"))
+            except OSError as exc:
+                if p.exists():
+                    bad.append((str(p), f"unreadable: {type(exc).__name__}"))
                 continue
             known = self._corrupt.get(str(p))
             if known is not None and known[:2] == (st.st_size, st.st_mtime_ns):
@@ -323,66 +327,88 @@ class Trace:
         Warns (SkippedFileWarning) once per bad file. Returns a RefreshResult.
 
         New files are decoded in full before they are absorbed (every value of
-        every column, all new files in one statement; each alone only when that
-        fails: :func:`_decode_errors`): a file whose footer is sound but whose
-        data pages are not is skipped and named (reason ``corrupt data: ...``)
-        until its size or mtime changes, remembered in a cache file too. An
-        error opening a file (vanished, too many open files) is not the file's
-        fault and blames none.
+        every column; all new files in one statement, each alone only when
+        that fails: :func:`_decode_errors`). A file whose footer is sound but
+        whose data pages are not is skipped and named (reason ``corrupt data:
+        ...``) until its size or mtime changes, remembered in a cache file too.
+        A file that cannot be opened or decoded just now (too many open files,
+        permission, out of memory) is not blamed: it is left out of this
+        refresh (reason ``unreadable: ...``) and tried again by the next one;
+        one absorbed before keeps its rows.
 
-        A refresh either completes or leaves the database usable: an
-        incremental refresh runs in one transaction and is rolled back when it
-        fails; a rebuild (a new database, or one whose last rebuild died
-        half-way) empties the tables on the same connection -- its settings,
-        such as the dashboard's file sandbox, are kept -- and is not in a
-        transaction (large inserts into transaction-local storage are ~3x
-        slower), so one that fails leaves state 'dirty' and the next refresh
-        rebuilds again. A rebuild reads the segment files first and absorbs the
-        part files (``-p<seq>``, which the recorder deletes once merged) in a
-        second, incremental pass, so a long rebuild does not race compaction.
+        Part files (``-p<seq>``, which the recorder deletes once it merged them
+        into a segment) are absorbed in a pass of their own after the other
+        new files, so a long refresh (a first build, a backlog) reads only
+        segments, which stay, while compaction runs; the short pass that
+        follows takes whatever is new then, parts and segments alike.
 
-        When reading fails because a listed file vanished or changed (the
-        recorder deleted a part it had merged), the directory is listed again
-        and the refresh retried, up to :attr:`refresh_attempts` failures. Any
-        other error -- out of memory, an interrupt, a fault in the SQL -- is
-        raised as it is.
+        A refresh either completes or leaves the cache as the last complete
+        one left it: an incremental refresh runs in one transaction and is
+        rolled back when it fails (``_records``, which reads files in place,
+        is then pointed at the absorbed files that still exist). A rebuild (a
+        new database, or one whose last rebuild died half-way) empties the
+        tables on the same connection -- its settings, such as the dashboard's
+        file sandbox, are kept -- and is not in a transaction (large inserts
+        into transaction-local storage are ~3x slower), so one that fails
+        leaves state 'dirty' and the next refresh rebuilds again.
+
+        When reading fails because a listed file vanished or changed (an
+        error opening a file, and a different listing), the directory is
+        listed again and the refresh retried, up to :attr:`refresh_attempts`
+        failures. Any other error -- out of memory, an interrupt, a fault in
+        the SQL -- is raised as it is.
         """
         t0 = time.perf_counter()
         out = RefreshResult()
         failures = 0
+        self.con.execute("CREATE OR REPLACE TEMP TABLE _refreshed_keys (rkey UBIGINT)")
         while True:
             rebuild = self._fresh or self._state() != "clean"
             if rebuild:
                 self._wipe()
                 out.rebuilt = True
             good, bad = self.scan()
-            deferred = False
-            if rebuild:
-                stable = {p: sm for p, sm in good.items() if not _store.is_part_file(p)}
-                if stable and len(stable) < len(good):  # parts: the next, incremental pass
-                    good, deferred = stable, True
             known = {p: (s, m) for p, s, m in
                      self.con.execute("SELECT path, size, mtime_ns FROM _files WHERE ok").fetchall()}
+            for p, reason in list(bad):  # absorbed before, unreadable just now: keep its rows
+                if reason.startswith("unreadable:") and p in known:
+                    bad.remove((p, reason))
+                    good[p] = known[p]
             new = sorted(p for p, sm in good.items() if known.get(p) != sm)
-            for p, reason in _decode_errors(new).items():
-                self._corrupt[p] = good.pop(p) + (reason,)
-                bad.append((p, reason))
+            for p, (state, reason) in _decode_errors(new).items():
+                sm = good.pop(p)
                 new.remove(p)
+                if state == "corrupt":
+                    self._corrupt[p] = sm + (reason,)
+                    bad.append((p, reason))
+                elif os.path.exists(p):
+                    bad.append((p, f"unreadable: {reason}"))
+            deferred = [p for p in new if _store.is_part_file(p)]
+            if deferred and len(deferred) < len(new) and not out.new:  # parts: a pass of their own (once)
+                for p in deferred:
+                    del good[p]
+                new = [p for p in new if p not in deferred]
+            else:
+                deferred = []
             gone = sorted(p for p in known if p not in good or p in new)
-            cold = rebuild or self.con.execute("SELECT count(*) FROM _file_keys").fetchone()[0] == 0
             try:
-                res = self._refresh_files(good, bad, new, gone, cold, transaction=not rebuild)
+                res = self._refresh_files(good, bad, new, gone, cold=rebuild, transaction=not rebuild)
             except duckdb.Error as exc:
                 failures += 1
+                if not rebuild:  # rolled back: read in place only the absorbed files that still exist
+                    self._tidy(lambda: self._set_records(sorted(
+                        p for p, in self.con.execute("SELECT path FROM _files WHERE ok").fetchall()
+                        if os.path.exists(p))))
                 if failures >= self.refresh_attempts or not self._vanished(exc, good):
                     raise
                 continue
             out.new += [p for p in res.new if p not in out.new]
             out.gone += [p for p in res.gone if p not in out.gone]
-            out.dirty_requests += res.dirty_requests
             out.skipped = res.skipped
             if not deferred:
                 break
+        out.dirty_requests = self.con.execute("SELECT count(DISTINCT rkey) FROM _refreshed_keys").fetchone()[0]
+        self.con.execute("DROP TABLE IF EXISTS _refreshed_keys")
         for path, reason in out.skipped:
             warnings.warn(f"skipped store file {path}: {reason}", SkippedFileWarning, stacklevel=2)
         out.seconds = time.perf_counter() - t0
@@ -432,6 +458,7 @@ class Trace:
                                 [(p, *self._corrupt.get(p, (None, None))[:2], r) for p, r in bad])
             if new or gone or cold:
                 res.dirty_requests = self._absorb(new, gone, good, cold)
+                con.execute("INSERT INTO _refreshed_keys SELECT rkey FROM _scope_keys")
             con.execute("INSERT OR REPLACE INTO _meta VALUES ('state', 'clean')")
             if transaction:
                 con.execute("COMMIT")
@@ -749,43 +776,50 @@ def _access_error(exc: BaseException) -> bool:
     return isinstance(exc, duckdb.Error) and _ACCESS_WORDS.search(str(exc)) is not None
 
 
-def _decode_error(paths: list[str]) -> str | None:
-    """None if DuckDB decodes every value of every column of the store files ``paths``; else why not.
+def _decode_error(paths: list[str]) -> tuple[str, str]:
+    """Whether DuckDB decodes every value of every column of the store files ``paths``.
 
     The footers were already checked (:func:`pdtrace.instrument.store.check_file`);
     this hashes every value (a streaming aggregate: bounded memory) on a
-    separate in-memory connection. Returns ``'corrupt data: <DuckDB's first
-    line>'`` (non-printable characters escaped); None as well when the decode
-    failed for a reason that is not the bytes' (:data:`_NOT_FILE_ERRORS`, or
-    :func:`_access_error`: the file could not be opened).
+    separate in-memory connection, over the union of the files' columns.
+    Returns ``("sound", "")``; ``("corrupt", "corrupt data: <DuckDB's first
+    line>")`` (non-printable characters escaped); or ``("unknown", <error
+    class>)`` when the decode failed for a reason that is not the bytes'
+    (:data:`_NOT_FILE_ERRORS`, such as out of memory, or :func:`_access_error`:
+    a file could not be opened).
     """
     con = None
     try:
         con = duckdb.connect()
-        con.execute("SELECT max(hash(COLUMNS(*))) FROM read_parquet(?)", [paths]).fetchall()
-        return None
-    except _NOT_FILE_ERRORS:
-        return None
+        con.execute("SELECT max(hash(COLUMNS(*))) FROM read_parquet(?, union_by_name = true)", [paths]).fetchall()
+        return "sound", ""
+    except _NOT_FILE_ERRORS as exc:
+        return "unknown", type(exc).__name__
     except duckdb.Error as exc:  # e.g. 'Corrupted file?', "don't know what type"
         if _access_error(exc):
-            return None
+            return "unknown", type(exc).__name__
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-        return "corrupt data: " + "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in first)
+        return "corrupt", "corrupt data: " + "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in first)
     finally:
         if con is not None:
             con.close()
 
 
-def _decode_errors(paths: list[str]) -> dict[str, str]:
-    """{path: reason} of the files in ``paths`` whose data does not decode (:func:`_decode_error`).
+def _decode_errors(paths: list[str]) -> dict[str, tuple[str, str]]:
+    """{path: (state, reason)} of the files in ``paths`` that do not decode as sound (:func:`_decode_error`).
 
     All of them are decoded in one statement (3.7 s for the 1M-request benchmark
     store's 180 files, against 14 s one by one; BENCHMARKS.md); only when that
-    fails, each file alone.
+    is not sound, each file alone.
     """
-    if not paths or _decode_error(paths) is None:
+    if not paths or _decode_error(paths)[0] == "sound":
         return {}
-    return {p: reason for p in paths if (reason := _decode_error([p])) is not None}
+    out = {}
+    for p in paths:
+        state, reason = _decode_error([p])
+        if state != "sound":
+            out[p] = (state, reason)
+    return out
 
 
 def open_trace(directory: str | os.PathLike, cache: str | os.PathLike | None = None,

@@ -171,7 +171,9 @@ class FileCheck:
     """Outcome of :func:`check_file`: ``ok`` or the ``reason`` a reader must skip ``path``.
 
     ``artifact`` names another pdtrace file kind (``schema.ARTIFACT_KEY``, e.g.
-    ``"client-records"``): not spans, skipped without a warning.
+    ``"client-records"``): not spans, skipped without a warning. ``unreadable``:
+    the file could not be opened or read just now (vanished, permission, too
+    many open files): nothing is known about its contents.
     """
 
     path: Path
@@ -179,6 +181,7 @@ class FileCheck:
     reason: str = ""
     version: str | None = None
     artifact: str | None = None
+    unreadable: bool = False
 
 
 def check_file(path: str | os.PathLike) -> FileCheck:
@@ -187,14 +190,25 @@ def check_file(path: str | os.PathLike) -> FileCheck:
     Reads only the Parquet footer. Never raises for a bad file: returns a
     FileCheck with ``ok=False`` and a reason ('empty file', 'not a Parquet
     file: ...', 'not a pdtrace store file', 'schema 2.0: newer major, skipped',
-    or, with ``artifact`` set, 'pdtrace client-records file, not spans').
+    with ``artifact`` set 'pdtrace client-records file, not spans', or with
+    ``unreadable`` set 'unreadable: <OSError class>').
     """
     p = Path(path)
     try:
         if p.stat().st_size == 0:
             return FileCheck(p, False, "empty file")
         meta = pq.read_metadata(p)
-    except Exception as exc:  # pyarrow raises ArrowInvalid/OSError for truncated/foreign files
+    except OSError as exc:  # could not open or read it now (vanished, too many open files, permission)
+        if not isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError)) and p.is_file():
+            try:  # pyarrow raises OSError for a truncated or foreign file too: open it to tell them apart
+                with open(p, "rb") as f:
+                    f.read(1)
+            except OSError as exc2:
+                exc = exc2
+            else:
+                return FileCheck(p, False, f"not a Parquet file: {type(exc).__name__}")
+        return FileCheck(p, False, f"unreadable: {type(exc).__name__}", unreadable=True)
+    except Exception as exc:  # pyarrow raises ArrowInvalid for truncated/foreign files
         return FileCheck(p, False, f"not a Parquet file: {type(exc).__name__}")
     kv = meta.metadata or {}
     raw = kv.get(schema.VERSION_KEY)
@@ -215,9 +229,10 @@ def check_file(path: str | os.PathLike) -> FileCheck:
 
 
 #: Name of a *part* file, as the sink writes it (``<role>-<host>-<pid>-<start>-p<seq>.parquet``: pid,
-#: start time ``%Y%m%dT%H%M%S``, 6-digit sequence): the sink deletes its parts once they are merged
-#: into a segment (``-s<seq>``), so a reader may see one vanish. Other names are never parts.
-PART_FILE = re.compile(r"-\d+-\d{8}T\d{6}-p\d{6}\.parquet$")
+#: start time ``%Y%m%dT%H%M%S`` with ``r<n>`` after a restarted sink (writer.py), a sequence of 6
+#: or more digits): the sink deletes its parts once they are merged into a segment (``-s<seq>``),
+#: so a reader may see one vanish. Other names are never parts.
+PART_FILE = re.compile(r"-\d+-\d{8}T\d{6}(?:r\d+)?-p\d{6,}\.parquet$")
 
 
 def is_part_file(path: str | os.PathLike) -> bool:

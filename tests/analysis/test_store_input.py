@@ -1,5 +1,6 @@
 """Bad input: bad files skipped and named, duplicates counted once, views documented, read-only queries."""
 import shutil
+import warnings
 
 import duckdb
 import pyarrow as pa
@@ -170,14 +171,13 @@ def test_a_corrupt_file_in_a_cold_build_is_skipped(tmp_path):
 
 
 def test_a_file_that_cannot_be_opened_is_not_called_corrupt(tmp_path):
-    """Failing to open a file says nothing about its bytes: a file gone, a directory, and a sound file
+    """Failing to open a file says nothing about its bytes: a file gone, and a sound file
     while the process is out of file descriptors (a real EMFILE: the soft RLIMIT_NOFILE lowered to 0,
     which leaves the open descriptors alone) are not 'corrupt data'."""
     import resource
 
     sound = store.write_rows(tmp_path, _p9_rows(10), resource=_P9, name="p9.parquet")
-    assert db._decode_error([str(tmp_path / "gone.parquet")]) is None
-    assert db._decode_error([str(tmp_path)]) is None
+    assert db._decode_error([str(tmp_path / "gone.parquet")])[0] == "unknown"
     con = duckdb.connect()  # opened before the limit: decoding needs no new connection's descriptors
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (0, hard))  # open descriptors stay; every new open: EMFILE
@@ -185,11 +185,11 @@ def test_a_file_that_cannot_be_opened_is_not_called_corrupt(tmp_path):
         with pytest.raises(duckdb.Error) as exc:
             con.execute("SELECT count(*) FROM read_parquet(?)", [str(sound)]).fetchall()
         assert db._access_error(exc.value), str(exc.value)
-        assert db._decode_error([str(sound)]) is None  # the decode check meets the same: no blame
+        assert db._decode_errors([str(sound)]) == {str(sound): ("unknown", "IOException")}  # not blamed
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
         con.close()
-    assert db._decode_error([str(sound)]) is None  # and the file itself is sound
+    assert db._decode_error([str(sound)]) == ("sound", "")  # and the file itself is sound
 
 
 def _part_name(seq, kind="p"):
@@ -199,6 +199,8 @@ def _part_name(seq, kind="p"):
 
 def test_part_files_are_named_by_the_sinks_pattern():
     assert store.is_part_file(_part_name(3)) and not store.is_part_file(_part_name(4, "s"))
+    assert store.is_part_file("prefill-h-9-20261202T014026r2-p000001.parquet")  # a restarted sink
+    assert store.is_part_file("prefill-h-9-20261202T014026-p1000000.parquet")  # past a million parts
     assert not store.is_part_file("a-prefill-p1.parquet")  # an engine named p1 is not a part
 
 
@@ -236,12 +238,14 @@ def test_a_file_compacted_away_while_read_does_not_fail_the_refresh(tmp_path, wa
         assert tr.query("SELECT count(*) AS n FROM spans WHERE engine_id = 'p9'")[0]["n"] == 50
 
 
-def test_a_rebuild_does_not_race_compaction(tmp_path):
-    """A rebuild of a live store takes longer than the recorder's rotation (70 s for 1M requests vs 60 s),
-    so parts are compacted while it runs, every time. Here each rebuild pass meets a real compaction
-    (the parts merged into a segment, then deleted, during the pass) and a new part: the rebuild reads
-    the segments only, the parts come in a second, incremental pass, and the refresh neither fails
-    nor loses a row."""
+@pytest.mark.parametrize("warm", [False, True], ids=["rebuild", "backlog"])
+def test_a_long_refresh_does_not_race_compaction(tmp_path, warm):
+    """A long refresh -- a rebuild of a live store (70 s for 1M requests), or a dashboard catching up
+    on a backlog -- outlasts the recorder's rotation (60 s), so parts are compacted while it runs,
+    every time. Here each pass that reads a segment meets a real compaction (the parts merged into
+    a segment, then deleted, during the pass) and a new part: the long pass reads the segments
+    only, the parts come in a short pass of their own, and the refresh neither fails nor loses or
+    double-counts a row."""
     d = tmp_path / "s"
     _case_h().write(d)
     seq = [0]
@@ -259,27 +263,122 @@ def test_a_rebuild_does_not_race_compaction(tmp_path):
 
     class LiveStore(db.Trace):
         passes = []
+        armed = True
 
         def _absorb(self, new, gone, good, cold):
-            self.passes.append((cold, len(new)))
-            if cold:  # the recorder compacts and flushes while the rebuild runs
+            self.passes.append(sorted("part" if store.is_part_file(p) else "other" for p in new))
+            if self.armed and len(self.passes) == 1:  # the long pass: the recorder compacts and flushes meanwhile
                 compact()
                 flush()
             return super()._absorb(new, gone, good, cold)
 
+    tr = LiveStore(d)
+    if warm:
+        tr.armed = False
+        tr.refresh()
+        tr.passes.clear()
+        tr.armed = True
     for _ in range(3):
         flush()
     compact()
     flush()
     flush()
-    tr = LiveStore(d)
     r = tr.refresh()
-    assert r.rebuilt and r.skipped == []
-    assert [cold for cold, _ in tr.passes] == [True, False]  # segments, then the parts, once each
+    assert r.rebuilt == (not warm) and r.skipped == []
+    # the segments (and case H's files when rebuilding), then what is new since: the segment the
+    # compaction wrote during the first pass and the part flushed after it; no retry
+    assert tr.passes == [["other"] * (4 if not warm else 1), ["other", "part"]]
     n_store = sum(pq.read_metadata(p).num_rows for p in d.glob("prefill-h-9-*.parquet"))
     assert tr.query("SELECT count(*) AS n FROM spans WHERE engine_id = 'p9'")[0]["n"] == n_store == 600
     assert tr.query("SELECT ttft_ms FROM ttft_breakdown")[0]["ttft_ms"] == 4070
+    assert tr.query("SELECT count(*) AS n FROM requests")[0]["n"] == 601
+    assert r.dirty_requests == (601 if not warm else 600)  # each request once, though two passes ran
     tr.close()
+
+
+def test_after_a_failed_refresh_spans_still_answer(tmp_path):
+    """Views read the store's files in place. A part absorbed earlier is compacted away, then a refresh
+    fails (a real out-of-memory error) and is rolled back: ``spans`` must still answer (from the
+    absorbed files that still exist) instead of failing on the deleted part until a refresh succeeds."""
+    d = tmp_path / "s"
+    _case_h().write(d)
+    part = store.write_rows(d, _p9_rows(50), resource=_P9, name=_part_name(1))
+    tr = db.Trace(d)
+    tr.refresh()
+    store.write_tables(d, [pq.read_table(part)], _part_name(2, "s"))
+    part.unlink()
+    used = tr.con.execute("SELECT sum(memory_usage_bytes) FROM duckdb_memory()").fetchone()[0]
+    tr.con.execute(f"SET memory_limit = '{used // 1024 + 512}KB'")
+    with pytest.raises(duckdb.OutOfMemoryException):
+        tr.refresh()
+    tr.con.execute("RESET memory_limit")
+    assert tr.query("SELECT count(*) AS n FROM spans WHERE stage = 'kv.transfer'")[0]["n"] == 1
+    tr.refresh()
+    assert tr.query("SELECT count(*) AS n FROM spans WHERE engine_id = 'p9'")[0]["n"] == 50
+    tr.close()
+
+
+def test_a_refresh_without_file_descriptors_blames_no_file(tmp_path):
+    """While the process is out of file descriptors (a real EMFILE: soft RLIMIT_NOFILE 0) a refresh
+    cannot even list the directory: it raises, blames no file and changes nothing; the next one
+    absorbs the new file. (The decode check's own answer under EMFILE, 'unknown', is tested in
+    test_a_file_that_cannot_be_opened_is_not_called_corrupt.)"""
+    import resource
+
+    d = tmp_path / "s"
+    _case_h().write(d)
+    tr = db.Trace(d)
+    tr.refresh()
+    late = store.write_rows(d, _p9_rows(), resource=_P9, name="p9-late.parquet")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (0, hard))
+    try:
+        with pytest.raises(OSError):
+            tr.refresh()
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert tr.query("SELECT count(*) AS n FROM store_files WHERE NOT ok")[0]["n"] == 0
+    assert tr.query("SELECT count(*) AS n FROM requests")[0]["n"] == 1  # case H kept
+    r = tr.refresh()
+    assert r.new == [str(late)] and r.skipped == []
+    assert tr.query("SELECT count(*) AS n FROM spans WHERE engine_id = 'p9'")[0]["n"] == 2000
+    tr.close()
+
+
+def test_a_part_gone_between_listing_and_check_is_not_a_bad_file(tmp_path, monkeypatch):
+    """The listing names a part the recorder deletes a moment later (a real deletion, forced right
+    after the listing): not a bad file, no warning, simply not there."""
+    d = tmp_path / "s"
+    _case_h().write(d)
+    part = store.write_rows(d, _p9_rows(5), resource=_P9, name=_part_name(1))
+    real = store.store_files
+
+    def listing_then_compaction(directory):
+        listed = real(directory)
+        if part.exists():
+            part.unlink()
+        return listed
+
+    monkeypatch.setattr(store, "store_files", listing_then_compaction)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tr = db.open_trace(d)
+    assert not part.exists() and store.check_file(part).unreadable
+    assert tr.query("SELECT count(*) AS n FROM store_files WHERE NOT ok")[0]["n"] == 0
+    tr.close()
+
+
+def test_files_of_two_schema_minors_decode_in_one_statement(tmp_path, decoded):
+    """A newer minor adds columns; the decode check reads the union of the columns, so a store
+    mixing minors is still checked in one statement, not file by file."""
+    a = store.write_rows(tmp_path, _p9_rows(10), resource=_P9, name="a.parquet")
+    t = pq.read_table(a)
+    t = t.append_column("new_col", pa.array([1] * t.num_rows, pa.int64()))
+    pq.write_table(t.replace_schema_metadata(dict(t.schema.metadata or {})), tmp_path / "0-newer.parquet")
+    files = sorted(str(p) for p in tmp_path.glob("*.parquet"))
+    assert store.check_file(files[0]).ok
+    assert db._decode_errors(files) == {}
+    assert decoded == files  # one statement over both
 
 
 def test_a_store_without_requests_is_not_rebuilt_on_every_refresh(tmp_path):
