@@ -291,9 +291,10 @@ class Trace:
 
         pdtrace files that are not spans (``FileCheck.artifact``: the lab client's
         records) are in neither list, nor is a file that vanished since the
-        listing. A file that exists but could not be opened just now has a
-        reason starting ``unreadable:`` (:meth:`refresh` keeps such a file's
-        rows when it absorbed the file before).
+        listing. A file that exists but could not be opened just now (out of
+        descriptors) has a reason starting ``unreadable now:`` (:meth:`refresh`
+        keeps such a file's rows when it absorbed the file before); one that
+        cannot be opened for good (permission) ``unreadable:``.
         """
         good: dict[str, tuple[int, int]] = {}
         bad: list[tuple[str, str]] = []
@@ -309,7 +310,8 @@ class Trace:
                 st = p.stat()
             except OSError as exc:
                 if p.exists():
-                    bad.append((str(p), f"unreadable: {type(exc).__name__}"))
+                    now = "now" if exc.errno in _store.TRANSIENT_ERRNOS else ""
+                    bad.append((str(p), f"unreadable{' ' + now if now else ''}: {type(exc).__name__}"))
                 continue
             known = self._corrupt.get(str(p))
             if known is not None and known[:2] == (st.st_size, st.st_mtime_ns):
@@ -332,9 +334,10 @@ class Trace:
         whose data pages are not is skipped and named (reason ``corrupt data:
         ...``) until its size or mtime changes, remembered in a cache file too.
         A file that cannot be opened or decoded just now (too many open files,
-        permission, out of memory) is not blamed: it is left out of this
-        refresh (reason ``unreadable: ...``) and tried again by the next one;
-        one absorbed before keeps its rows.
+        out of memory) is not blamed: it is left out of this refresh (reason
+        ``unreadable now: ...``) and tried again by the next one; one absorbed
+        before keeps its rows. One that cannot be opened for good (permission)
+        is skipped like a bad file (``unreadable: ...``).
 
         Part files (``-p<seq>``, which the recorder deletes once it merged them
         into a segment) are absorbed in a pass of their own after the other
@@ -344,8 +347,10 @@ class Trace:
 
         A refresh either completes or leaves the cache as the last complete
         one left it: an incremental refresh runs in one transaction and is
-        rolled back when it fails (``_records``, which reads files in place,
-        is then pointed at the absorbed files that still exist). A rebuild (a
+        rolled back when it fails. (The views that read store files in place,
+        ``spans`` and ``events``, then fail on a file deleted since, such as a
+        compacted part, until a refresh succeeds: they are never silently
+        short.) A rebuild (a
         new database, or one whose last rebuild died half-way) empties the
         tables on the same connection -- its settings, such as the dashboard's
         file sandbox, are kept -- and is not in a transaction (large inserts
@@ -371,18 +376,10 @@ class Trace:
             known = {p: (s, m) for p, s, m in
                      self.con.execute("SELECT path, size, mtime_ns FROM _files WHERE ok").fetchall()}
             for p, reason in list(bad):  # absorbed before, unreadable just now: keep its rows
-                if reason.startswith("unreadable:") and p in known:
+                if reason.startswith("unreadable now:") and p in known:
                     bad.remove((p, reason))
                     good[p] = known[p]
             new = sorted(p for p, sm in good.items() if known.get(p) != sm)
-            for p, (state, reason) in _decode_errors(new).items():
-                sm = good.pop(p)
-                new.remove(p)
-                if state == "corrupt":
-                    self._corrupt[p] = sm + (reason,)
-                    bad.append((p, reason))
-                elif os.path.exists(p):
-                    bad.append((p, f"unreadable: {reason}"))
             deferred = [p for p in new if _store.is_part_file(p)]
             if deferred and len(deferred) < len(new) and not out.new:  # parts: a pass of their own (once)
                 for p in deferred:
@@ -390,15 +387,21 @@ class Trace:
                 new = [p for p in new if p not in deferred]
             else:
                 deferred = []
+            for p, (state, reason) in _decode_errors(new).items():
+                sm = good.pop(p)
+                new.remove(p)
+                if state == "corrupt":
+                    self._corrupt[p] = sm + (reason,)
+                    bad.append((p, reason))
+                elif os.path.exists(p):
+                    bad.append((p, f"unreadable now: {reason}"))
+                    if p in known:  # changed, not decodable just now: its old rows stay until then
+                        good[p] = known[p]
             gone = sorted(p for p in known if p not in good or p in new)
             try:
                 res = self._refresh_files(good, bad, new, gone, cold=rebuild, transaction=not rebuild)
             except duckdb.Error as exc:
                 failures += 1
-                if not rebuild:  # rolled back: read in place only the absorbed files that still exist
-                    self._tidy(lambda: self._set_records(sorted(
-                        p for p, in self.con.execute("SELECT path FROM _files WHERE ok").fetchall()
-                        if os.path.exists(p))))
                 if failures >= self.refresh_attempts or not self._vanished(exc, good):
                     raise
                 continue

@@ -10,6 +10,7 @@ moment sees only whole files.
 """
 from __future__ import annotations
 
+import errno
 import os
 import re
 import socket
@@ -173,7 +174,9 @@ class FileCheck:
     ``artifact`` names another pdtrace file kind (``schema.ARTIFACT_KEY``, e.g.
     ``"client-records"``): not spans, skipped without a warning. ``unreadable``:
     the file could not be opened or read just now (vanished, permission, too
-    many open files): nothing is known about its contents.
+    many open files: :data:`TRANSIENT_ERRNOS`): nothing is known about its
+    contents. A file that cannot be opened for good (permission) is a bad file
+    with reason ``unreadable: ...``.
     """
 
     path: Path
@@ -184,21 +187,27 @@ class FileCheck:
     unreadable: bool = False
 
 
+#: OS errors that say the process could not open a file *just now* (out of descriptors, memory):
+#: nothing about the file (check_file's ``unreadable``; a permission or type error is the file's).
+TRANSIENT_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.EAGAIN, errno.ENOMEM, errno.EINTR})
+
+
 def check_file(path: str | os.PathLike) -> FileCheck:
     """Check that ``path`` is a readable store file of this schema's major version.
 
     Reads only the Parquet footer. Never raises for a bad file: returns a
     FileCheck with ``ok=False`` and a reason ('empty file', 'not a Parquet
     file: ...', 'not a pdtrace store file', 'schema 2.0: newer major, skipped',
-    with ``artifact`` set 'pdtrace client-records file, not spans', or with
-    ``unreadable`` set 'unreadable: <OSError class>').
+    with ``artifact`` set 'pdtrace client-records file, not spans',
+    'unreadable: <OSError class>' (permission), or with ``unreadable`` set
+    'unreadable now: <OSError class>' (vanished, out of descriptors)).
     """
     p = Path(path)
     try:
         if p.stat().st_size == 0:
             return FileCheck(p, False, "empty file")
         meta = pq.read_metadata(p)
-    except OSError as exc:  # could not open or read it now (vanished, too many open files, permission)
+    except OSError as exc:  # could not open or read it (vanished, too many open files, permission)
         if not isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError)) and p.is_file():
             try:  # pyarrow raises OSError for a truncated or foreign file too: open it to tell them apart
                 with open(p, "rb") as f:
@@ -207,7 +216,9 @@ def check_file(path: str | os.PathLike) -> FileCheck:
                 exc = exc2
             else:
                 return FileCheck(p, False, f"not a Parquet file: {type(exc).__name__}")
-        return FileCheck(p, False, f"unreadable: {type(exc).__name__}", unreadable=True)
+        if isinstance(exc, FileNotFoundError) or exc.errno in TRANSIENT_ERRNOS:
+            return FileCheck(p, False, f"unreadable now: {type(exc).__name__}", unreadable=True)
+        return FileCheck(p, False, f"unreadable: {type(exc).__name__}")
     except Exception as exc:  # pyarrow raises ArrowInvalid for truncated/foreign files
         return FileCheck(p, False, f"not a Parquet file: {type(exc).__name__}")
     kv = meta.metadata or {}
@@ -243,10 +254,10 @@ def is_part_file(path: str | os.PathLike) -> bool:
 def store_files(directory: str | os.PathLike) -> list[Path]:
     """List the complete store files of ``directory`` (``*.parquet``, recursively, sorted).
 
-    Temporary files (``.*.tmp``) are never listed. Raises FileNotFoundError when
+    Temporary files (``.*.tmp``) and directories are never listed. Raises FileNotFoundError when
     ``directory`` does not exist.
     """
     d = Path(directory)
     if not d.is_dir():
         raise FileNotFoundError(f"trace directory not found: {d}")
-    return sorted(p for p in d.rglob("*.parquet") if not p.name.startswith("."))
+    return sorted(p for p in d.rglob("*.parquet") if not p.name.startswith(".") and p.is_file())

@@ -239,7 +239,7 @@ def test_a_file_compacted_away_while_read_does_not_fail_the_refresh(tmp_path, wa
 
 
 @pytest.mark.parametrize("warm", [False, True], ids=["rebuild", "backlog"])
-def test_a_long_refresh_does_not_race_compaction(tmp_path, warm):
+def test_a_long_refresh_does_not_race_compaction(tmp_path, warm, decoded):
     """A long refresh -- a rebuild of a live store (70 s for 1M requests), or a dashboard catching up
     on a backlog -- outlasts the recorder's rotation (60 s), so parts are compacted while it runs,
     every time. Here each pass that reads a segment meets a real compaction (the parts merged into
@@ -293,28 +293,53 @@ def test_a_long_refresh_does_not_race_compaction(tmp_path, warm):
     assert tr.query("SELECT ttft_ms FROM ttft_breakdown")[0]["ttft_ms"] == 4070
     assert tr.query("SELECT count(*) AS n FROM requests")[0]["n"] == 601
     assert r.dirty_requests == (601 if not warm else 600)  # each request once, though two passes ran
+    assert len(decoded) == len(set(decoded))  # no file decoded twice (deferred parts wait for their pass)
     tr.close()
 
 
-def test_after_a_failed_refresh_spans_still_answer(tmp_path):
+def test_after_a_failed_refresh_spans_fail_loudly_not_short(tmp_path):
     """Views read the store's files in place. A part absorbed earlier is compacted away, then a refresh
-    fails (a real out-of-memory error) and is rolled back: ``spans`` must still answer (from the
-    absorbed files that still exist) instead of failing on the deleted part until a refresh succeeds."""
+    fails (a real out-of-memory error) and is rolled back: ``spans`` names the missing file rather
+    than answering without its rows (a rebuilt ``_records`` with the old duplicate list hid both
+    copies of every compacted record), and the next refresh that succeeds answers in full."""
     d = tmp_path / "s"
     _case_h().write(d)
     part = store.write_rows(d, _p9_rows(50), resource=_P9, name=_part_name(1))
     tr = db.Trace(d)
     tr.refresh()
     store.write_tables(d, [pq.read_table(part)], _part_name(2, "s"))
+    tr.refresh()  # the segment holds copies of the part's records: the part's are shown
     part.unlink()
+    store.write_rows(d, _p9_rows(5, first=5000), resource=_P9, name="p9-late.parquet")
     used = tr.con.execute("SELECT sum(memory_usage_bytes) FROM duckdb_memory()").fetchone()[0]
     tr.con.execute(f"SET memory_limit = '{used // 1024 + 512}KB'")
     with pytest.raises(duckdb.OutOfMemoryException):
         tr.refresh()
     tr.con.execute("RESET memory_limit")
-    assert tr.query("SELECT count(*) AS n FROM spans WHERE stage = 'kv.transfer'")[0]["n"] == 1
+    with pytest.raises(duckdb.IOException, match=part.name):
+        tr.query("SELECT count(*) AS n FROM spans WHERE engine_id = 'p9'")
     tr.refresh()
-    assert tr.query("SELECT count(*) AS n FROM spans WHERE engine_id = 'p9'")[0]["n"] == 50
+    assert tr.query("SELECT count(*) AS n FROM spans WHERE engine_id = 'p9'")[0]["n"] == 55
+    tr.close()
+
+
+def test_an_absorbed_file_replaced_by_a_directory_is_gone(tmp_path):
+    """A directory named like a store file is not a store file: never listed, never warned about; an
+    absorbed file replaced by one is gone (before, it blocked every later refresh)."""
+    d = tmp_path / "s"
+    _case_h().write(d)
+    seg = store.write_rows(d, _p9_rows(20), resource=_P9, name=_part_name(1, "s"))
+    (d / "nested.parquet").mkdir()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tr = db.open_trace(d)
+    assert tr.query("SELECT count(*) AS n FROM spans WHERE engine_id = 'p9'")[0]["n"] == 20
+    seg.unlink()
+    seg.mkdir()
+    r = tr.refresh()
+    assert r.gone == [str(seg)] and r.skipped == []
+    assert tr.query("SELECT count(*) AS n FROM spans WHERE engine_id = 'p9'")[0]["n"] == 0
+    assert tr.query("SELECT ttft_ms FROM ttft_breakdown")[0]["ttft_ms"] == 4070
     tr.close()
 
 
