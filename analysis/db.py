@@ -366,6 +366,7 @@ class Trace:
         t0 = time.perf_counter()
         out = RefreshResult()
         failures = 0
+        may_defer = True  # parts get a pass of their own at most once per refresh
         self.con.execute("CREATE OR REPLACE TEMP TABLE _refreshed_keys (rkey UBIGINT)")
         while True:
             rebuild = self._fresh or self._state() != "clean"
@@ -381,7 +382,8 @@ class Trace:
                     good[p] = known[p]
             new = sorted(p for p, sm in good.items() if known.get(p) != sm)
             deferred = [p for p in new if _store.is_part_file(p)]
-            if deferred and len(deferred) < len(new) and not out.new:  # parts: a pass of their own (once)
+            if deferred and len(deferred) < len(new) and may_defer:  # parts: a pass of their own (once)
+                may_defer = False
                 for p in deferred:
                     del good[p]
                 new = [p for p in new if p not in deferred]

@@ -343,6 +343,33 @@ def test_an_absorbed_file_replaced_by_a_directory_is_gone(tmp_path):
     tr.close()
 
 
+def test_parts_are_deferred_once_even_when_the_other_new_files_cannot_be_decoded(tmp_path, monkeypatch):
+    """A new segment whose decode keeps answering 'unknown' (say, EMFILE every time: not something a
+    test can cause on demand, so the decode check is replaced for that one file, and the stand-in
+    stops the test after 50 calls instead of hanging) while a new part waits: the part is deferred
+    once, then absorbed; the segment is left out, unblamed. Before, the refresh deferred the part
+    forever."""
+    d = tmp_path / "s"
+    _case_h().write(d)
+    tr = db.Trace(d)
+    tr.refresh()
+    seg = store.write_rows(d, _p9_rows(10), resource=_P9, name=_part_name(1, "s"))
+    part = store.write_rows(d, _p9_rows(10, first=100), resource=_P9, name=_part_name(2))
+    real, calls = db._decode_error, []
+
+    def unknown_for_the_segment(paths):
+        calls.append(paths)
+        assert len(calls) < 50, "refresh loops"
+        return ("unknown", "IOException") if str(seg) in paths else real(paths)
+
+    monkeypatch.setattr(db, "_decode_error", unknown_for_the_segment)
+    with pytest.warns(db.SkippedFileWarning, match="unreadable now"):
+        r = tr.refresh()
+    assert r.new == [str(part)] and [p for p, _ in r.skipped] == [str(seg)]
+    assert tr.query("SELECT count(*) AS n FROM spans WHERE engine_id = 'p9'")[0]["n"] == 10
+    tr.close()
+
+
 def test_a_refresh_without_file_descriptors_blames_no_file(tmp_path):
     """While the process is out of file descriptors (a real EMFILE: soft RLIMIT_NOFILE 0) a refresh
     cannot even list the directory: it raises, blames no file and changes nothing; the next one
