@@ -15,10 +15,10 @@ Bad files (empty, truncated, foreign, another schema major) are skipped and
 named in a :class:`SkippedFileWarning`; the store's reader rules are
 :func:`pdtrace.instrument.store.check_file`'s. A file whose footer is sound but
 whose data pages do not decode is skipped and named the same way: every new
-file is decoded in full before it is absorbed. A file that vanishes while a refresh reads it (compaction) makes
-the refresh start again; an incremental refresh that fails otherwise is rolled
-back, and a rebuild that fails is redone by the next refresh
-(:meth:`Trace.refresh`).
+file is decoded in full before it is absorbed. A file that vanishes while a
+refresh reads it (compaction) makes the refresh start again; an incremental
+refresh that fails otherwise is rolled back, and a rebuild that fails is
+redone by the next refresh (:meth:`Trace.refresh`).
 
 Queries go through :func:`connect_readonly` (or :meth:`Trace.readonly`): the
 database opened read-only with file system access disabled and the
@@ -310,8 +310,8 @@ class Trace:
                 st = p.stat()
             except OSError as exc:
                 if p.exists():
-                    now = "now" if exc.errno in _store.TRANSIENT_ERRNOS else ""
-                    bad.append((str(p), f"unreadable{' ' + now if now else ''}: {type(exc).__name__}"))
+                    kind = "unreadable now" if exc.errno in _store.TRANSIENT_ERRNOS else "unreadable"
+                    bad.append((str(p), f"{kind}: {type(exc).__name__}"))
                 continue
             known = self._corrupt.get(str(p))
             if known is not None and known[:2] == (st.st_size, st.st_mtime_ns):
