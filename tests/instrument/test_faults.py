@@ -3,6 +3,7 @@
 Every case asserts the traced process keeps running (exit 0 or the signal's
 own exit) and every file left in the trace directory is readable by DuckDB.
 """
+import json
 import os
 import signal
 import subprocess
@@ -163,6 +164,27 @@ time.sleep(60)
     p.send_signal(signal.SIGTERM)
     assert p.wait(20) == -signal.SIGTERM  # dies by the signal, as without pdtrace
     assert _count(d) == 100
+
+
+def test_writer_thread_blocks_sigterm(child, tmp_path):
+    """SIGTERM and SIGINT are blocked in the writer thread (read from /proc: the thread's SigBlk
+    mask), so the kernel hands them to the main thread, which runs Python's handlers; the main
+    thread's own mask is untouched. A signal delivered to the writer left a sleeping traced
+    process alive for up to its whole sleep (test_sigterm_flushes hung about 1 run in 12)."""
+    code = PRELUDE + """
+import signal, threading
+tracer.record('decode.step', None, 1, 2)
+assert tracer.force_flush(30)  # the sink is up: the writer is past subprocess's own brief all-signals mask
+w = next(t for t in threading.enumerate() if t.name == 'pdtrace-writer')
+def blocked(tid):
+    with open(f'/proc/self/task/{tid}/status') as f:
+        mask = int(next(l for l in f if l.startswith('SigBlk:')).split()[1], 16)
+    return [s for s in (signal.SIGTERM, signal.SIGINT) if mask >> (s - 1) & 1]
+print(json.dumps([blocked(w.native_id), blocked(threading.get_native_id())]))
+"""
+    r = child(code, {"PDTRACE_DIR": str(tmp_path)})
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == [[int(signal.SIGTERM), int(signal.SIGINT)], []]
 
 
 def test_exit_flushes(child, tmp_path):
