@@ -86,6 +86,13 @@ def _p9_rows(n=2000, first=0):
              "start_ns": 10**9 + i, "end_ns": 10**9 + i + 5} for i in range(first, first + n)]
 
 
+def _assert_whole(tr):
+    """Every file read: none skipped, the 2000 p9 spans (_p9_rows) and case H's TTFT (4070 ms) there."""
+    assert tr.query("SELECT count(*) AS n FROM store_files WHERE NOT ok")[0]["n"] == 0
+    assert tr.query("SELECT count(*) AS n FROM spans WHERE engine_id = 'p9'")[0]["n"] == 2000
+    assert tr.query("SELECT ttft_ms FROM ttft_breakdown")[0]["ttft_ms"] == 4070
+
+
 @pytest.fixture
 def decoded(monkeypatch):
     """Every path db._decode_error was asked to decode, in order (the real function runs)."""
@@ -151,9 +158,7 @@ def test_a_file_with_corrupt_data_is_skipped_and_named(tmp_path, setup, column, 
     # the file is rewritten whole: read again, and its requests appear
     store.write_rows(d, _p9_rows(), resource=_P9, name="p9-late.parquet")
     tr.refresh()
-    assert tr.query("SELECT count(*) AS n FROM store_files WHERE NOT ok")[0]["n"] == 0
-    assert tr.query("SELECT count(*) AS n FROM spans WHERE engine_id = 'p9'")[0]["n"] == 2000
-    assert tr.query("SELECT ttft_ms FROM ttft_breakdown")[0]["ttft_ms"] == 4070
+    _assert_whole(tr)
     tr.close()
 
 
@@ -505,9 +510,7 @@ def test_a_refresh_that_fails_not_for_a_file_blames_none_and_loses_nothing(tmp_p
         assert tr.query("SELECT count(*) AS n FROM requests")[0]["n"] == 1
     r = tr.refresh()
     assert r.skipped == [] and r.rebuilt == (not warm)
-    assert tr.query("SELECT count(*) AS n FROM store_files WHERE NOT ok")[0]["n"] == 0
-    assert tr.query("SELECT count(*) AS n FROM spans WHERE engine_id = 'p9'")[0]["n"] == 2000
-    assert tr.query("SELECT ttft_ms FROM ttft_breakdown")[0]["ttft_ms"] == 4070
+    _assert_whole(tr)
     assert tr.query("SELECT count(*) AS n FROM requests")[0]["n"] == 2001
     tr.close()
 
