@@ -70,7 +70,7 @@ SELECT path, ok, reason, size AS size_bytes, rows, mtime_ns FROM _files;
 
 COMMENT ON VIEW store_files IS 'Store files seen: absorbed (ok) or skipped with the reason.';
 COMMENT ON COLUMN store_files.path IS 'file path';
-COMMENT ON COLUMN store_files.ok IS 'true if the file was read; false if skipped (truncated, empty, foreign, other major)';
+COMMENT ON COLUMN store_files.ok IS 'true if the file was read; false if skipped (truncated, empty, foreign, other major, corrupt data pages, unreadable)';
 COMMENT ON COLUMN store_files.reason IS 'why the file was skipped (empty when ok)';
 COMMENT ON COLUMN store_files.size_bytes IS 'file size when seen (bytes)';
 COMMENT ON COLUMN store_files.rows IS 'records read from the file (count; NULL when skipped)';
