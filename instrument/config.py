@@ -6,7 +6,9 @@ default; it never raises into the traced process.
 =============================  =========  ====================================================
 variable                       default    meaning
 =============================  =========  ====================================================
-``PDTRACE_DIR``                (unset)    trace directory; tracing is off unless it is set
+``PDTRACE_DIR``                (unset)    trace directory; tracing is off unless it is set (and
+                                          then on in processes that trace: the connectors, the
+                                          API server, the lab's router; never on import)
 ``PDTRACE_SAMPLE``             ``1.0``    fraction of requests traced, by sha256(request id)
 ``PDTRACE_STEP_SAMPLE``        ``1.0``    fraction of engine steps whose step spans are kept
                                           (every k-th step, k = round(1/fraction))
@@ -109,6 +111,15 @@ class Config:
     def enabled(self) -> bool:
         """True when a trace directory is set."""
         return bool(self.trace_dir)
+
+
+def requested(env=None) -> bool:
+    """True iff ``PDTRACE_DIR`` is set (non-empty) in ``env`` (default ``os.environ``).
+
+    The whole check of pdtrace's vLLM plugin when tracing is off: one
+    dictionary lookup, nothing else read, started or imported.
+    """
+    return bool((os.environ if env is None else env).get("PDTRACE_DIR"))
 
 
 def from_env(env: dict | None = None) -> Config:

@@ -7,7 +7,9 @@ a tuple appended to a bounded deque; a background thread
 (:mod:`pdtrace.instrument.sink`) that converts and writes. When the deque is
 full the record is dropped and counted.
 
-Use from a call site::
+Nothing starts on import: a process that traces calls :meth:`Tracer.activate`
+once (idempotent; the traced connectors, the middleware and the lab's router
+do), which starts the writer iff ``PDTRACE_DIR`` is set. Use from a call site::
 
     from pdtrace.instrument import tracer
     if tracer.on:                                  # the one check when tracing is off
@@ -77,9 +79,11 @@ _now = time.monotonic_ns
 class Tracer:
     """Process-wide recorder. Use the module singleton :data:`pdtrace.instrument.tracer`.
 
-    ``on`` is a plain bool attribute: True iff ``PDTRACE_DIR`` is set (or
-    :meth:`configure` was given a trace dir). All recording methods return 0
-    and do nothing while it is False.
+    ``on`` is a plain bool attribute: True once :meth:`activate` found
+    ``PDTRACE_DIR`` set (or :meth:`configure` was given a trace dir). All
+    recording methods return 0 and do nothing while it is False.
+    ``activation`` says how tracing was switched on in this process
+    (``pdtrace.instrument.ACTIVATIONS``), written on every ``recorder.stats`` row.
     """
 
     def __init__(self) -> None:
@@ -103,8 +107,38 @@ class Tracer:
         self._atexit_registered = False
         self._prev_sigterm = None
         self._last_stats: dict[str, int] | None = None
+        self.activation = "explicit"
+        self._activated_pid = 0
+        self._activate_lock = threading.Lock()
 
     # ------------------------------------------------------------------ setup
+    def activate(self, activation: str = "explicit") -> bool:
+        """Start the recorder from the environment if ``PDTRACE_DIR`` is set; return :attr:`on`.
+
+        The one start function of a process that traces (never called on import).
+        Idempotent and thread-safe: the first call in a process reads the
+        environment and, when a trace directory is set, starts the writer
+        (:meth:`configure`) with ``activation`` recorded; later calls in the same
+        process return the state and change nothing (also after :meth:`shutdown`:
+        a process that stopped tracing, e.g. on SIGTERM, is not restarted). A
+        forked child keeps tracing through the fork hook; a spawned one calls
+        this again. ``activation``: 'plugin' or 'explicit'; ValueError otherwise.
+        """
+        if activation not in ("plugin", "explicit"):
+            raise ValueError(f"activation must be 'plugin' or 'explicit', not {activation!r}")
+        pid = os.getpid()
+        if self._activated_pid == pid:
+            return self.on
+        with self._activate_lock:
+            if self._activated_pid == pid:
+                return self.on
+            cfg = _config.from_env()
+            if cfg.enabled and not self.on:
+                self.activation = activation
+                self.configure(cfg)
+            self._activated_pid = pid
+            return self.on
+
     def configure(self, cfg: _config.Config | None = None, **resource: object) -> "Tracer":
         """(Re)configure from ``cfg`` (default: the environment) and start the writer.
 
@@ -354,6 +388,7 @@ class Tracer:
         # its own writer and sink (the parent's thread does not exist in the child;
         # its pipe ends are closed here so the parent's sink still sees end of file).
         self._lock = threading.Lock()
+        self._activate_lock = threading.Lock()
         if self._writer is not None:
             self._writer.detach_after_fork()
         self._writer = None

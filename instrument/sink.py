@@ -9,14 +9,17 @@ traced process's GIL (BENCHMARKS.md, Recorder, says why this matters).
 
 Messages from the writer (tuples):
 
-``("init", cfg, resource, pid, start_tag)``  settings, resource columns, the traced pid
+``("init", cfg, resource, pid, start_tag, activation)``  settings, resource columns, the traced pid,
+                                             how its tracing was switched on
 ``("res", resource)``                        new resource columns for records from now on
 ``("attrs", {key: Attr})``                   the traced process's attribute allowlist (keys
                                              plug-ins registered there), before records using it
 ``("recs", [record tuple, ...])``            records, recorder.py layout
 ``("tick", gen, traced, final)``             write the pending records as one part file now;
                                              ``traced``: the writer's counters (recorded,
-                                             dropped, writer_cpu_ns); ``final``: merge and end.
+                                             dropped, writer_cpu_ns) and ``activation``
+                                             (written as ``pdtrace.activation`` on the stats
+                                             row); ``final``: merge and end.
                                              Answered by ``("ack", gen, counters)``.
 
 Files. Each tick writes one complete *part* file
@@ -85,6 +88,10 @@ attributes.register("clock.uncertainty_ns", int, "half the read window of a cloc
 attributes.register("clock.read_cost_ns", int, "median cost of one monotonic clock read (ns)")
 attributes.register("clock.test_offset_ns", int, "TEST ONLY wall shift applied to this process's anchors (ns)")
 attributes.register("clock.source", str, "implementation of the monotonic clock")
+attributes.register("pdtrace.activation", str,
+                    "how tracing was switched on in the process that wrote this recorder.stats row: 'plugin' "
+                    "(vLLM loaded pdtrace's plugin; stock connector names / API server traced through it) or "
+                    "'explicit' (pdtrace's class names, --middleware, the lab's router, or code)")
 for _k in ("recorded", "dropped", "written", "write_errors", "export_errors", "dropped_attributes"):
     attributes.register(f"recorder.{_k}", int, f"recorder counter '{_k}', cumulative since process start (records)")
 attributes.register("recorder.writer_cpu_ns", int,
@@ -112,8 +119,9 @@ CONVERT_BATCH = 4096
 class Sink:
     """Converts and writes the records of one traced process (state of the sink process)."""
 
-    def __init__(self, cfg, resource: dict, pid: int, start_tag: str) -> None:
+    def __init__(self, cfg, resource: dict, pid: int, start_tag: str, activation: str = "explicit") -> None:
         self.cfg = cfg
+        self.activation = activation  # until a tick's ``traced`` says otherwise
         self.dir = cfg.trace_dir
         self.resource = resource
         self.pid = pid
@@ -259,8 +267,10 @@ class Sink:
         st = stats(traced, self.counters())
         st["written"] += rows
         t = clock.now_ns()
+        attrs = {f"recorder.{k}": v for k, v in st.items()}
+        attrs["pdtrace.activation"] = str(traced.get("activation") or self.activation)
         out.append((R_STATS, next(self._ids), None, None, "recorder.stats", schema.KIND_INTERNAL,
-                    t, t, 0, None, None, 0, 0, None, THREAD, *(f"recorder.{k}" for k in st), *st.values()))
+                    t, t, 0, None, None, 0, 0, None, THREAD, *attrs, *attrs.values()))
         return out
 
     def _file_name(self, kind: str) -> str:

@@ -149,12 +149,13 @@ class Writer(threading.Thread):
         except (AttributeError, OSError, TypeError, OverflowError):
             return 0
 
-    def _traced(self) -> dict[str, int]:
-        """The traced process's half of the counters (see sink.stats)."""
+    def _traced(self) -> dict:
+        """The traced process's half of the counters (see sink.stats), and how its tracing was
+        switched on (``activation``: 'plugin' | 'explicit', written on the stats row)."""
         caller_dropped = self.tracer.dropped_count()
         return {"recorded": caller_dropped + len(self.tracer._buf) + self.drained,
                 "dropped": caller_dropped + self.dropped_in_writer, "writer_cpu_ns": self.cpu_ns(),
-                "base": self._base}
+                "base": self._base, "activation": getattr(self.tracer, "activation", "explicit")}
 
     def stats(self) -> dict[str, int]:
         """All recorder counters (see Tracer.stats), the sink's as of its last answer."""
@@ -337,7 +338,8 @@ class Writer(threading.Thread):
             w1 = r2 = -1  # owned by the connections now: never closed twice (the number may be reused)
             self._sinks_started += 1
             tag = self._start_tag + (f"r{self._sinks_started}" if self._sinks_started > 1 else "")  # unique names
-            self._out.send_bytes(_dumps(("init", self.cfg, self.tracer.resource, os.getpid(), tag)))
+            self._out.send_bytes(_dumps(("init", self.cfg, self.tracer.resource, os.getpid(), tag,
+                                         getattr(self.tracer, "activation", "explicit"))))
             self._res_sent = self.tracer.resource
             self._attrs_sent = -1
             return True

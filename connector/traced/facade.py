@@ -3,7 +3,9 @@
 Side: both. vLLM builds one facade per role: ``SCHEDULER`` in EngineCore,
 ``WORKER`` in each model-runner process.
 
-Construction builds pdtrace's own scheduler or worker object directly (the
+Construction starts the process's recorder (:func:`pdtrace.instrument.activate`:
+on iff ``PDTRACE_DIR`` is set; ``activation`` 'plugin' when the stock name led
+here, see :func:`activation_of`) and builds pdtrace's own scheduler or worker object directly (the
 stock facade's ``__init__`` would build the stock worker, whose NIXL agent
 and threads a later replacement would leak). With tracing off the stock
 vLLM classes are built instead, so the engine runs exactly the stock code
@@ -27,14 +29,26 @@ polling; ``get_finished`` legacy)
 """
 from __future__ import annotations
 
-from pdtrace.instrument import tracer
+from pdtrace.instrument import activate, tracer
 
 from .. import vllm_compat
 from .safety import safe
 
+#: vLLM's own NIXL connector names: a traced class built under one of them (no module path)
+#: was reached through pdtrace's vLLM plugin (:mod:`pdtrace.connector.plugin`).
+STOCK_NAMES = ("NixlConnector", "NixlPullConnector", "NixlPushConnector")
+
 
 def _role_name(kv_role: str) -> str:
     return "prefill" if kv_role == "kv_producer" else "decode"
+
+
+def activation_of(kv_transfer_config) -> str:
+    """'plugin' when ``--kv-transfer-config`` names a stock NIXL connector without a module path
+    (the plugin re-pointed the name to this class), else 'explicit' (pdtrace's class named)."""
+    name = getattr(kv_transfer_config, "kv_connector", None)
+    path = getattr(kv_transfer_config, "kv_connector_module_path", None)
+    return "plugin" if name in STOCK_NAMES and not path else "explicit"
 
 
 class TracedFacadeMixin:
@@ -47,8 +61,9 @@ class TracedFacadeMixin:
     def _pdt_build(self, vllm_config, role, kv_cache_config) -> None:
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-        self._pdt_traced = bool(tracer.on)
         kvc = vllm_config.kv_transfer_config
+        # the recorder starts here, in the process vLLM builds the connector in (never on import)
+        self._pdt_traced = bool(safe(activate, activation_of(kvc)) and tracer.on)
         if self._pdt_traced:
             safe(tracer.set_resource, role=_role_name(kvc.kv_role), engine_id=str(self.engine_id),
                  vllm_version=vllm_compat.vllm_version(), connector=type(self).__name__)

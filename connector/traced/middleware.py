@@ -5,6 +5,9 @@ Use with vLLM's own hook (a pure ASGI class, so streaming is not buffered)::
     python -m vllm.entrypoints.openai.api_server ... \\
         --middleware pdtrace.connector.traced.middleware.FrontendMiddleware
 
+or let pdtrace's vLLM plugin add it (``PDTRACE_DIR`` set, no ``--middleware``:
+:mod:`pdtrace.connector.plugin`). Building it starts the API server's recorder.
+
 Side: the API-server process, its asyncio event-loop thread. For each POST
 to ``/v1/completions`` or ``/v1/chat/completions`` it records one span named
 by the engine's role (``prefill.frontend`` on a ``kv_producer``,
@@ -43,8 +46,8 @@ import json
 import os
 import sys
 
+from pdtrace.instrument import activate, tracer
 from pdtrace.instrument import attributes as _attrs
-from pdtrace.instrument import tracer
 
 from .safety import safe
 
@@ -157,8 +160,12 @@ def install_engine_hooks() -> bool:
 class FrontendMiddleware:
     """Pure ASGI middleware recording the frontend span of each completion request."""
 
-    def __init__(self, app, role: str | None = None) -> None:
+    def __init__(self, app, role: str | None = None, activation: str = "explicit") -> None:
+        """``activation``: 'explicit' (``--middleware``) or 'plugin' (added by pdtrace's vLLM plugin).
+
+        Starts this process's recorder (on iff ``PDTRACE_DIR`` is set)."""
         self.app = app
+        safe(activate, activation)
         self.role = role or _role_from_argv(sys.argv) or os.environ.get("PDTRACE_ROLE") or "decode"
         if self.role not in ("prefill", "decode"):
             self.role = "decode"

@@ -18,6 +18,7 @@ from pdtrace.instrument import store
 PRELUDE = """
 import os, sys, time, json
 from pdtrace.instrument import tracer
+tracer.activate()  # the process traces (nothing starts on import)
 """
 
 
@@ -223,6 +224,7 @@ def test_spawn_child_traces_on_its_own(child, tmp_path):
 import multiprocessing as mp
 def work():
     from pdtrace.instrument import tracer
+    tracer.activate()  # a spawned process starts its own recorder
     tracer.record('decode.step', 'spawned', 1, 2)
 if __name__ == '__main__':
     ctx = mp.get_context('spawn')
