@@ -5,7 +5,9 @@ tests) and vLLM 0.33.0 (the CUDA release on PyPI; its connector source is
 checked statically by ``tests/connector/test_vllm033_static.py``, not run).
 
 The traced connectors hook the names listed in :data:`HOOKS` and nothing
-else. ``tests/connector/test_version_guard.py`` fails, naming the hook, when
+else; the vLLM plugin (:mod:`pdtrace.connector.plugin`: plugin group, the
+processes that load it, the connector factory's registry, the API server's
+middleware function) relies on those in :data:`PLUGIN_HOOKS`. ``tests/connector/test_version_guard.py`` fails, naming the hook, when
 the installed vLLM lacks one; the static check reads the same table against
 the 0.33.0 wheel's source with :mod:`ast`.
 
@@ -55,7 +57,12 @@ class Hook(NamedTuple):
     ``name``: method or attribute; ``params``: positional parameter names
     after ``self`` that pdtrace passes or reads (checked in order, as a prefix);
     ``kind``: 'method' (overridden or wrapped), 'attr' (read: a module-level
-    name, or an instance attribute assigned in ``__init__``).
+    name, or an instance attribute assigned in ``__init__``); for the
+    plugin's table (:data:`PLUGIN_HOOKS`) also 'function' (a module-level
+    function, ``params`` from its first parameter), 'value' (a module-level
+    constant equal to ``params[0]``), 'calls' (the module's source calls
+    ``name``) and 'registered' (``cls`` registers a connector called ``name``:
+    ``register_connector(name, ...)`` / present in its ``_registry``).
     """
 
     module: str
@@ -135,6 +142,37 @@ HOOKS: tuple[Hook, ...] = (
        ("engine_core_outputs", "engine_core_timestamp")),
 )
 
+FACTORY = "vllm.distributed.kv_transfer.kv_connector.factory"
+#: What the vLLM plugin (:mod:`pdtrace.connector.plugin`) relies on, checked like :data:`HOOKS`.
+PLUGIN_HOOKS: tuple[Hook, ...] = (
+    # --- the plugin group and the processes that load it ------------------------
+    _H("vllm.plugins", None, "DEFAULT_PLUGINS_GROUP", ("vllm.general_plugins",), kind="value"),
+    _H("vllm.plugins", None, "load_general_plugins", kind="function"),
+    _H("vllm.engine.arg_utils", None, "load_general_plugins", kind="calls"),      # API server (its arguments)
+    _H("vllm.v1.engine.core", None, "load_general_plugins", kind="calls"),        # EngineCore
+    _H("vllm.v1.worker.worker_base", None, "load_general_plugins", kind="calls"),  # workers
+    # --- connector names: resolved through the factory's registry ------------------
+    _H(FACTORY, "KVConnectorFactory", "_registry", kind="attr"),
+    _H(FACTORY, "KVConnectorFactory", "get_connector_class", ("kv_transfer_config",)),
+    _H(FACTORY, "KVConnectorFactory", "NixlConnector", kind="registered"),
+    _H(FACTORY, "KVConnectorFactory", "NixlPullConnector", kind="registered"),
+    _H(FACTORY, "KVConnectorFactory", "NixlPushConnector", kind="registered"),
+    _H("vllm.config.kv_transfer", "KVTransferConfig", "kv_connector", kind="attr"),
+    _H("vllm.config.kv_transfer", "KVTransferConfig", "kv_connector_module_path", kind="attr"),
+    _H("vllm.config.kv_transfer", "KVTransferConfig", "kv_role", kind="attr"),
+    # --- API server: the function build_app calls to add middleware ------------------
+    _H("vllm.entrypoints.serve.middleware.register", None, "init_entrypoints_middleware", ("args", "app"),
+       kind="function"),
+    _H("vllm.entrypoints.launchers.app", None, "init_entrypoints_middleware", kind="calls"),
+    _H("vllm.entrypoints.launchers.api_server.entry", None, "build_app", kind="calls"),
+)
+
+
+def all_hooks() -> tuple[Hook, ...]:
+    """:data:`HOOKS` (traced connectors) + :data:`PLUGIN_HOOKS` (the vLLM plugin), as now set."""
+    return HOOKS + PLUGIN_HOOKS
+
+
 #: Differences between 0.32.0 and 0.33.0 that affect the hooks: {hook name: what differs}.
 #: Filled from the static check of the 0.33.0 wheel (see BENCHMARKS.md "Connectors").
 DIFFERENCES: dict[str, str] = {
@@ -186,20 +224,44 @@ def missing_hooks() -> list[str]:
     import inspect
 
     out: list[str] = []
-    for h in HOOKS:
+    for h in all_hooks():
         where = f"{module_name(h)}.{h.cls + '.' if h.cls else ''}{h.name}"
         try:
             mod = importlib.import_module(module_name(h))
         except Exception as exc:  # noqa: BLE001 - report any import failure
             out.append(f"{where}: module does not import ({type(exc).__name__})")
             continue
+        if h.kind == "calls":
+            try:
+                src = inspect.getsource(mod)
+            except (OSError, TypeError):
+                src = ""
+            if f"{h.name}(" not in src:
+                out.append(f"{where}: no longer called in {module_name(h)}")
+            continue
         if h.cls is None:
             if not hasattr(mod, h.name):
                 out.append(f"{where}: module attribute missing")
+            elif h.kind == "value" and getattr(mod, h.name) != h.params[0]:
+                out.append(f"{where}: value {getattr(mod, h.name)!r} is not {h.params[0]!r}")
+            elif h.kind == "function":
+                fn = getattr(mod, h.name)
+                try:
+                    params = tuple(inspect.signature(fn).parameters)
+                except (TypeError, ValueError):
+                    params = h.params
+                if not callable(fn):
+                    out.append(f"{where}: not a function")
+                elif params[: len(h.params)] != h.params:
+                    out.append(f"{where}: parameters {params} do not start with {h.params}")
             continue
         cls = getattr(mod, h.cls, None)
         if cls is None:
             out.append(f"{where}: class {h.cls} missing")
+            continue
+        if h.kind == "registered":
+            if h.name not in (getattr(cls, "_registry", None) or {}):
+                out.append(f"{where}: connector name not registered")
             continue
         if h.kind == "attr":
             if hasattr(cls, h.name):
@@ -220,6 +282,9 @@ def missing_hooks() -> list[str]:
         if not callable(fn):
             out.append(f"{where}: method missing")
             continue
+        raw = next((k.__dict__[h.name] for k in cls.__mro__ if h.name in k.__dict__), fn)
+        if isinstance(raw, (classmethod, staticmethod)):
+            fn = raw.__func__  # its signature keeps cls, dropped below like self
         try:
             params = [p for p in inspect.signature(fn).parameters][1:]
         except (TypeError, ValueError):
@@ -283,9 +348,17 @@ def prog_thread_setting(kv_transfer_config) -> bool | None:
 
 # ---------------------------------------------------------------- static check (AST)
 def _module_file(root, modname: str):
+    """Source file of ``modname`` under ``root``: ``a/b.py``, else the package's ``a/b/__init__.py``."""
     from pathlib import Path
 
-    return Path(root) / (modname.replace(".", "/") + ".py")
+    f = Path(root) / (modname.replace(".", "/") + ".py")
+    return f if f.exists() else Path(root) / modname.replace(".", "/") / "__init__.py"
+
+
+def hook_source_files(hooks=None) -> tuple[str, ...]:
+    """Wheel paths (``vllm/...py``, both module and package forms) of every hook's module."""
+    mods = sorted({module_name(h).replace(".", "/") for h in (all_hooks() if hooks is None else hooks)})
+    return tuple(m + ".py" for m in mods) + tuple(m + "/__init__.py" for m in mods)
 
 
 def static_check(src_root) -> list[str]:
@@ -336,13 +409,44 @@ def static_check(src_root) -> list[str]:
                     todo.append((fm, name))
         return out
 
+    def calls(node, name):
+        return any(isinstance(n, ast.Call) and ((isinstance(n.func, ast.Name) and n.func.id == name)
+                                                or (isinstance(n.func, ast.Attribute) and n.func.attr == name))
+                   for n in ast.walk(node))
+
     problems = []
-    for h in HOOKS:
+    for h in all_hooks():
         modname = module_name(h)
         where = f"{modname}.{h.cls + '.' if h.cls else ''}{h.name}"
         t = tree(modname)
         if t is None:
             problems.append(f"{where}: module file missing")
+            continue
+        if h.kind == "calls":
+            if not calls(t, h.name):
+                problems.append(f"{where}: no longer called in {modname}")
+            continue
+        if h.kind == "registered":
+            ok = any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+                     and n.func.attr == "register_connector" and n.args and isinstance(n.args[0], ast.Constant)
+                     and n.args[0].value == h.name for n in ast.walk(t))
+            if not ok:
+                problems.append(f"{where}: connector name not registered")
+            continue
+        if h.cls is None and h.kind == "value":
+            vals = [n.value.value for n in t.body if isinstance(n, ast.Assign) and isinstance(n.value, ast.Constant)
+                    and any(isinstance(tg, ast.Name) and tg.id == h.name for tg in n.targets)]
+            if vals != [h.params[0]]:
+                problems.append(f"{where}: value {vals or 'missing'} is not {h.params[0]!r}")
+            continue
+        if h.cls is None and h.kind == "function":
+            fns = [n for n in t.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == h.name]
+            if not fns:
+                problems.append(f"{where}: function missing")
+                continue
+            params = tuple(a.arg for a in (fns[0].args.posonlyargs + fns[0].args.args))
+            if params[: len(h.params)] != h.params:
+                problems.append(f"{where}: parameters {params} do not start with {h.params}")
             continue
         if h.cls is None:
             names = set()

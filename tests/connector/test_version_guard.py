@@ -40,3 +40,38 @@ def test_traced_classes_import_and_override_what_they_hook():
         assert name in vars(pull.TracedNixlPullConnectorWorker)
     for name in ("_do_send_reg_notif", "_handle_push_reg_notif", "_xfer_blocks_for_req", "_do_start_push_kv"):
         assert name in vars(push.TracedNixlPushConnectorWorker)
+
+
+_PLUGIN_FAKES = (
+    vllm_compat.Hook(vllm_compat.FACTORY, "KVConnectorFactory", "NoSuchNixlConnector", kind="registered"),
+    vllm_compat.Hook("vllm.plugins", None, "DEFAULT_PLUGINS_GROUP", ("vllm.renamed_plugins",), kind="value"),
+    vllm_compat.Hook("vllm.v1.engine.core", None, "load_renamed_plugins", kind="calls"),
+    vllm_compat.Hook("vllm.entrypoints.serve.middleware.register", None, "init_entrypoints_middleware",
+                     ("app", "args"), kind="function"),
+)
+
+
+def _names_each_fake(problems):
+    assert len(problems) == 4, problems
+    assert "NoSuchNixlConnector: connector name not registered" in problems[0]
+    assert "DEFAULT_PLUGINS_GROUP" in problems[1] and "vllm.renamed_plugins" in problems[1]
+    assert "load_renamed_plugins: no longer called" in problems[2]
+    assert "init_entrypoints_middleware: parameters" in problems[3]
+
+
+def test_guard_names_a_changed_plugin_hook(monkeypatch):
+    """The plugin's table (connector registry, plugin group, loading processes, middleware function)."""
+    assert not [m for m in vllm_compat.missing_hooks() if "plugins" in m or "factory" in m]
+    monkeypatch.setattr(vllm_compat, "HOOKS", ())
+    monkeypatch.setattr(vllm_compat, "PLUGIN_HOOKS", _PLUGIN_FAKES)
+    _names_each_fake(vllm_compat.missing_hooks())
+
+
+def test_static_check_names_a_changed_plugin_hook(monkeypatch):
+    import os
+
+    root = os.path.dirname(os.path.dirname(vllm.__file__))
+    monkeypatch.setattr(vllm_compat, "HOOKS", ())
+    assert vllm_compat.static_check(root) == []  # the real plugin hooks, read from the installed source
+    monkeypatch.setattr(vllm_compat, "PLUGIN_HOOKS", _PLUGIN_FAKES)
+    _names_each_fake(vllm_compat.static_check(root))

@@ -3,7 +3,8 @@
 Reads the connector source from the 0.33.0 wheel (``pip download --no-deps
 vllm==0.33.0``; set ``PDTRACE_VLLM033_WHEEL`` to the wheel, default
 ``/tmp/vllm033/vllm-0.33.0-*.whl``), unzips only the files it needs and
-checks :data:`pdtrace.connector.vllm_compat.HOOKS` with :mod:`ast`. Skipped
+checks :data:`pdtrace.connector.vllm_compat.HOOKS` and ``PLUGIN_HOOKS`` (the vLLM plugin's)
+with :mod:`ast`. Skipped
 (with the reason) when the wheel is not available; vLLM 0.33 is never installed.
 """
 import glob
@@ -16,8 +17,7 @@ from pdtrace.connector import vllm_compat
 
 # the NIXL connector package (hooked classes and their bases) plus every module a hook names
 _PREFIXES = ("vllm/distributed/kv_transfer/kv_connector/v1/nixl/",
-             "vllm/distributed/kv_transfer/kv_connector/v1/base.py") + tuple(
-    sorted({vllm_compat.module_name(h).replace(".", "/") + ".py" for h in vllm_compat.HOOKS}))
+             "vllm/distributed/kv_transfer/kv_connector/v1/base.py") + vllm_compat.hook_source_files()
 
 
 def _wheel():
@@ -38,7 +38,7 @@ def test_hooks_exist_in_vllm_033_checked_statically_not_run(tmp_path):
         for n in names:
             z.extract(n, tmp_path)
     problems = vllm_compat.static_check(tmp_path)
-    print(f"vLLM 0.33.0 ({os.path.basename(whl)}): {len(vllm_compat.HOOKS)} hooks checked statically, not run; "
+    print(f"vLLM 0.33.0 ({os.path.basename(whl)}): {len(vllm_compat.all_hooks())} hooks checked statically, not run; "
           f"problems: {problems or 'none'}")
     assert not problems, "vLLM 0.33.0 lacks hooks (checked statically):\n  " + "\n  ".join(problems)
 
