@@ -32,9 +32,13 @@ import click
 @click.option("--profile", type=click.Choice(["default", "transfer-heavy"]), default="default", show_default=True,
               help="transfer-heavy: 16x KV bytes per token and UCX_TLS=tcp,self.")
 @click.option("--connector", type=click.Choice(["stock", "traced"]), default="stock", show_default=True,
-              help="vLLM's stock NIXL connectors or pdtrace's traced subclasses.")
+              help="stock: vLLM's stock serving command (NixlConnector names, no --middleware) plus "
+                   "PDTRACE_DIR, traced by pdtrace's vLLM plugin (the production recipe). traced: pdtrace's "
+                   "class names (TracedNixl*Connector, kv_connector_module_path) and --middleware on the "
+                   "command line.")
 @click.option("--trace/--no-trace", default=True, show_default=True,
-              help="Record spans (PDTRACE_DIR=<out>) in the router and engines.")
+              help="Record spans (PDTRACE_DIR=<out>) in the router and engines; --no-trace sets no "
+                   "PDTRACE_DIR (with --connector stock: vLLM exactly as shipped, untraced).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for the model, prompts and jitter.")
 @click.option("--max-model-len", type=click.IntRange(min=64), default=8192, show_default=True)
 @click.option("--warmup/--no-warmup", default=True, show_default=True,
@@ -47,7 +51,7 @@ def lab(ctx, mode, workload, workload_file, max_requests, max_duration_s, length
         profile, connector, trace, seed, max_model_len, warmup, request_timeout_s, no_progress):
     """Run the local P/D lab: real vLLM prefill and decode engines (CPU build) exchanging KV over
     NIXL, the pdtrace router, and a real request trace replayed open-loop. Prints client-side
-    TTFT/TPOT/ITL percentiles, then (--connector traced) the `pdtrace report` of the run.
+    TTFT/TPOT/ITL percentiles, then (tracing on, the default) the `pdtrace report` of the run.
 
     First time: `pdtrace lab setup`.
     """

@@ -111,6 +111,16 @@ def stats(traced: dict, sink: dict) -> dict[str, int]:
             "writer_cpu_ns": traced.get("writer_cpu_ns", 0), "sink_cpu_ns": sink.get("sink_cpu_ns", 0)}
 
 
+def _name_os_thread(name: str) -> None:
+    """Give the calling thread its name in the kernel too (``/proc/<pid>/task/<tid>/comm``, ``top -H``,
+    ``ps -T``; Linux keeps 15 bytes), so an operator or a test can see pdtrace's thread from outside."""
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/comm", "w") as f:
+            f.write(name[:15])
+    except (OSError, AttributeError):
+        pass
+
+
 class Writer(threading.Thread):
     """The ``pdtrace-writer`` thread of one recorder (one per process), and its sink process."""
 
@@ -216,6 +226,7 @@ class Writer(threading.Thread):
             signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
     def run(self) -> None:
+        _name_os_thread(self.name)
         # off the engine thread's pinned core, before the sink is started (it inherits this)
         self.cpus = cpus.unpin_current_thread(self.cfg.helper_cpus)
         self._start_sink()  # now, so its start-up (~0.5 s: imports) overlaps the first interval

@@ -7,9 +7,11 @@ server) with:
   (``VLLM_NIXL_SIDE_CHANNEL_PORT``) and cache root (``VLLM_CACHE_ROOT``),
   ``HF_HUB_OFFLINE=1``, ``VLLM_CPU_KVCACHE_SPACE`` GiB of KV cache,
   ``--enforce-eager``, ``--dtype bfloat16``;
-- a ``--kv-transfer-config`` naming the connector class (and module path, so
-  the traced subclasses plug in unchanged) with a fixed ``engine_id``, so the
-  router knows P's id before P answers (needed for concurrent push);
+- a ``--kv-transfer-config`` naming the connector class with a fixed
+  ``engine_id``, so the router knows P's id before P answers (needed for
+  concurrent push): by default vLLM's stock name, which pdtrace's vLLM plugin
+  traces when ``PDTRACE_DIR`` is set (the production recipe); or pdtrace's
+  class name and module path (``connector_class`` / ``connector_module``);
 - NIXL's progress thread not busy-polling (sleeps ``prog_thread`` µs between
   polls; see :mod:`pdtrace.connector.lab.progthread`);
 - its forward thread kept on its own core (vLLM's NIXL worker would move it to

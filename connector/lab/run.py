@@ -7,11 +7,23 @@ holds ``run.json`` (configuration, scale factors, engine start times, summary),
 (what the client saw) and, with tracing on, the router's and engines' span
 files written by ``pdtrace.instrument``.
 
-With tracing on and the traced connectors, the run ends by printing the
-``pdtrace report`` summary of its directory (TTFT/TPOT by mode and prompt
-bucket, the queue/compute/transfer/coordination shares, dominant stages,
-incomplete requests, clock offsets); with ``--connector stock`` or
-``--no-trace`` it says why there is no report instead.
+How the engines are traced (``--connector``, ``--trace/--no-trace``):
+
+=====================  ===================================================================
+``stock`` (default)    the production recipe: vLLM's stock serving command (stock connector
+                       name, no module path, no ``--middleware``) plus ``PDTRACE_DIR``;
+                       pdtrace's vLLM plugin traces the engines (``activation`` 'plugin')
+``traced``             pdtrace's class names in ``--kv-transfer-config``
+                       (``TracedNixl*Connector`` + ``kv_connector_module_path``) and
+                       ``--middleware`` (``activation`` 'explicit')
+``--no-trace``         no ``PDTRACE_DIR`` anywhere: nothing of pdtrace runs in the engines
+                       (with ``stock``: vLLM exactly as shipped) or the router
+=====================  ===================================================================
+
+With tracing on, the run ends by printing the ``pdtrace report`` summary of
+its directory (TTFT/TPOT by mode and prompt bucket, the
+queue/compute/transfer/coordination shares, dominant stages, incomplete
+requests, clock offsets); with ``--no-trace`` it says why there is no report.
 """
 from __future__ import annotations
 
@@ -163,6 +175,7 @@ def run_lab(o: LabOptions, echo=print) -> dict:
         cfg.connector_class, cfg.connector_module = TRACED[o.mode], "pdtrace.connector.traced"
         cfg.extra_args = ["--middleware", "pdtrace.connector.traced.middleware.FrontendMiddleware"]
     summary: dict = {"run_id": run_id, "mode": o.mode, "profile": o.profile, "connector": cfg.connector(),
+                     "activation": activation(o),
                      "connector_module": cfg.connector_module, "model": str(model_dir), "model_info": info,
                      "workload": wl.summary(), "vllm_build": f"{lab_env.VLLM_DIST}=={lab_env.VLLM_VERSION}",
                      "nixl_progress_thread": cfg.prog_thread}
@@ -209,13 +222,19 @@ def run_lab(o: LabOptions, echo=print) -> dict:
     return summary
 
 
+def activation(o: LabOptions) -> str | None:
+    """How the engines' tracing is switched on: 'plugin' (stock command + PDTRACE_DIR), 'explicit'
+    (pdtrace's class names and --middleware), None (--no-trace). The engines' ``recorder.stats`` rows
+    carry the same word (``attr_str['pdtrace.activation']``)."""
+    if not o.trace:
+        return None
+    return "explicit" if o.connector == "traced" else "plugin"
+
+
 def no_report_reason(o: LabOptions) -> str | None:
     """Why this run has no pdtrace report (None: it has one)."""
     if not o.trace:
         return "tracing was off (--no-trace)"
-    if o.connector != "traced":
-        return ("the stock connectors and vLLM's API servers record no engine spans (only the router's "
-                "are in the run directory); run with --connector traced for the TTFT breakdown")
     return None
 
 

@@ -7,8 +7,13 @@ Select one with ``--kv-transfer-config``::
      "kv_role": "kv_producer" | "kv_consumer", "kv_buffer_device": "cpu",
      "kv_connector_extra_config": {"nixl_progress_thread": false}}   # optional
 
-Tracing is on iff ``PDTRACE_DIR`` is set in the engine's environment; off, the
-stock vLLM scheduler/worker objects are built and run unchanged.
+Or keep vLLM's stock names (``NixlConnector``, ``NixlPullConnector``,
+``NixlPushConnector``, no module path): with ``PDTRACE_DIR`` set, pdtrace's
+vLLM plugin (:mod:`pdtrace.connector.plugin`) resolves them to these classes.
+
+Tracing is on iff ``PDTRACE_DIR`` is set in the engine's environment (the
+recorder starts when vLLM builds the connector); off, the stock vLLM
+scheduler/worker objects are built and run unchanged.
 
 Reading order (like vLLM's NIXL package):
 

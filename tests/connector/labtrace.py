@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import time
 import urllib.error
 import urllib.request
@@ -42,6 +43,61 @@ def traced_cfg(model: Path, run_dir: Path, trace: bool, mode: str = "pull", env:
     return LabConfig(model=model, mode=mode, run_dir=run_dir, trace_dir=(run_dir.resolve() if trace else None),
                      connector_class=TRACED_CLASS[mode], connector_module=MODULE,
                      extra_args=["--middleware", MIDDLEWARE], extra_env=env or {}, **kw)
+
+
+def plugin_cfg(model: Path, run_dir: Path, trace: bool, mode: str = "pull", env: dict | None = None,
+               **kw) -> LabConfig:
+    """The production recipe: vLLM's stock serving command (stock connector name, no module path, no
+    ``--middleware``), traced by pdtrace's vLLM plugin iff ``PDTRACE_DIR`` is set (``trace``)."""
+    return LabConfig(model=model, mode=mode, run_dir=run_dir, trace_dir=(run_dir.resolve() if trace else None),
+                     extra_env=env or {}, **kw)
+
+
+def pdtrace_in_processes(lab: Lab) -> dict:
+    """What of pdtrace runs in the lab's engine process trees, read from ``/proc`` while the lab runs.
+
+    Returns ``{"writers": [(pid, process name)], "sinks": [pid], "processes": n}``: every process
+    with a thread named ``pdtrace-writer`` (the writer names its kernel thread), every
+    ``pdtrace.instrument.sink`` process, and how many engine processes were read (API servers,
+    EngineCores, workers; the router is not an engine).
+    """
+    import psutil
+
+    writers, sinks, n = [], [], 0
+    for name, pid in lab.pids().items():
+        if name == "router":
+            continue
+        root = psutil.Process(pid)
+        for p in [root] + root.children(recursive=True):
+            try:
+                if "pdtrace.instrument.sink" in " ".join(p.cmdline()):
+                    sinks.append(p.pid)
+                    continue
+                n += 1
+                for tid in os.listdir(f"/proc/{p.pid}/task"):
+                    with open(f"/proc/{p.pid}/task/{tid}/comm") as f:
+                        if f.read().strip() == "pdtrace-writer":
+                            writers.append((p.pid, p.name()))
+                            break
+            except (psutil.NoSuchProcess, FileNotFoundError, ProcessLookupError):
+                continue
+    return {"writers": writers, "sinks": sinks, "processes": n}
+
+
+def check_activation(run_dir: Path, engines: str, router: str = "explicit") -> dict:
+    """Every ``recorder.stats`` row of the engines' processes says ``engines`` ('plugin' | 'explicit'),
+    the router's ``router``; at least API server and EngineCore of each engine wrote some."""
+    import duckdb
+
+    rows = duckdb.sql(f"""
+        SELECT role, list(DISTINCT attr_str['pdtrace.activation']) AS a, count(DISTINCT pid) AS n
+        FROM read_parquet('{run_dir}/*.parquet', union_by_name = true)
+        WHERE name = 'recorder.stats' GROUP BY role""").fetchall()
+    by = {r: (sorted(a), n) for r, a, n in rows}
+    assert by["router"][0] == [router], by
+    for role in ("prefill", "decode"):
+        assert by[role][0] == [engines] and by[role][1] >= 2, by
+    return by
 
 
 def lab_model(profile: str = "default") -> Path:

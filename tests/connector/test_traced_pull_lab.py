@@ -2,15 +2,20 @@
 
 Three labs, each started once for the module and stopped before the next:
 
-1. traced (``PDTRACE_DIR`` = the run directory, sampling 1): a first request
-   (first contact: the handshake), then 20 Azure-conversation requests replayed
-   open-loop through the router, then greedy prompts; vLLM's ``vllm:nixl_*``
-   counters are read from D before the lab stops (engines flush on shutdown).
-   Most checks read this one trace.
-2. tracing off (same traced classes, no ``PDTRACE_DIR``): the same greedy
-   prompts -> outputs must be identical.
-3. traced at ``PDTRACE_SAMPLE=0.5``: 20 requests; router, P and D keep exactly
-   the same request ids, which are those the sampling rule selects.
+1. traced by the production recipe: vLLM's stock serving command (connector
+   ``NixlPullConnector``, no module path, no ``--middleware``) plus
+   ``PDTRACE_DIR`` = the run directory (sampling 1), so pdtrace's vLLM plugin
+   does the tracing: a first request (first contact: the handshake), then 20
+   Azure-conversation requests replayed open-loop through the router, then
+   greedy prompts; vLLM's ``vllm:nixl_*`` counters are read from D before the
+   lab stops (engines flush on shutdown). Most checks read this one trace.
+2. the same stock command without ``PDTRACE_DIR``: no pdtrace thread or sink in
+   any engine process (``/proc``), and the same greedy prompts -> outputs must
+   be identical.
+3. pdtrace's explicit class names (``TracedNixlPullConnector`` + module path,
+   ``--middleware``) at ``PDTRACE_SAMPLE=0.5``: 20 requests; router, P and D
+   keep exactly the same request ids, which are those the sampling rule
+   selects; every process records activation 'explicit'.
 """
 from __future__ import annotations
 
@@ -32,6 +37,10 @@ def _traced_cfg(model, run_dir, trace: bool, env: dict | None = None):
     return lt.traced_cfg(model, run_dir, trace, mode="pull", env=env)
 
 
+def _plugin_cfg(model, run_dir, trace: bool):
+    return lt.plugin_cfg(model, run_dir, trace, mode="pull")
+
+
 @pytest.fixture(scope="module")
 def model_dir():
     return lt.lab_model("default")  # the shared model cache (built once per machine)
@@ -51,16 +60,17 @@ def greedy_prompts(wl):
 def traced_run(model_dir, wl, greedy_prompts, tmp_path_factory):
     """The traced lab's run: trace dir, client records, D's nixl counters, greedy outputs."""
     run_dir = tmp_path_factory.mktemp("traced")
-    with Lab(_traced_cfg(model_dir, run_dir, trace=True)) as lab:
+    with Lab(_plugin_cfg(model_dir, run_dir, trace=True)) as lab:
         lt.warm_up(lab, wl.requests[0].prompt, tries=1)
         recs = lt.replay_ok(lab, wl)
         greedy = lt.greedy(lab, greedy_prompts)
         d_metrics = lt.settled_metrics(lab.decodes[0].url, "vllm:nixl_xfer_time_seconds_count", N_REPLAY + 4)
         stats = metrics.router_stats(lab.router_url)
         affinity = lt.helper_affinities(lab)
+        in_procs = lt.pdtrace_in_processes(lab)
     tr = lt.open_trace(run_dir)
     yield {"dir": run_dir, "tr": tr, "recs": recs, "greedy": greedy, "d_metrics": d_metrics, "stats": stats,
-           "affinity": affinity,
+           "affinity": affinity, "in_procs": in_procs,
            "kv_bytes_per_token": model_info(model_dir)["kv_bytes_per_token"]}
     tr.close()
 
@@ -134,17 +144,37 @@ def test_no_tracing_errors_logged(traced_run):
     lt.check_no_tracing_errors(traced_run["dir"])
 
 
+def test_engines_traced_through_the_plugin(traced_run):
+    """Stock command + PDTRACE_DIR: engines' stats rows say 'plugin' (router: 'explicit'); the connector
+    vLLM built is pdtrace's; a pdtrace-writer thread runs in every API server and EngineCore."""
+    by = lt.check_activation(traced_run["dir"], "plugin")
+    print(by, traced_run["in_procs"])
+    log = (traced_run["dir"] / "logs" / "decode-0.log").read_text(errors="replace")
+    assert "Creating v1 connector with name: TracedNixlPullConnector" in log
+    assert len(traced_run["in_procs"]["writers"]) >= 4 and len(traced_run["in_procs"]["sinks"]) >= 4
+
+
 @pytest.fixture(scope="module")
-def untraced_greedy(model_dir, greedy_prompts, traced_run, tmp_path_factory):
+def untraced_run(model_dir, greedy_prompts, traced_run, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("untraced")
-    with Lab(_traced_cfg(model_dir, run_dir, trace=False)) as lab:
+    with Lab(_plugin_cfg(model_dir, run_dir, trace=False)) as lab:
         out = lt.greedy(lab, greedy_prompts)
+        in_procs = lt.pdtrace_in_processes(lab)
     assert not list(run_dir.glob("*.parquet"))
-    return out
+    return {"greedy": out, "in_procs": in_procs, "dir": run_dir}
 
 
-def test_greedy_outputs_equal_with_tracing_off(traced_run, untraced_greedy):
-    assert traced_run["greedy"] == untraced_greedy
+def test_greedy_outputs_equal_with_tracing_off(traced_run, untraced_run):
+    assert traced_run["greedy"] == untraced_run["greedy"]
+
+
+def test_unset_no_pdtrace_thread_or_process_in_any_engine_process(untraced_run):
+    """PDTRACE_DIR unset, plugin installed: stock classes, no writer thread, no sink (read from /proc)."""
+    p = untraced_run["in_procs"]
+    print(p)
+    assert p["processes"] >= 4 and p["writers"] == [] and p["sinks"] == [], p
+    log = (untraced_run["dir"] / "logs" / "decode-0.log").read_text(errors="replace")
+    assert "Creating v1 connector with name: NixlPullConnector" in log
 
 
 def test_sampling_half_keeps_the_same_ids_everywhere(model_dir, wl, traced_run, tmp_path_factory, monkeypatch):
@@ -164,3 +194,4 @@ def test_sampling_half_keeps_the_same_ids_everywhere(model_dir, wl, traced_run, 
     assert 0 < len(kept) < len(sent)
     assert by["router"] == by["prefill"] == by["decode"]
     assert kept == {x for x in sent if _ids.is_sampled(x, 0.5)}
+    lt.check_activation(run_dir, "explicit")  # pdtrace's class names on the command line

@@ -2,7 +2,10 @@
 
 Two labs, each started once for the module and stopped before the next:
 
-1. traced push lab (``PDTRACE_DIR`` = the run directory, sampling 1), in this order:
+1. traced push lab by the production recipe: vLLM's stock serving command
+   (``NixlPushConnector``, no module path, no ``--middleware``) plus
+   ``PDTRACE_DIR`` = the run directory (sampling 1), traced by pdtrace's vLLM
+   plugin; in this order:
    a first request (first contact: P's handshake with D), 20 Azure-conversation
    requests replayed open-loop through the router (concurrent dispatch), greedy
    prompts, then the dispatch perturbation: ``SEQ`` new 3,000-token prompts one at a time
@@ -12,8 +15,12 @@ Two labs, each started once for the module and stopped before the next:
    request whose client goes away 50 ms after sending it. vLLM's
    ``vllm:nixl_*`` counters are read from P — in push the prefill engine owns
    the WRITE handles and records them (D's stay 0) — before the lab stops.
-2. tracing off (same traced classes, no ``PDTRACE_DIR``): the same greedy
-   prompts -> outputs must be identical.
+2. the same stock command without ``PDTRACE_DIR``: no pdtrace thread or sink
+   in any engine process (``/proc``); the same greedy prompts -> outputs must
+   be identical.
+
+(pdtrace's explicit push class names run on real engines in the dashboard's
+lab stores, ``tests/dashboard/conftest.py``.)
 """
 from __future__ import annotations
 
@@ -79,9 +86,10 @@ def _transfers_expected(greedy) -> int:
 @pytest.fixture(scope="module")
 def traced_run(model_dir, wl, greedy_prompts, seq_prompts, gone_prompt, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("push-traced")
-    cfg = lt.traced_cfg(model_dir, run_dir, trace=True, mode="push", push_join_timeout_s=60.0,
+    cfg = lt.plugin_cfg(model_dir, run_dir, trace=True, mode="push", push_join_timeout_s=60.0,
                         router_timeout_s=300.0)
     with Lab(cfg) as lab:
+        in_procs = lt.pdtrace_in_processes(lab)
         lt.warm_up(lab, wl.requests[0].prompt)
         recs = lt.replay_ok(lab, wl)
         greedy = lt.greedy(lab, greedy_prompts)
@@ -95,7 +103,7 @@ def traced_run(model_dir, wl, greedy_prompts, seq_prompts, gone_prompt, tmp_path
         d_metrics = metrics.scrape(lab.decodes[0].url)
     tr = lt.open_trace(run_dir)
     yield {"dir": run_dir, "tr": tr, "recs": recs, "greedy": greedy, "conc": conc, "serial": serial,
-           "p_metrics": p_metrics, "d_metrics": d_metrics,
+           "p_metrics": p_metrics, "d_metrics": d_metrics, "in_procs": in_procs,
            "kv_bytes_per_token": model_info(model_dir)["kv_bytes_per_token"]}
     tr.close()
 
@@ -207,15 +215,35 @@ def test_no_tracing_errors_logged(traced_run):
     lt.check_no_tracing_errors(traced_run["dir"])
 
 
+def test_engines_traced_through_the_plugin(traced_run):
+    """Stock command + PDTRACE_DIR: engines' stats rows say 'plugin' (router: 'explicit'); the connector
+    vLLM built is pdtrace's; a pdtrace-writer thread runs in every API server and EngineCore."""
+    by = lt.check_activation(traced_run["dir"], "plugin")
+    print(by, traced_run["in_procs"])
+    log = (traced_run["dir"] / "logs" / "prefill-0.log").read_text(errors="replace")
+    assert "Creating v1 connector with name: TracedNixlPushConnector" in log
+    assert len(traced_run["in_procs"]["writers"]) >= 4 and len(traced_run["in_procs"]["sinks"]) >= 4
+
+
 @pytest.fixture(scope="module")
-def untraced_greedy(model_dir, greedy_prompts, traced_run, tmp_path_factory):
+def untraced_run(model_dir, greedy_prompts, traced_run, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("push-untraced")
-    with Lab(lt.traced_cfg(model_dir, run_dir, trace=False, mode="push", push_join_timeout_s=60.0,
+    with Lab(lt.plugin_cfg(model_dir, run_dir, trace=False, mode="push", push_join_timeout_s=60.0,
                            router_timeout_s=300.0)) as lab:
         out = lt.greedy(lab, greedy_prompts)
+        in_procs = lt.pdtrace_in_processes(lab)
     assert not list(run_dir.glob("*.parquet"))
-    return out
+    return {"greedy": out, "in_procs": in_procs, "dir": run_dir}
 
 
-def test_greedy_outputs_equal_with_tracing_off(traced_run, untraced_greedy):
-    assert traced_run["greedy"] == untraced_greedy
+def test_greedy_outputs_equal_with_tracing_off(traced_run, untraced_run):
+    assert traced_run["greedy"] == untraced_run["greedy"]
+
+
+def test_unset_no_pdtrace_thread_or_process_in_any_engine_process(untraced_run):
+    """PDTRACE_DIR unset, plugin installed: stock classes, no writer thread, no sink (read from /proc)."""
+    p = untraced_run["in_procs"]
+    print(p)
+    assert p["processes"] >= 4 and p["writers"] == [] and p["sinks"] == [], p
+    log = (untraced_run["dir"] / "logs" / "prefill-0.log").read_text(errors="replace")
+    assert "Creating v1 connector with name: NixlPushConnector" in log
