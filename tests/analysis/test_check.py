@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from pdtrace_case_builder import T0, Case, ns
+from pdtrace_case_builder import T0, Case
 
 from pdtrace.analysis import check as _check
 from pdtrace.analysis import db
@@ -333,3 +333,21 @@ def test_reads_only(tmp_path, with_env):
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"# pdtrace check {d}" in r.stdout
     assert _listing(d) == before
+
+
+def test_processes_follow_incremental_refresh(tmp_path):
+    """A warm refresh absorbs a new flush file and forgets a vanished one (compaction): the row follows."""
+    d = tmp_path / "trace"
+    first = write_process(d, "decode", 300, [0.0, 1.0], engine="d0", name="decode-h-300-p000001.parquet")
+    with db.Trace(d, cache=tmp_path / "cache.duckdb") as tr:
+        tr.refresh()
+        assert tr.query("SELECT last_flush_ns, files FROM processes") == [{"last_flush_ns": T0 + S, "files": 1}]
+        write_process(d, "decode", 300, [2.0], engine="d0", counters={"recorded": 9, "dropped": 2},
+                      name="decode-h-300-p000002.parquet")
+        assert not tr.refresh().rebuilt
+        assert tr.query("SELECT last_flush_ns, dropped, files FROM processes") == [
+            {"last_flush_ns": T0 + 2 * S, "dropped": 2, "files": 2}]
+        first.unlink()
+        tr.refresh()
+        assert tr.query("SELECT first_flush_ns, last_flush_ns, files FROM processes") == [
+            {"first_flush_ns": T0 + 2 * S, "last_flush_ns": T0 + 2 * S, "files": 1}]
