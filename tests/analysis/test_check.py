@@ -224,17 +224,19 @@ def test_clock_inconsistent(tmp_path):
     assert res.exit_code == 1
 
 
-def test_clock_unbounded_from_view_rows(tmp_path):
-    """A pair whose bound is NULL (evidence one way only) is a problem (the rule, on collect's clock rows)."""
-    healthy(tmp_path)
+def test_clock_unbounded(tmp_path):
+    """The router dispatched to P, but no later leg or response brackets P's clock from above: no bound."""
+    c = Case()
+    root = c.router_request("u1", 0, 160, "pull")
+    c.span("router", "router.dispatch", 0, 2, rid="u1", parent=root, attrs={"router.leg": "prefill"})
+    c.span("prefill", "prefill.compute", 2, 100, rid="u1", engine="p0")
+    c.write(tmp_path)
     with db.open_trace(tmp_path) as tr:
-        con = tr.con
-        con.execute("CREATE TEMP TABLE clock_offsets AS SELECT 'router' AS clock_a, 'p0' AS clock_b, "
-                    "NULL::BIGINT AS window_start_ns, 1.5 AS offset_ms, NULL::DOUBLE AS bound_ms, 3 AS messages, "
-                    "0 AS samples, true AS consistent")
-        data = _check.collect(con, str(tmp_path), at_end=True)
-    assert [p["message"] for p in data["problems"]] == [
-        "clock offset router / p0 has no bound (evidence in one direction only): its skew correction cannot be trusted"]
+        assert _clock(tr)[("router", "p0")]["bound_ms"] is None
+    res = run(str(tmp_path), "--at-end")
+    assert res.exit_code == 1
+    assert "PROBLEM clock_unbounded: clock offset router / p0 has no bound (evidence in one direction only): its " \
+           "skew correction cannot be trusted" in problems(res)
 
 
 @pytest.mark.parametrize("role, other", [("prefill", "decode"), ("decode", "prefill")])
