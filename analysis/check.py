@@ -163,7 +163,7 @@ def _sample(p: dict) -> str | None:
 
 
 _PROC_COLS = ["role", "engine_id", "host", "pid", "service", "pdtrace", "vllm", "connector", "activation",
-              "sample", "last_flush_s", "written", "dropped", "errors", "attrs_dropped", "state"]
+              "sample", "age_s", "written", "dropped", "errors", "attrs_dropped", "state"]
 
 
 def render(data: dict[str, Any]) -> str:
@@ -174,11 +174,12 @@ def render(data: dict[str, Any]) -> str:
         out.append(f"ages from {data['reference']}; live = last flush within {data['recent_s']:g} s")
     if procs:
         n_live = sum(1 for p in procs if p["live"])
-        out += ["", f"Processes: {len(procs)} ({n_live} live; sample = requests/steps traced)"]
+        out += ["", f"Processes: {len(procs)} ({n_live} live; age_s: since the last flush; "
+                    "sample: requests/steps traced)"]
         rows = [{"role": p["role"], "engine_id": p["engine_id"], "host": p["host"], "pid": p["pid"],
                  "service": p["service_name"], "pdtrace": p["pdtrace_version"], "vllm": p["vllm_version"],
                  "connector": p["connector"], "activation": p["activation"], "sample": _sample(p),
-                 "last_flush_s": p["age_s"], "written": p["written"], "dropped": p["dropped"],
+                 "age_s": p["age_s"], "written": p["written"], "dropped": p["dropped"],
                  "errors": None if p["write_errors"] is None else p["write_errors"] + (p["export_errors"] or 0),
                  "attrs_dropped": p["dropped_attributes"], "state": "live" if p["live"] else "stale"}
                 for p in procs]

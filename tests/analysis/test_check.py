@@ -1,4 +1,4 @@
-"""``pdtrace check`` and the ``processes`` view on hand-built stores: each problem kind with its exit status and message.
+"""``pdtrace check`` and the ``processes`` view on hand-built stores: each problem kind, its exit status, message.
 
 Each process is written as the recorder's sink writes it: one file per process
 (instrument/store.write_rows), resource columns per file, a ``recorder.stats``
@@ -74,7 +74,7 @@ def test_healthy_store_exit_0_and_processes_view(tmp_path):
     res = run(str(tmp_path), "--at-end")
     assert res.exit_code == 0, res.output
     assert problems(res) == [] and res.output.rstrip().endswith("OK: no problems")
-    assert "Processes: 3 (3 live; sample = requests/steps traced)" in res.output
+    assert "Processes: 3 (3 live; age_s: since the last flush; sample: requests/steps traced)" in res.output
     with db.open_trace(tmp_path) as tr:
         rows = tr.query("SELECT role, engine_id, pid, activation, sample, step_sample, first_flush_ns, last_flush_ns, "
                         "written, files FROM processes ORDER BY pid")
