@@ -261,12 +261,12 @@ class Sink:
                         self._clock_source))
         st = stats(traced, self.counters())
         st["written"] += rows
-        st = {f"recorder.{k}": v for k, v in st.items()}
-        # the sampling in force, so that a reader (pdtrace check, view processes) can say what was traced
-        st["recorder.sample"], st["recorder.step_sample"] = float(self.cfg.sample), float(self.cfg.step_sample)
         t = clock.now_ns()
+        attrs = {f"recorder.{k}": v for k, v in st.items()}
+        # the sampling in force, so that a reader (pdtrace check, view processes) can say what was traced
+        attrs["recorder.sample"], attrs["recorder.step_sample"] = float(self.cfg.sample), float(self.cfg.step_sample)
         out.append((R_STATS, next(self._ids), None, None, "recorder.stats", schema.KIND_INTERNAL,
-                    t, t, 0, None, None, 0, 0, None, THREAD, *st, *st.values()))
+                    t, t, 0, None, None, 0, 0, None, THREAD, *attrs, *attrs.values()))
         return out
 
     def _file_name(self, kind: str) -> str:

@@ -303,10 +303,10 @@ def test_real_recorder_writes_sampling_and_counters(tmp_path, child):
     assert r.returncode == 0, r.stderr
     pid = int(r.stdout.split()[-1])
     with db.open_trace(d) as tr:
-        rows = tr.query("SELECT role, engine_id, pid, sample, step_sample, activation, dropped, write_errors, "
+        rows = tr.query("SELECT role, engine_id, pid, sample, step_sample, dropped, write_errors, "
                         "dropped_attributes FROM processes")
     assert rows == [{"role": "prefill", "engine_id": "p0", "pid": pid, "sample": 0.5, "step_sample": 0.25,
-                     "activation": "unknown", "dropped": 0, "write_errors": 0, "dropped_attributes": 0}]
+                     "dropped": 0, "write_errors": 0, "dropped_attributes": 0}]
 
 
 def _listing(d: Path) -> dict[str, tuple[int, int]]:
