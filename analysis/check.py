@@ -66,9 +66,11 @@ def _who(p: dict) -> str:
     return " ".join(x for x in parts if x)
 
 
-def missing(directory: str) -> dict[str, Any]:
-    """:func:`collect`'s dict for a directory that does not exist (one ``no_process`` problem)."""
-    return {"directory": str(directory), "processes": [], "clock": [], "files": {"read": 0, "skipped": []},
+def missing(directory: str, recent_s: float = RECENT_S, max_clock_bound_ms: float = MAX_CLOCK_BOUND_MS
+            ) -> dict[str, Any]:
+    """:func:`collect`'s dict for a directory that does not exist (one ``no_process`` problem; no reference)."""
+    return {"directory": str(directory), "reference": None, "reference_ns": None, "recent_s": recent_s,
+            "max_clock_bound_ms": max_clock_bound_ms, "processes": [], "clock": [], "files": {"read": 0, "skipped": []},
             "problems": [{"kind": "no_process", "message": f"trace directory {directory} does not exist: no process "
                                                            "has written to it (is PDTRACE_DIR set for the engines?)"}],
             "ok": False}
@@ -170,7 +172,7 @@ def render(data: dict[str, Any]) -> str:
     """Short text of :func:`collect`'s dict: processes, clock offsets, files, then each problem on its own line."""
     out = [f"# pdtrace check {data['directory']}"]
     procs = data["processes"]
-    if "reference" in data:
+    if data["reference"] is not None:
         out.append(f"ages from {data['reference']}; live = last flush within {data['recent_s']:g} s")
     if procs:
         n_live = sum(1 for p in procs if p["live"])

@@ -183,7 +183,7 @@ def check(directory, recent_s, at_end, max_clock_bound_ms, fmt, cache, no_cache)
         if directory is None:
             raise click.UsageError("no DIRECTORY given and PDTRACE_DIR is not set")
     if not Path(directory).is_dir():
-        data = _check.missing(directory)
+        data = _check.missing(directory, recent_s=recent_s, max_clock_bound_ms=max_clock_bound_ms)
     else:
         con = _open(directory, cache, no_cache)
         try:
