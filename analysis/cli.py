@@ -1,6 +1,6 @@
-"""``pdtrace report`` and ``pdtrace sql``: the analysis from the command line (no vLLM needed).
+"""``pdtrace report``, ``pdtrace sql`` and ``pdtrace check``: the analysis from the command line (no vLLM needed).
 
-Both keep an incremental cache per trace directory (``--cache``, default
+All keep an incremental cache per trace directory (``--cache``, default
 under ``$PDTRACE_CACHE_DIR`` or the temp dir), so a growing directory is not
 re-analysed from scratch. Queries run on the cache opened read-only with file
 access disabled (:func:`pdtrace.analysis.db.connect_readonly`).
@@ -10,13 +10,14 @@ from __future__ import annotations
 import csv
 import io
 import json
+import sys
 import warnings
 from pathlib import Path
 
 import click
 import duckdb
 
-from . import db, report as _report
+from . import check as _check, db, report as _report
 
 
 def _open(directory: str, cache: str | None, no_cache: bool):
@@ -152,3 +153,43 @@ def sql(directory, query, fmt, cache, no_cache):
         _print(cols, rows, fmt)
     finally:
         con.close()
+
+
+@click.command("check")
+@click.argument("directory", required=False, type=click.Path(file_okay=False))
+@click.option("--recent", "recent_s", type=click.FloatRange(min=0), default=_check.RECENT_S, show_default=True,
+              metavar="SECONDS", help="A process is live when its last flush is at most SECONDS old; "
+                                      "a problem when none is.")
+@click.option("--at-end", is_flag=True,
+              help="Measure ages from the trace's newest flush instead of now (a finished run, e.g. a lab run).")
+@click.option("--max-clock-bound-ms", type=click.FloatRange(min=0), default=_check.MAX_CLOCK_BOUND_MS,
+              show_default=True, help="A clock offset bound above this is a problem.")
+@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
+@_with_cache
+def check(directory, recent_s, at_end, max_clock_bound_ms, fmt, cache, no_cache):
+    """Check that tracing works in DIRECTORY (default: $PDTRACE_DIR): which processes write, drops, errors.
+
+    Lists every process that wrote (role, engine, host, pid, pdtrace/vLLM
+    version, connector, how tracing was switched on, sampling, age of its
+    last flush, its recorder's counters), the clock offsets and skipped
+    files, then each problem on its own line. Exit status: 0 no problem,
+    1 a problem (the kinds: pdtrace.analysis.check), 2 bad usage. Reads
+    only: nothing is written into DIRECTORY.
+    """
+    if directory is None:
+        from pdtrace.instrument import config
+
+        directory = config.from_env().trace_dir
+        if directory is None:
+            raise click.UsageError("no DIRECTORY given and PDTRACE_DIR is not set")
+    if not Path(directory).is_dir():
+        data = _check.missing(directory, recent_s=recent_s, max_clock_bound_ms=max_clock_bound_ms)
+    else:
+        con = _open(directory, cache, no_cache)
+        try:
+            data = _check.collect(con, directory, recent_s=recent_s, at_end=at_end,
+                                  max_clock_bound_ms=max_clock_bound_ms)
+        finally:
+            con.close()
+    click.echo(json.dumps(data, default=str, indent=1) if fmt == "json" else _check.render(data))
+    sys.exit(0 if data["ok"] else 1)

@@ -14,6 +14,7 @@ _SUBCOMMANDS = {
     "lab": ("pdtrace.connector.cli", "lab", "Run the local P/D lab (real vLLM engines, router, trace replay)."),
     "report": ("pdtrace.analysis.cli", "report", "Print the TTFT breakdown summary of a trace directory."),
     "sql": ("pdtrace.analysis.cli", "sql", "Run read-only SQL over a trace directory's views."),
+    "check": ("pdtrace.analysis.cli", "check", "Check that tracing works: processes writing, drops, errors, clocks."),
     "dashboard": ("pdtrace.dashboard.cli", "dashboard", "Serve the Streamlit dashboard for a trace directory."),
 }
 

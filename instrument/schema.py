@@ -28,7 +28,9 @@ record      meaning of the row
 ``stats``   the recorder's own counters at flush time (``attr_int``:
             ``recorder.recorded``, ``recorder.dropped``, ``recorder.written``,
             ``recorder.write_errors``, ``recorder.export_errors``,
-            ``recorder.dropped_attributes``; cumulative since process start)
+            ``recorder.dropped_attributes``; cumulative since process start;
+            ``attr_float``: ``recorder.sample``, ``recorder.step_sample``,
+            the sampling in force)
 ==========  ===============================================================
 
 Times are integer ns since the Unix epoch, converted from the process's

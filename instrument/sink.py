@@ -98,6 +98,9 @@ attributes.register("recorder.writer_cpu_ns", int,
                     "CPU time of the traced process's pdtrace-writer thread since it started (thread CPU clock), ns")
 attributes.register("recorder.sink_cpu_ns", int,
                     "CPU time of the traced process's sink process since it started (process CPU clock), ns")
+attributes.register("recorder.sample", float, "fraction of requests the process traces (PDTRACE_SAMPLE, 0..1)")
+attributes.register("recorder.step_sample", float,
+                    "fraction of engine steps whose step spans the process keeps (PDTRACE_STEP_SAMPLE, 0..1)")
 
 #: Thread name written on the sink's own rows (clock anchors, stats).
 THREAD = "pdtrace-sink"
@@ -269,6 +272,8 @@ class Sink:
         t = clock.now_ns()
         attrs = {f"recorder.{k}": v for k, v in st.items()}
         attrs["pdtrace.activation"] = str(traced.get("activation") or self.activation)
+        # the sampling in force, so that a reader (pdtrace check, view processes) can say what was traced
+        attrs["recorder.sample"], attrs["recorder.step_sample"] = float(self.cfg.sample), float(self.cfg.step_sample)
         out.append((R_STATS, next(self._ids), None, None, "recorder.stats", schema.KIND_INTERNAL,
                     t, t, 0, None, None, 0, 0, None, THREAD, *attrs, *attrs.values()))
         return out

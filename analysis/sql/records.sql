@@ -36,6 +36,7 @@ SELECT record, record_id, trace_id, span_id, parent_span_id, name, kind, start_n
        coalesce(prompt_index, 0) AS prompt_index, coalesce(attempt, 0) AS attempt, tp_rank, thread,
        attr_int, attr_float, attr_str,
        run_id, service_name, role, engine_id, host, pid, vllm_version, connector, schema_version,
+       pdtrace_version, config_hash,
        _request_key(run_id, _base_request_id(request_id), coalesce(prompt_index, 0)) AS rkey,
        coalesce(engine_id,
                 CASE WHEN role IN ('prefill', 'decode') THEN _api_clock_domain(role, host, run_id) END,
@@ -57,6 +58,7 @@ SELECT NULL::VARCHAR AS record, NULL::UBIGINT AS record_id, NULL::VARCHAR AS tra
        NULL::MAP(VARCHAR, VARCHAR) AS attr_str, NULL::VARCHAR AS run_id, NULL::VARCHAR AS service_name,
        NULL::VARCHAR AS role, NULL::VARCHAR AS engine_id, NULL::VARCHAR AS host, NULL::INTEGER AS pid,
        NULL::VARCHAR AS vllm_version, NULL::VARCHAR AS connector, NULL::VARCHAR AS schema_version,
+       NULL::VARCHAR AS pdtrace_version, NULL::VARCHAR AS config_hash,
        NULL::UBIGINT AS rkey, NULL::VARCHAR AS domain, NULL::VARCHAR AS _file
 WHERE false;
 CREATE OR REPLACE VIEW _records AS SELECT * FROM _records_empty;

@@ -1,0 +1,90 @@
+-- module: processes
+-- requires: records
+-- materialize: _process_part file
+-- The processes that wrote into the store: one row per (run_id, host, pid),
+-- with the resource columns and recorder counters of its last recorder.stats
+-- row (written by its sink at every flush, instrument/schema.py record
+-- 'stats'; counters cumulative since the process started,
+-- instrument/writer.py stats()). What `pdtrace check` reports.
+
+-- Per store file (materialize kind 'file'): each process's rows in that file,
+-- as partial aggregates that merge across files (min/max/arg_max: a record
+-- duplicated in a part and its segment gives the same values twice). `res`
+-- is the resource and counters of the file's latest stats row; `res_any` of
+-- its latest row of any kind (a process that wrote no stats row: stores built
+-- by hand or from foreign spans).
+CREATE OR REPLACE VIEW _calc_process_part AS
+SELECT _file, run_id, host, pid,
+       min(start_ns) FILTER (WHERE record = 'stats') AS first_flush_ns,
+       max(start_ns) FILTER (WHERE record = 'stats') AS last_flush_ns,
+       min(start_ns) AS first_record_ns,
+       max(end_ns) AS last_record_ns,
+       arg_max({role: role, engine_id: engine_id, service_name: service_name,
+                pdtrace_version: pdtrace_version, vllm_version: vllm_version, connector: connector,
+                config_hash: config_hash, activation: attr_str['pdtrace.activation'],
+                sample: attr_float['recorder.sample'], step_sample: attr_float['recorder.step_sample'],
+                recorded: attr_int['recorder.recorded'], dropped: attr_int['recorder.dropped'],
+                written: attr_int['recorder.written'], write_errors: attr_int['recorder.write_errors'],
+                export_errors: attr_int['recorder.export_errors'],
+                dropped_attributes: attr_int['recorder.dropped_attributes']}, start_ns)
+           FILTER (WHERE record = 'stats') AS res,
+       arg_max({role: role, engine_id: engine_id, service_name: service_name,
+                pdtrace_version: pdtrace_version, vllm_version: vllm_version, connector: connector,
+                config_hash: config_hash}, end_ns) AS res_any
+FROM _file_rows
+GROUP BY _file, run_id, host, pid;
+CREATE TABLE IF NOT EXISTS _mat_process_part AS SELECT * FROM _calc_process_part LIMIT 0;
+
+CREATE OR REPLACE VIEW processes AS
+WITH p AS (
+    SELECT run_id, host, pid,
+           min(first_flush_ns) AS first_flush_ns, max(last_flush_ns) AS last_flush_ns,
+           min(first_record_ns) AS first_record_ns, max(last_record_ns) AS last_record_ns,
+           arg_max(res, last_flush_ns) FILTER (WHERE res IS NOT NULL) AS res,
+           arg_max(res_any, last_record_ns) AS res_any,
+           count(DISTINCT _file) AS files
+    FROM _mat_process_part
+    GROUP BY run_id, host, pid
+)
+SELECT run_id, host, pid,
+       coalesce(res.role, res_any.role) AS role,
+       coalesce(res.engine_id, res_any.engine_id) AS engine_id,
+       coalesce(res.service_name, res_any.service_name) AS service_name,
+       coalesce(res.pdtrace_version, res_any.pdtrace_version) AS pdtrace_version,
+       coalesce(res.vllm_version, res_any.vllm_version) AS vllm_version,
+       coalesce(res.connector, res_any.connector) AS connector,
+       coalesce(res.config_hash, res_any.config_hash) AS config_hash,
+       CASE WHEN res IS NULL THEN NULL ELSE coalesce(res.activation, 'unknown') END AS activation,
+       res.sample AS sample, res.step_sample AS step_sample,
+       first_flush_ns, last_flush_ns, first_record_ns, last_record_ns,
+       res.recorded AS recorded, res.dropped AS dropped, res.written AS written,
+       res.write_errors AS write_errors, res.export_errors AS export_errors,
+       res.dropped_attributes AS dropped_attributes,
+       files
+FROM p;
+
+COMMENT ON VIEW processes IS 'One row per process that wrote into the store (run_id, host, pid): its resource and recorder counters as of its last recorder.stats row (its last flush).';
+COMMENT ON COLUMN processes.run_id IS 'deployment run id (PDTRACE_RUN_ID; NULL when unset)';
+COMMENT ON COLUMN processes.host IS 'host name of the process';
+COMMENT ON COLUMN processes.pid IS 'process id';
+COMMENT ON COLUMN processes.role IS 'router | prefill | decode | ... as of its last flush (NULL: never set)';
+COMMENT ON COLUMN processes.engine_id IS 'vLLM engine id as of its last flush (NULL for the router)';
+COMMENT ON COLUMN processes.service_name IS 'OpenTelemetry service.name, e.g. pdtrace-prefill-api for an API server';
+COMMENT ON COLUMN processes.pdtrace_version IS 'pdtrace package version of the process';
+COMMENT ON COLUMN processes.vllm_version IS 'vLLM version of the process (NULL if it did not import vLLM)';
+COMMENT ON COLUMN processes.connector IS 'KV connector class of the engine (NULL for API servers and the router)';
+COMMENT ON COLUMN processes.config_hash IS 'hash of the configuration that matters for comparisons (NULL if not recorded)';
+COMMENT ON COLUMN processes.activation IS 'how tracing was switched on: plugin (vLLM plugin, PDTRACE_DIR only) | explicit (traced class names, middleware, router) | unknown (not recorded); NULL: no recorder.stats row';
+COMMENT ON COLUMN processes.sample IS 'fraction of requests traced (PDTRACE_SAMPLE, 0..1) as recorded on its stats rows; NULL: not recorded';
+COMMENT ON COLUMN processes.step_sample IS 'fraction of engine steps whose step spans are kept (PDTRACE_STEP_SAMPLE, 0..1); NULL: not recorded';
+COMMENT ON COLUMN processes.first_flush_ns IS 'its first recorder.stats row (ns since the Unix epoch, the process''s own wall clock); NULL: none';
+COMMENT ON COLUMN processes.last_flush_ns IS 'its last recorder.stats row: the last flush, i.e. the trace end for this process (ns since the Unix epoch, own wall clock); NULL: none';
+COMMENT ON COLUMN processes.first_record_ns IS 'earliest start of any of its rows (ns since the Unix epoch, own wall clock)';
+COMMENT ON COLUMN processes.last_record_ns IS 'latest end of any of its rows (ns since the Unix epoch, own wall clock)';
+COMMENT ON COLUMN processes.recorded IS 'records offered to its recorder (= dropped + written + pending), cumulative at its last flush (count)';
+COMMENT ON COLUMN processes.dropped IS 'records dropped: buffer full, sink unreachable, or rows of failed writes (count, cumulative)';
+COMMENT ON COLUMN processes.written IS 'records written to store files (count, cumulative)';
+COMMENT ON COLUMN processes.write_errors IS 'failed file writes or merges of its sink (count, cumulative)';
+COMMENT ON COLUMN processes.export_errors IS 'failed OTLP exports (count, cumulative)';
+COMMENT ON COLUMN processes.dropped_attributes IS 'attributes dropped: key not allowlisted or value of the wrong type (count, cumulative)';
+COMMENT ON COLUMN processes.files IS 'readable store files holding its rows (count)';

@@ -1,0 +1,45 @@
+"""``pdtrace check`` on the session's lab stores (real vLLM engines, traced connectors, middleware, router).
+
+Here beside the dashboard tests only to share their session-scoped labs
+(``lab_stores`` in conftest.py: pull and push, 20 Azure-conversation requests
+each, stopped before the tests read them), so no lab is started for it. The
+labs have stopped, so ages are measured from the trace end (``--at-end``).
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from pdtrace.cli.main import main
+
+pytestmark = pytest.mark.lab
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_check_lab_store(lab_stores, mode):
+    d = lab_stores[mode]["dir"]
+    res = CliRunner().invoke(main, ["check", "--no-cache", "--at-end", "--format", "json", str(d)],
+                             catch_exceptions=False)
+    data = json.loads(res.output)
+    assert data["problems"] == [] and res.exit_code == 0, data["problems"]
+    procs = data["processes"]
+    # one router; each engine: its API server (middleware) and its engine processes (connector)
+    assert sorted({p["role"] for p in procs}) == ["decode", "prefill", "router"]
+    assert [p["engine_id"] for p in procs if p["role"] == "router"] == [None]
+    for role in ("prefill", "decode"):
+        mine = [p for p in procs if p["role"] == role]
+        assert len({p["engine_id"] for p in mine}) == 1 and mine[0]["engine_id"] is not None
+        assert [p["service_name"] for p in mine if p["connector"] is None] == [f"pdtrace-{role}-api"]
+        engine = [p for p in mine if p["connector"] is not None]
+        assert engine and {p["connector"] for p in engine} == {f"TracedNixl{mode.capitalize()}Connector"}
+        assert all(p["vllm_version"] for p in engine)
+    assert len({(p["host"], p["pid"]) for p in procs}) == len(procs)
+    for p in procs:
+        assert p["live"] and p["last_flush_ns"] is not None
+        assert p["dropped"] == 0 and p["write_errors"] == 0 and p["dropped_attributes"] == 0
+        assert p["written"] > 0 and p["sample"] == 1.0
+    assert data["files"]["skipped"] == [] and data["files"]["read"] > 0
+    assert {(c["clock_a"], c["clock_b"]) for c in data["clock"]} >= {
+        ("router", next(p["engine_id"] for p in procs if p["role"] == r)) for r in ("prefill", "decode")}
