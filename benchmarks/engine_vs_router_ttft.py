@@ -83,7 +83,8 @@ def compare(run_dir: str | Path) -> dict:
     engine_ttft_ms, diff_ms, engine_status, engine_cause, tiles), ``by_mode``
     (mode -> n, median/p99/min/max diff ms, median router/engine TTFT ms,
     mean router.unseen ms), ``engine_sources`` (ttft_source -> count in the
-    engine-only analysis), ``skipped_router_files``, ``untiled`` (requests
+    engine-only analysis), ``skipped_router_files``, ``engine_clock_bound_ms`` (the largest whole-trace
+    clock-offset bound of the engine-only analysis, ms), ``untiled`` (requests
     whose engine-mode segments do not sum to the TTFT).
     Raises FileNotFoundError when ``run_dir`` does not exist.
     """
@@ -101,6 +102,7 @@ def compare(run_dir: str | Path) -> dict:
             tr.refresh()
             engine = {r["k"]: r for r in tr.query(
                 f"SELECT {key} AS k, request_id, mode, ttft_ms, ttft_source, status, cause FROM requests")}
+            bound = tr.query("SELECT max(bound_ms) AS b FROM clock_offsets WHERE window_start_ns IS NULL")[0]["b"]
             tiles = {r["k"]: r for r in tr.query(
                 f"SELECT {key} AS k, b.ttft_ns, b.router_unseen_ms, "
                 "(SELECT sum(s.dur_ns) FROM ttft_segments s WHERE s.rkey = b.rkey) AS seg_ns FROM ttft_breakdown b")}
@@ -131,7 +133,7 @@ def compare(run_dir: str | Path) -> dict:
     for e in engine.values():
         sources[e["ttft_source"]] = sources.get(e["ttft_source"], 0) + 1
     return {"run_dir": str(run_dir), "rows": rows, "by_mode": by_mode, "engine_sources": sources,
-            "skipped_router_files": skipped,
+            "skipped_router_files": skipped, "engine_clock_bound_ms": bound,
             "untiled": [r["request_id"] for r in rows if r["engine_status"] == "complete" and not r["tiles"]]}
 
 
@@ -139,7 +141,8 @@ def render(s: dict) -> str:
     """Text summary of :func:`compare`'s dict."""
     out = [f"# {s['run_dir']}: router-clock TTFT - engine-clock TTFT (router files removed: "
            f"{len(s['skipped_router_files'])})",
-           f"engine-only analysis ttft_source counts: {s['engine_sources']}"]
+           f"engine-only analysis ttft_source counts: {s['engine_sources']}; largest P<->D clock bound "
+           f"{s['engine_clock_bound_ms']} ms"]
     for mode, m in s["by_mode"].items():
         f = lambda v: "-" if v is None else f"{v:.3f}"
         out.append(f"{mode}: {m['n']}/{m['requests']} joined; diff ms median {f(m['diff_median_ms'])} "

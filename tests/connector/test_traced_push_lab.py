@@ -219,3 +219,10 @@ def untraced_greedy(model_dir, greedy_prompts, traced_run, tmp_path_factory):
 
 def test_greedy_outputs_equal_with_tracing_off(traced_run, untraced_greedy):
     assert traced_run["greedy"] == untraced_greedy
+
+
+def test_engine_clock_window_without_the_routers_files(traced_run):
+    """Issue 16 item 2: the run's files minus the router's give every replayed request a complete engine-clock
+    TTFT (ttft_source = engine) whose breakdown tiles the window to the ns, within the router's TTFT."""
+    from engine_window import check_engine_window
+    check_engine_window(traced_run["dir"], [r.router_request_id for r in traced_run["recs"]])
