@@ -28,7 +28,10 @@ def collect(con) -> dict[str, Any]:
     Keys: ``by_mode``, ``by_prompt_bucket`` (lists of summary rows),
     ``dominant_stages`` ([{mode, dominant_stage, requests}]), ``incomplete``
     ([{cause, requests}]), ``clock`` (worst offset bound per clock pair),
-    ``skipped_files`` ([{path, reason}]), ``transfers`` (count, descriptor-bound count).
+    ``skipped_files`` ([{path, reason}]), ``transfers`` (count, descriptor-bound count),
+    ``ttft_source`` ([{ttft_source, requests, complete, router_unseen_mean_ms}]: whose clocks gave
+    the TTFT windows, DESIGN.md §3; router_unseen_mean_ms is the mean exposed router.unseen of the
+    complete requests, NULL for router windows).
     """
     return {
         "by_mode": _rows(con, f"SELECT {', '.join(_MODE_COLS)} FROM summary_by_mode ORDER BY mode"),
@@ -44,7 +47,26 @@ def collect(con) -> dict[str, Any]:
         "transfers": _rows(con, "SELECT count(*) AS transfers, count(*) FILTER (WHERE descriptor_bound) "
                                 "AS descriptor_bound FROM transfers")[0],
         "skipped_files": _rows(con, "SELECT path, reason FROM store_files WHERE NOT ok ORDER BY path"),
+        "ttft_source": _rows(con, "SELECT q.ttft_source, count(*) AS requests, "
+                                  "count(*) FILTER (WHERE q.status = 'complete') AS complete, "
+                                  "CASE WHEN q.ttft_source = 'engine' THEN round(avg(b.router_unseen_ms), 3) END "
+                                  "AS router_unseen_mean_ms FROM requests q LEFT JOIN ttft_breakdown b "
+                                  "ON b.rkey = q.rkey GROUP BY q.ttft_source ORDER BY q.ttft_source DESC"),
     }
+
+
+#: Printed under the TTFT-source table when any window is the engines' own.
+ENGINE_SOURCE_NOTE = (
+    "Router hop unseen: {n} request(s) have no router record (a router that writes no pdtrace spans), so "
+    "their TTFT is the engines' own window: P's API server received the request -> D's API server wrote "
+    "the first token chunk (P and D clocks corrected). The router's time before P and after D is not in "
+    "it; its hop between the legs is the stage router.unseen (coordination) in the breakdown.")
+
+
+def engine_source_note(data: dict[str, Any]) -> str | None:
+    """The 'router hop unseen' sentence for ``collect``'s dict, or None when every window is the router's."""
+    n = sum(r["requests"] for r in data.get("ttft_source", []) if r["ttft_source"] == "engine")
+    return ENGINE_SOURCE_NOTE.format(n=n) if n else None
 
 
 def fmt_value(v: Any) -> str:
@@ -84,6 +106,11 @@ def render(data: dict[str, Any], title: str = "") -> str:
     if title:
         out += [f"# {title}", ""]
     out += ["TTFT and TPOT by mode (ms; shares of TTFT)", table(data["by_mode"]), ""]
+    if "ttft_source" in data:
+        out += ["TTFT source (router: the router's clock; engine: P's API server -> D's API server)",
+                table(data["ttft_source"])]
+        note = engine_source_note(data)
+        out += ([note] if note else []) + [""]
     out += ["By prompt-length bucket [lo, 2*lo) tokens", table(data["by_prompt_bucket"]), ""]
     out += ["Dominant stage on the critical path", table(data["dominant_stages"]), ""]
     out += ["Incomplete requests", table(data["incomplete"]), ""]

@@ -225,7 +225,10 @@ def headline(t: Trace, w: Window = ALL, mode: str | None = None) -> dict:
     Keys: requests, complete, incomplete (counts); ttft_p50/p90/p99_ms and
     tpot_p50/p90/p99_ms (ms, quantile_cont over complete requests); share_queue
     / share_compute / share_transfer / share_coordination (fraction of the
-    summed TTFT of requests with a breakdown); unattributed_share (fraction).
+    summed TTFT of requests with a breakdown); unattributed_share (fraction);
+    engine_source (count of requests whose TTFT window is the engines' own,
+    requests.ttft_source = 'engine': no router record, the router's hop unseen)
+    and router_unseen_ms (their summed exposed router.unseen, ms).
     """
     mf = "TRUE" if mode is None else "mode = $1"
     p = [mode] if mode is not None else []
@@ -236,20 +239,34 @@ def headline(t: Trace, w: Window = ALL, mode: str | None = None) -> dict:
                quantile_cont(ttft_ms, 0.5) AS ttft_p50_ms, quantile_cont(ttft_ms, 0.9) AS ttft_p90_ms,
                quantile_cont(ttft_ms, 0.99) AS ttft_p99_ms,
                quantile_cont(tpot_ms, 0.5) AS tpot_p50_ms, quantile_cont(tpot_ms, 0.9) AS tpot_p90_ms,
-               quantile_cont(tpot_ms, 0.99) AS tpot_p99_ms
+               quantile_cont(tpot_ms, 0.99) AS tpot_p99_ms,
+               count(*) FILTER (WHERE ttft_source = 'engine') AS engine_source
         FROM requests WHERE {w.sql()} AND {mf}""", p).iloc[0].to_dict()
     s = t.query(f"""
         SELECT sum(ttft_ms) AS ttft, sum(queue_ms) AS queue, sum(compute_ms) AS compute,
                sum(transfer_ms) AS transfer, sum(coordination_ms) AS coordination,
-               sum(unattributed_ms) AS unattributed
+               sum(unattributed_ms) AS unattributed, sum(router_unseen_ms) AS router_unseen
         FROM ttft_breakdown WHERE {w.sql()} AND {mf}""", p).iloc[0].to_dict()
     tot = s["ttft"] or 0.0
     for c in CATEGORIES:
         r[f"share_{c}"] = (s[c] / tot) if tot else float("nan")
     r["unattributed_share"] = (s["unattributed"] / tot) if tot else float("nan")
-    for k in ("requests", "complete", "incomplete"):
+    r["router_unseen_ms"] = float(s["router_unseen"] or 0.0)
+    for k in ("requests", "complete", "incomplete", "engine_source"):
         r[k] = int(r[k] or 0)
     return r
+
+
+def engine_source_note(n_engine: int, n_requests: int) -> str | None:
+    """The dashboard's plain 'router hop unseen' note when ``n_engine`` > 0 of ``n_requests`` have an
+    engine-clock TTFT window (requests.ttft_source = 'engine'), else None."""
+    if not n_engine:
+        return None
+    return (f"**Router hop unseen** for {n_engine:,} of {n_requests:,} requests: no router record (a router that "
+            "writes no pdtrace spans), so their TTFT is the engines' own window, P's API server received the "
+            "request → D's API server wrote the first token chunk (P and D clocks corrected). The router's time "
+            "before P and after D is not in it; its hop between the legs is the stage `router.unseen` "
+            "(coordination).")
 
 
 def nice_bucket_ns(span_ns: int, target_points: int = 60) -> int:
@@ -365,7 +382,7 @@ def request_row(t: Trace, request_id: str, run_id: str | None = None) -> dict | 
     """The request's ``requests`` row joined with its ``ttft_breakdown`` row (None if unknown)."""
     r = t.query("""
         SELECT r.*, b.queue_ms, b.compute_ms, b.transfer_ms, b.coordination_ms, b.unattributed_ms, b.hidden_ms,
-               b.dominant_stage, b.first_contact
+               b.dominant_stage, b.first_contact, b.router_unseen_ms
         FROM requests r LEFT JOIN ttft_breakdown b USING (rkey)
         WHERE r.request_id = $1 AND ($2 IS NULL OR r.run_id = $2)
         ORDER BY r.arrival_ns LIMIT 1""", [request_id, run_id])

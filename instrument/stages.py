@@ -24,6 +24,9 @@ STAGES: dict[str, Stage] = {
     "router.request": Stage("router", None, "request received -> last byte written (root)"),
     "router.dispatch": Stage("router", COORDINATION, "router work before a leg is sent (one per leg)"),
     "router.wait": Stage("router", COORDINATION, "a leg's response awaited while no engine stage is known to run"),
+    "router.unseen": Stage("router", COORDINATION, "engine-clock TTFT only (no router record): the router's hop "
+                           "between P's response and D's request (pull), or before D's leg reached D (push); not "
+                           "recorded, a pseudo-stage owning only time no engine stage covers"),
     "prefill.frontend": Stage("prefill", COORDINATION, "P's API server: HTTP received -> queued in EngineCore; output -> chunk written"),
     "decode.frontend": Stage("decode", COORDINATION, "D's API server: HTTP received -> queued in EngineCore; output -> chunk written"),
     "prefill.queue": Stage("prefill", QUEUE, "P: queued -> scheduled; waits between chunks; preempted intervals"),

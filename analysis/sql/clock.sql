@@ -35,7 +35,10 @@
 -- Clock domains: the router is 'router', an engine is its engine_id (all its
 -- processes share the host clock; the API server's rows carry it too, or are
 -- mapped to it by _clock_domain_map). Every time is corrected to the router's
--- clock: corrected = raw - offset(domain); the router's offset is 0.
+-- clock: corrected = raw - offset(domain); the router's offset is 0. Without
+-- any router evidence (engine-clock windows), to the reference prefill
+-- engine's clock instead (_clock_root): the same rules with that engine in
+-- the router's place.
 
 CREATE OR REPLACE MACRO _clamp(v, lo, hi) AS least(greatest(v, coalesce(lo, v)), coalesce(hi, v));
 CREATE OR REPLACE MACRO _clock_estimate(lo, hi, point) AS
@@ -79,13 +82,24 @@ CREATE TABLE IF NOT EXISTS _mat_clock_router_part AS SELECT * FROM _calc_clock_r
 
 CREATE OR REPLACE VIEW _calc_clock_engine_part AS
 SELECT _file, rkey, domain, role,
-       min(start_ns) AS first_start,
-       max(end_ns) FILTER (WHERE name = 'prefill.compute') AS compute_end,
-       max(end_ns) FILTER (WHERE name = 'decode.first_step') AS first_step_end,
+       min(start_ns) FILTER (WHERE record = 'span') AS first_start,
+       max(end_ns) FILTER (WHERE record = 'span' AND name = 'prefill.compute') AS compute_end,
+       max(end_ns) FILTER (WHERE record = 'span' AND name = 'decode.first_step') AS first_step_end,
        -- an API-server domain (rows without engine_id): mapped to its engine by _clock_domain_map
-       bool_or(engine_id IS NULL) AS api_domain
+       bool_or(engine_id IS NULL) FILTER (WHERE record = 'span') AS api_domain,
+       -- marks of the engine-only messages (requests without a router row; _clock_request_msgs)
+       min(start_ns) FILTER (WHERE record = 'span' AND name IN ('prefill.frontend', 'decode.frontend')
+                             AND coalesce(attr_str['frontend.part'], 'whole') IN ('in', 'whole')) AS fe_in_start,
+       -- P's API server handed its response's first body chunk to the server (its `token` event on
+       -- prefill.frontend; the span's own end comes after the app returns, late under load)
+       min(start_ns) FILTER (WHERE record = 'event' AND name = 'token' AND span_id IS NOT NULL) AS fe_out_end,
+       min(start_ns) FILTER (WHERE record = 'span' AND name = 'kv.transfer') AS post_start,
+       max(end_ns) FILTER (WHERE record = 'span' AND name = 'kv.ready') AS ready_end,
+       min(start_ns) FILTER (WHERE record = 'event' AND name = 'notification.received') AS notif_recv,
+       bool_or(connector ILIKE '%push%' OR name IN ('dest.register', 'registration.received')) AS push_seen,
+       bool_or(connector ILIKE '%nixl%') AS nixl_seen
 FROM _file_rows
-WHERE record = 'span' AND role IN ('prefill', 'decode') AND rkey IS NOT NULL
+WHERE record IN ('span', 'event') AND role IN ('prefill', 'decode') AND rkey IS NOT NULL
 GROUP BY _file, rkey, domain, role;
 CREATE TABLE IF NOT EXISTS _mat_clock_engine_part AS SELECT * FROM _calc_clock_engine_part LIMIT 0;
 
@@ -151,6 +165,22 @@ GROUP BY domain;
 -- received on dst's (raw ns), from the router and engine marks merged over the
 -- request's files. An API-server domain is merged into its engine's
 -- (_clock_domain_map); other domains are unchanged by the map.
+-- A request without any router row (engine-clock window) gives P<->D
+-- messages instead, each a causal order the handoff itself imposes:
+--   frontend_hop (pull) P's API server handed its response to the server
+--                (its `token` event: the first body chunk) before D's API
+--                server received the request (decode.frontend 'in'/'whole'
+--                start): any pull router needs P's kv_transfer_params before
+--                it sends D's leg. (Not prefill.frontend's end: it is taken
+--                after the app returns, which under load is after the router
+--                already has the response and D runs -- seen 22 ms.)
+--   read_done (pull)    D posted its READ (kv.transfer start) before P received
+--                       D's notification (notification.received on P)
+--   write_done (push)   P posted its WRITE (kv.transfer start on P) before D's
+--                       kv.ready ended (D promotes only after the write-done
+--                       notifications)
+-- Requests with a router row never give these (their router<->engine
+-- messages bound both engines already).
 CREATE OR REPLACE MACRO _clock_request_msgs(keys) AS TABLE
 WITH r AS (
     SELECT rkey, max(disp_p_end) AS disp_p_end, max(disp_d_end) AS disp_d_end, min(disp_d_start) AS disp_d_start,
@@ -161,12 +191,25 @@ WITH r AS (
 ), e AS (
     SELECT p.rkey, coalesce(m.clock_domain, p.domain) AS domain, p.role,
            min(p.first_start) AS first_start, max(p.compute_end) AS compute_end,
-           max(p.first_step_end) AS first_step_end
+           max(p.first_step_end) AS first_step_end,
+           min(p.fe_in_start) AS fe_in_start, max(p.fe_out_end) AS fe_out_end, min(p.post_start) AS post_start,
+           max(p.ready_end) AS ready_end, min(p.notif_recv) AS notif_recv,
+           bool_or(p.push_seen) AS push_seen, bool_or(p.nixl_seen) AS nixl_seen
     FROM _mat_clock_engine_part p LEFT JOIN _clock_domain_map m ON m.domain = p.domain
     WHERE p.rkey IN (SELECT rkey FROM query_table(keys))
     GROUP BY p.rkey, coalesce(m.clock_domain, p.domain), p.role
 ), pairs AS MATERIALIZED (
     SELECT * FROM r JOIN e USING (rkey)
+), eo AS MATERIALIZED (
+    -- engine-only requests: one P and one D domain each (a request seen by
+    -- several engines of a role gives a message per pair)
+    SELECT p.rkey, p.domain AS p_dom, d.domain AS d_dom,
+           NOT coalesce(p.push_seen OR d.push_seen, false) AND coalesce(p.nixl_seen OR d.nixl_seen, false) AS pull,
+           coalesce(p.push_seen OR d.push_seen, false) AS push,
+           p.fe_out_end AS p_fe_out_end, d.fe_in_start AS d_fe_in_start, d.post_start AS d_post_start,
+           p.notif_recv AS p_notif_recv, p.post_start AS p_post_start, d.ready_end AS d_ready_end
+    FROM e p JOIN e d ON d.rkey = p.rkey AND p.role = 'prefill' AND d.role = 'decode'
+    WHERE p.rkey NOT IN (SELECT rkey FROM r)
 )
 -- router -> engine: an engine cannot start a request before the router sent it
 SELECT rkey, router_domain AS src, domain AS dst,
@@ -183,7 +226,14 @@ FROM pairs WHERE role = 'prefill'
 UNION ALL
 -- decode -> router: the first token is sampled on D before the router writes it
 SELECT rkey, domain, router_domain, first_step_end, first_token_ns, 'http_response', NULL, NULL
-FROM pairs WHERE role = 'decode';
+FROM pairs WHERE role = 'decode'
+UNION ALL
+-- engine-only requests (see above)
+SELECT rkey, p_dom, d_dom, p_fe_out_end, d_fe_in_start, 'frontend_hop', NULL, NULL FROM eo WHERE pull
+UNION ALL
+SELECT rkey, d_dom, p_dom, d_post_start, p_notif_recv, 'read_done', NULL, NULL FROM eo WHERE pull
+UNION ALL
+SELECT rkey, p_dom, d_dom, p_post_start, d_ready_end, 'write_done', NULL, NULL FROM eo WHERE push;
 
 -- Bounds on off(clock_b) - off(clock_a) from the messages in the table or view
 -- named `msgs` (columns of _clock_request_msgs); the router always sorts first.
@@ -307,15 +357,32 @@ UNION ALL
 SELECT clock_b, clock_a, window_idx, -hi, -lo, -point, -est, -msg_hi, -msg_lo, -sample_hi, -sample_lo
 FROM _clock_pair_est;
 
+-- The reference clock every time is corrected to (one row, column domain):
+-- the router's when any router<->engine evidence exists, else (engine-clock
+-- windows only: a router that writes no spans; DESIGN.md §3 TTFT source) the
+-- prefill engine with the smallest id among the engines with evidence, so
+-- that P and D are still corrected against each other from the engine pair
+-- evidence (registrations, notifications, handshake samples, and the
+-- engine-only messages of _clock_request_msgs). Engines not linked to the
+-- reference by evidence (directly or through one engine) keep offset 0.
+CREATE OR REPLACE VIEW _clock_root AS
+SELECT coalesce(
+    (SELECT 'router' WHERE EXISTS (SELECT 1 FROM _clock_pair_est WHERE clock_a = 'router')),
+    (SELECT min(d) FROM (SELECT unnest(engines) AS d FROM _mat_clock_domain_part WHERE role = 'prefill')
+     WHERE d IN (SELECT clock_a FROM _clock_pair_est UNION SELECT clock_b FROM _clock_pair_est)),
+    'router') AS domain;
+
 CREATE OR REPLACE VIEW _calc_domain_offsets AS
-WITH hop AS (
+WITH root AS (
+    SELECT domain AS r FROM _clock_root
+), hop AS (
     SELECT y.b, y.window_idx, r.lo AS r_lo, r.hi AS r_hi, r.est AS r_est,
            y.msg_lo, y.msg_hi, y.sample_lo, y.sample_hi, y.point
     FROM _clock_dir r JOIN _clock_dir y
-      ON r.a = 'router' AND y.a = r.b AND y.b <> 'router'
+      ON r.a = (SELECT r FROM root) AND y.a = r.b AND y.b <> (SELECT r FROM root)
      AND r.window_idx IS NOT DISTINCT FROM y.window_idx
 ), cand AS (
-    SELECT b AS domain, window_idx, lo, hi, point FROM _clock_dir WHERE a = 'router'
+    SELECT b AS domain, window_idx, lo, hi, point FROM _clock_dir WHERE a = (SELECT r FROM root)
     UNION ALL
     -- one hop through Y: Y's router bounds plus Y<->X's messages (no point), and
     -- plus Y<->X's best sample (its point added to Y's estimate), judged apart
@@ -345,7 +412,10 @@ UNION ALL
 SELECT m.domain, s.window_idx, s.offset_ns, s.bound_ns
 FROM _clock_domain_map m JOIN solved s ON s.domain = m.clock_domain
 UNION ALL
-SELECT 'router', NULL, 0, 0;
+SELECT 'router', NULL, 0, 0
+UNION ALL
+-- an engine as the reference (no router evidence): offset 0 by definition
+SELECT r, NULL, 0, 0 FROM root WHERE r <> 'router';
 
 CREATE TABLE IF NOT EXISTS _mat_domain_offsets AS SELECT * FROM _calc_domain_offsets LIMIT 0;
 CREATE OR REPLACE VIEW _domain_offsets AS SELECT * FROM _mat_domain_offsets;
@@ -421,7 +491,9 @@ COMMENT ON COLUMN clock_offsets.sources IS 'kinds of evidence, comma-separated; 
 
 
 CREATE OR REPLACE VIEW clock_domains AS
-SELECT domain, domain AS offset_domain, CASE WHEN domain = 'router' THEN 'router' ELSE 'measured' END AS status,
+SELECT domain, domain AS offset_domain,
+       CASE WHEN domain = 'router' THEN 'router' WHEN domain = (SELECT domain FROM _clock_root) THEN 'reference'
+            ELSE 'measured' END AS status,
        NULL::BIGINT AS engines
 FROM (SELECT DISTINCT domain FROM _domain_offsets)
 WHERE domain NOT IN (SELECT domain FROM _clock_domain_map)
@@ -432,5 +504,5 @@ FROM _clock_domain_map;
 COMMENT ON VIEW clock_domains IS 'Clock domains and where each one''s offset comes from; status ''unresolved'' flags API-server rows without engine_id whose engine is ambiguous (their correction has no engine evidence).';
 COMMENT ON COLUMN clock_domains.domain IS 'clock domain of rows (spans.clock_domain): ''router'', an engine id, or api:<role>@<host>/<run> for API-server rows without engine_id';
 COMMENT ON COLUMN clock_domains.offset_domain IS 'domain whose offset corrects the rows (the engine for an inherited API-server domain); NULL: unresolved';
-COMMENT ON COLUMN clock_domains.status IS 'router | measured (own evidence) | inherited (API server on its engine''s host clock) | unresolved (0 or more than 1 engine of that role on that host and run)';
+COMMENT ON COLUMN clock_domains.status IS 'router | reference (no router evidence: the engine every time is corrected to) | measured (own evidence) | inherited (API server on its engine''s host clock) | unresolved (0 or more than 1 engine of that role on that host and run)';
 COMMENT ON COLUMN clock_domains.engines IS 'for an API-server domain: engines of that role recorded on that host in that run (count)';

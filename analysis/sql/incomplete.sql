@@ -17,7 +17,11 @@
 --   false_timeout      a timeout fired although every expected rank had reported
 --   ttl_expired / lease_expired / registration_timeout / timeout
 --   leg_failed         a router leg failed (router.leg_failed)
---   no_router_record   engines saw the id, the router did not
+--   no_decode_record   engine-clock request (no router row): P saw it, D did not
+--   no_prefill_record  engine-clock request: D saw it, P did not
+--   no_prefill_frontend engine-clock request: P's API server recorded no
+--                      prefill.frontend, so the window has no start
+--   no_router_record   router rows without the router's root span
 --   in_progress        the router's root span is not written yet
 --   no_first_token     none of the above; detail lists the stages seen
 
@@ -80,6 +84,10 @@ WITH e AS (
             WHEN list_contains(events, 'registration.timeout') THEN 'registration_timeout'
             WHEN list_contains(events, 'request.timeout') THEN 'timeout'
             WHEN list_contains(events, 'router.leg_failed') THEN 'leg_failed'
+            WHEN ttft_source = 'engine' AND NOT has_decode THEN 'no_decode_record'
+            WHEN ttft_source = 'engine' AND NOT has_prefill THEN 'no_prefill_record'
+            WHEN ttft_source = 'engine' AND NOT has_prefill_frontend THEN 'no_prefill_frontend'
+            WHEN ttft_source = 'engine' THEN 'no_first_token'
             WHEN NOT has_router_record THEN 'no_router_record'
             WHEN root_end_ns IS NULL THEN 'in_progress'
             ELSE 'no_first_token'
@@ -94,6 +102,11 @@ SELECT run_id, request_id, prompt_index, mode, cause,
                 || CASE WHEN ranks_missing <> '' THEN ', missing rank ' || ranks_missing ELSE '' END END,
            CASE WHEN decode_gave_up_ns IS NOT NULL AND last_notification_ns IS NOT NULL THEN
                 'D waited ' || round((decode_gave_up_ns - last_notification_ns) / 1e6, 3) || ' ms after its last notification' END,
+           CASE cause WHEN 'no_decode_record' THEN 'no router record; P saw the request, D never did'
+                      WHEN 'no_prefill_record' THEN 'no router record; D saw the request, P never did'
+                      WHEN 'no_prefill_frontend' THEN 'no router record and no prefill.frontend span: the engine-clock window has no start'
+                      END,
+           CASE WHEN cause = 'no_first_token' AND ttft_source = 'engine' THEN 'no router record; D''s API server wrote no token chunk' END,
            CASE WHEN cause = 'no_first_token' THEN 'stages seen: ' || coalesce(array_to_string(stages, ','), 'none') END
        ) AS detail,
        coalesce(failure_ns, root_end_ns, last_seen_ns) AS failure_ns,
@@ -101,7 +114,7 @@ SELECT run_id, request_id, prompt_index, mode, cause,
        ranks_expected, ranks_received, ranks_missing,
        (decode_gave_up_ns - last_notification_ns) / 1e6 AS waited_after_last_notification_ms,
        coalesce(linked_request_id, linked_ids[1]) AS linked_request_id,
-       events, stages AS stages_seen, arrival_ns, rkey
+       events, stages AS stages_seen, arrival_ns, ttft_source, rkey
 FROM c;
 
 CREATE TABLE IF NOT EXISTS _mat_incomplete_requests AS SELECT * FROM _calc_incomplete_requests LIMIT 0;
@@ -112,7 +125,7 @@ COMMENT ON COLUMN incomplete_requests.run_id IS 'deployment run id';
 COMMENT ON COLUMN incomplete_requests.request_id IS 'base request id X';
 COMMENT ON COLUMN incomplete_requests.prompt_index IS 'prompt index i';
 COMMENT ON COLUMN incomplete_requests.mode IS 'pull | push | unknown';
-COMMENT ON COLUMN incomplete_requests.cause IS 'why: id_mismatch | post_failure | transfer_failure | handshake_failure | abort | false_timeout | ttl_expired | lease_expired | registration_timeout | timeout | leg_failed | no_router_record | in_progress | no_first_token';
+COMMENT ON COLUMN incomplete_requests.cause IS 'why: id_mismatch | post_failure | transfer_failure | handshake_failure | abort | false_timeout | ttl_expired | lease_expired | registration_timeout | timeout | leg_failed | no_decode_record | no_prefill_record | no_prefill_frontend | no_router_record | in_progress | no_first_token';
 COMMENT ON COLUMN incomplete_requests.detail IS 'human-readable evidence: rank counts, missing ranks, waits, linked ids, stages seen';
 COMMENT ON COLUMN incomplete_requests.failure_ns IS 'time of the last failure event (else the root''s end, else the last record) (ns since the Unix epoch, router clock)';
 COMMENT ON COLUMN incomplete_requests.time_to_failure_ms IS 'failure_ns - arrival (ms)';
@@ -123,5 +136,6 @@ COMMENT ON COLUMN incomplete_requests.waited_after_last_notification_ms IS 'time
 COMMENT ON COLUMN incomplete_requests.linked_request_id IS 'the other leg''s request id when the router sent different ids';
 COMMENT ON COLUMN incomplete_requests.events IS 'event names seen for the request (list)';
 COMMENT ON COLUMN incomplete_requests.stages_seen IS 'stage names seen for the request (list)';
-COMMENT ON COLUMN incomplete_requests.arrival_ns IS 'request received by the router (ns since the Unix epoch)';
+COMMENT ON COLUMN incomplete_requests.arrival_ns IS 'request received: by the router (ttft_source router), else by P''s API server, else the request''s first record (ns since the Unix epoch, corrected clock)';
+COMMENT ON COLUMN incomplete_requests.ttft_source IS 'router | engine: whose clock the request''s window would come from (requests.ttft_source)';
 COMMENT ON COLUMN incomplete_requests.rkey IS 'request join key';

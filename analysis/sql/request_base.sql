@@ -5,15 +5,35 @@
 --
 -- Materialized per request: a refresh recomputes the keys in _scope_keys.
 --
--- One row per request: the router's root (router.request) gives arrival and
--- the first-token event; engine rows add engines, tokens and flags. A request
--- id seen only on engines is still a request (cause: no router record) unless
--- a router span links it to another id (router.linked_request_id: the legs
--- were sent different ids) -- then it belongs to the linking request.
--- prefill_response_ns (pull only): the router's receipt of P's response, the
--- end of its prefill-leg router.wait (unless that wait ended in error: cut
--- short, it is not P's answer), else the start of its decode-leg
--- router.dispatch; P's leg is over for the critical path at that instant.
+-- One row per request. TTFT source (DESIGN.md §3), column ttft_source:
+--   'router'  the router recorded the request (any router row): its root
+--             (router.request) gives arrival and the first-token event, as
+--             ever; engine rows add engines, tokens and flags.
+--   'engine'  no router row (a router that writes no pdtrace spans): the
+--             window is the engines' own, P's API server receiving the
+--             request (earliest start of prefill.frontend, part 'in' or
+--             'whole') -> D's API server writing the first token chunk (the
+--             earliest `token` event on a decode.frontend span: span_id set;
+--             EngineCore's own `token` event carries none), both on corrected
+--             times (module clock: skew between P and D corrected as for the
+--             router). It needs both: without P's frontend, or without D's
+--             token, the request has no first token (incomplete, a cause).
+--             The router's own time before P and after D lies outside the
+--             window; its hop between the legs is the pseudo-stage
+--             router.unseen (module ttft_segments), never dropped.
+-- A request id seen only on engines is still a request unless a router span
+-- links it to another id (router.linked_request_id: the legs were sent
+-- different ids) -- then it belongs to the linking request.
+-- prefill_response_ns (pull only): P's answer, after which P's leg is over for
+-- the critical path. Router: the router's receipt of P's response, the end of
+-- its prefill-leg router.wait (unless that wait ended in error: cut short, it
+-- is not P's answer), else the start of its decode-leg router.dispatch.
+-- Engine: P's API server handing its response to the server, its `token`
+-- event on prefill.frontend (the first body chunk; a pull prefill response is
+-- one JSON body), else the latest end of prefill.frontend (part 'out' or
+-- 'whole'; that end is taken after the app returns, late under load).
+-- decode_arrival_ns: D's API server receiving the request (earliest start of
+-- decode.frontend, part 'in' or 'whole'); the end of router.unseen.
 -- output_tokens: the router's gen_ai.usage.output_tokens when it recorded one,
 -- else D's: the request.finished event D's scheduler records when it finishes
 -- a sampled request normally (gen_ai.usage.output_tokens = tokens D
@@ -70,6 +90,20 @@ WITH rt AS (
            CASE WHEN bool_or(connector ILIKE '%push%') THEN 'push'
                 WHEN bool_or(connector ILIKE '%nixl%') THEN 'pull' END AS connector_mode,
            bool_or(name = 'dest.register') AS saw_registration,
+           bool_or(role = 'prefill') AS has_prefill, bool_or(role = 'decode') AS has_decode,
+           -- the API servers' marks (engine-clock window; see the header)
+           min(c_start_ns) FILTER (WHERE record = 'span' AND name = 'prefill.frontend'
+                                   AND coalesce(attr_str['frontend.part'], 'whole') IN ('in', 'whole')) AS p_fe_in_ns,
+           max(c_end_ns) FILTER (WHERE record = 'span' AND name = 'prefill.frontend'
+                                 AND coalesce(attr_str['frontend.part'], 'whole') IN ('out', 'whole')) AS p_fe_out_ns,
+           min(c_start_ns) FILTER (WHERE record = 'event' AND name = 'token' AND role = 'prefill'
+                                   AND span_id IS NOT NULL) AS p_token_ns,
+           min(c_start_ns) FILTER (WHERE record = 'span' AND name = 'decode.frontend'
+                                   AND coalesce(attr_str['frontend.part'], 'whole') IN ('in', 'whole')) AS d_fe_in_ns,
+           max(c_end_ns) FILTER (WHERE record = 'span' AND name = 'decode.frontend'
+                                 AND coalesce(attr_str['frontend.part'], 'whole') IN ('out', 'whole')) AS d_fe_out_ns,
+           min(c_start_ns) FILTER (WHERE record = 'event' AND name = 'token' AND role = 'decode'
+                                   AND span_id IS NOT NULL) AS d_token_ns,
            sum(attr_int['kv.descriptors']) FILTER (WHERE record = 'span' AND name = 'kv.transfer') AS kv_descriptors,
            -- (attempt, tokens) compared in that order: the latest attempt's largest count
            (max({'a': attempt, 'v': attr_int['gen_ai.usage.output_tokens']})
@@ -90,8 +124,13 @@ SELECT coalesce(rt.rkey, en.rkey) AS rkey,
        coalesce(rt.cached_tokens, en.cached_tokens) AS cached_tokens,
        coalesce(rt.prompt_tokens, en.prompt_tokens) - coalesce(rt.cached_tokens, en.cached_tokens, 0) AS uncached_tokens,
        coalesce(rt.output_tokens, en.decode_output_tokens) AS output_tokens,
-       CASE WHEN rt.has_root THEN rt.arrival_ns ELSE en.first_ns END AS arrival_ns,
-       rt.first_token_ns, rt.last_token_ns, rt.root_end_ns, rt.root_status,
+       CASE WHEN rt.has_root THEN rt.arrival_ns
+            WHEN rt.rkey IS NULL THEN coalesce(en.p_fe_in_ns, en.first_ns) ELSE en.first_ns END AS arrival_ns,
+       CASE WHEN rt.rkey IS NOT NULL THEN rt.first_token_ns
+            WHEN en.p_fe_in_ns IS NOT NULL THEN en.d_token_ns END AS first_token_ns,
+       CASE WHEN rt.rkey IS NOT NULL THEN rt.last_token_ns
+            WHEN en.p_fe_in_ns IS NOT NULL AND en.d_token_ns IS NOT NULL THEN en.d_fe_out_ns END AS last_token_ns,
+       rt.root_end_ns, rt.root_status,
        greatest(coalesce(rt.router_attempt, 0), coalesce(en.attempt, 0)) + 1 AS attempts,
        en.prefill_engine, en.decode_engine,
        coalesce(en.first_contact, false) AS first_contact,
@@ -99,8 +138,14 @@ SELECT coalesce(rt.rkey, en.rkey) AS rkey,
        coalesce(rt.has_root, false) AS has_router_record,
        rt.linked_ids,
        en.last_ns AS engine_last_ns,
-       CASE WHEN coalesce(rt.mode, en.connector_mode) = 'pull' THEN rt.p_response_ns END AS prefill_response_ns,
-       en.kv_descriptors
+       CASE WHEN coalesce(rt.mode, en.connector_mode) = 'pull'
+            THEN CASE WHEN rt.rkey IS NOT NULL THEN rt.p_response_ns ELSE coalesce(en.p_token_ns, en.p_fe_out_ns) END
+       END AS prefill_response_ns,
+       en.kv_descriptors,
+       CASE WHEN rt.rkey IS NOT NULL THEN 'router' ELSE 'engine' END AS ttft_source,
+       en.d_fe_in_ns AS decode_arrival_ns,
+       coalesce(en.has_prefill, false) AS has_prefill, coalesce(en.has_decode, false) AS has_decode,
+       en.p_fe_in_ns IS NOT NULL AS has_prefill_frontend, en.d_token_ns IS NOT NULL AS has_decode_token
 FROM rt FULL OUTER JOIN en ON rt.rkey = en.rkey
 WHERE NOT (rt.rkey IS NULL AND en.rkey IN (SELECT rkey FROM linked));
 

@@ -3,7 +3,12 @@
 --
 -- One row per request. TTFT only for complete requests (first token
 -- written); TPOT = (last token - first token) / (output tokens - 1), both
--- tokens as the router wrote them. output_tokens is the router's
+-- tokens as the router wrote them. ttft_source (module request_base):
+-- 'router' when the router recorded the request, else 'engine': the window
+-- is P's API server receiving the request -> D's API server writing the
+-- first token chunk (skew-corrected), the last token is D's API server's
+-- last chunk written, and the router's hops are not in it (the one between
+-- the legs is the pseudo-stage router.unseen in ttft_segments). output_tokens is the router's
 -- gen_ai.usage.output_tokens when it recorded one, else D's count from its
 -- request.finished event (latest attempt; module request_base). A
 -- request with a first token but no last token is `hung`: it keeps its TTFT,
@@ -23,7 +28,7 @@ SELECT q.run_id, q.request_id, q.prompt_index, q.mode,
        CASE WHEN q.first_token_ns IS NOT NULL AND q.last_token_ns IS NULL
             THEN (greatest(coalesce(q.root_end_ns, q.first_token_ns), coalesce(q.engine_last_ns, q.first_token_ns))
                   - q.first_token_ns) / 1e6 END AS hang_ms,
-       q.attempts, q.prefill_engine, q.decode_engine, q.first_contact, q.recomputed, q.rkey
+       q.attempts, q.prefill_engine, q.decode_engine, q.first_contact, q.recomputed, q.ttft_source, q.rkey
 FROM _req_base q LEFT JOIN incomplete_requests i ON i.rkey = q.rkey;
 
 COMMENT ON VIEW requests IS 'One row per request: mode, tokens, TTFT/TPOT, complete or incomplete with a cause.';
@@ -35,11 +40,11 @@ COMMENT ON COLUMN requests.prompt_tokens IS 'prompt tokens (tokens)';
 COMMENT ON COLUMN requests.cached_tokens IS 'prompt tokens served from the prefix cache (tokens)';
 COMMENT ON COLUMN requests.uncached_tokens IS 'prompt tokens computed: prompt - cached (tokens)';
 COMMENT ON COLUMN requests.output_tokens IS 'generated tokens: the router''s gen_ai.usage.output_tokens, else D''s request.finished count of the latest attempt (tokens)';
-COMMENT ON COLUMN requests.arrival_ns IS 'request received by the router (ns since the Unix epoch, router clock)';
-COMMENT ON COLUMN requests.first_token_ns IS 'first token chunk written by the router (ns since the Unix epoch); NULL if none';
-COMMENT ON COLUMN requests.last_token_ns IS 'last token chunk written (ns since the Unix epoch)';
-COMMENT ON COLUMN requests.ttft_ms IS 'first_token - arrival on the router clock (ms); NULL for incomplete requests';
-COMMENT ON COLUMN requests.tpot_ms IS '(router last token - router first token) / (output_tokens - 1) (ms per token); NULL without output_tokens > 1 or a last token';
+COMMENT ON COLUMN requests.arrival_ns IS 'request received: by the router (ttft_source router), by P''s API server (engine) (ns since the Unix epoch, corrected clock)';
+COMMENT ON COLUMN requests.first_token_ns IS 'first token chunk written: by the router (ttft_source router), by D''s API server (engine) (ns since the Unix epoch); NULL if none';
+COMMENT ON COLUMN requests.last_token_ns IS 'last token chunk written: by the router, or (engine) D''s API server''s last chunk (ns since the Unix epoch)';
+COMMENT ON COLUMN requests.ttft_ms IS 'first_token - arrival (ms; router clock, or engine: P''s clock with D corrected to it); NULL for incomplete requests';
+COMMENT ON COLUMN requests.tpot_ms IS '(last token - first token) / (output_tokens - 1), tokens as last_token_ns/first_token_ns (ms per token); NULL without output_tokens > 1 or a last token';
 COMMENT ON COLUMN requests.status IS 'complete (first token written) | incomplete';
 COMMENT ON COLUMN requests.cause IS 'cause of an incomplete request (see incomplete_requests.cause)';
 COMMENT ON COLUMN requests.detail IS 'evidence for the cause';
@@ -50,4 +55,5 @@ COMMENT ON COLUMN requests.prefill_engine IS 'prefill engine id';
 COMMENT ON COLUMN requests.decode_engine IS 'decode engine id';
 COMMENT ON COLUMN requests.first_contact IS 'true if the handoff paid the first-contact handshake';
 COMMENT ON COLUMN requests.recomputed IS 'true if the prompt was recomputed after a load failure or preemption';
+COMMENT ON COLUMN requests.ttft_source IS 'whose clocks give the TTFT window (DESIGN.md §3): router (the router recorded the request) | engine (no router record: P''s API server received -> D''s API server wrote the first token chunk; router hops unseen)';
 COMMENT ON COLUMN requests.rkey IS 'request join key';

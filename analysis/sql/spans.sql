@@ -2,8 +2,10 @@
 -- requires: stages, clock
 -- Every span and event once, with raw and skew-corrected times.
 -- corrected = raw - offset(clock domain, window of the raw start), the offset
--- of the domain's clock relative to the router's (module clock); a domain
--- without evidence in a window uses its whole-trace offset, and 0 without any.
+-- of the domain's clock relative to the router's (module clock; without any
+-- router evidence, relative to the reference prefill engine's, _clock_root);
+-- a domain without evidence in a window uses its whole-trace offset, and 0
+-- without any.
 
 -- The rows of the table or view named `rows` (columns domain, start_ns,
 -- end_ns: raw ns) with their correction: clock_offset_ns, clock_bound_ns
@@ -58,13 +60,13 @@ COMMENT ON COLUMN spans.tp_rank IS 'tensor-parallel rank of a per-rank stage (NU
 COMMENT ON COLUMN spans.thread IS 'recording thread name';
 COMMENT ON COLUMN spans.stage IS 'stage name (see view stages)';
 COMMENT ON COLUMN spans.category IS 'category of the stage: queue | compute | transfer | coordination; NULL for parents and unknown names';
-COMMENT ON COLUMN spans.start_ns IS 'start corrected to the router clock (ns since the Unix epoch)';
-COMMENT ON COLUMN spans.end_ns IS 'end corrected to the router clock (ns since the Unix epoch)';
+COMMENT ON COLUMN spans.start_ns IS 'start corrected to the router clock (no router evidence: the reference prefill engine''s, view clock_domains) (ns since the Unix epoch)';
+COMMENT ON COLUMN spans.end_ns IS 'end corrected to the router clock (or the reference engine''s) (ns since the Unix epoch)';
 COMMENT ON COLUMN spans.dur_ns IS 'end - start (duration ns; the same raw or corrected)';
 COMMENT ON COLUMN spans.raw_start_ns IS 'start as recorded on the writing process clock (ns since the Unix epoch)';
 COMMENT ON COLUMN spans.raw_end_ns IS 'end as recorded (ns since the Unix epoch)';
 COMMENT ON COLUMN spans.clock_domain IS 'clock the row was recorded on: ''router'' or the engine id';
-COMMENT ON COLUMN spans.clock_offset_ns IS 'offset subtracted from raw times: domain clock minus router clock (duration ns)';
+COMMENT ON COLUMN spans.clock_offset_ns IS 'offset subtracted from raw times: domain clock minus router clock (or minus the reference engine''s clock) (duration ns)';
 COMMENT ON COLUMN spans.clock_bound_ns IS 'uncertainty of clock_offset_ns (duration ns; NULL: unbounded or no evidence)';
 COMMENT ON COLUMN spans.status_code IS 'OTLP status: 0 unset, 1 ok, 2 error';
 COMMENT ON COLUMN spans.status_message IS 'error class and code';

@@ -9,6 +9,7 @@ CREATE OR REPLACE VIEW _stage_flags AS
 SELECT * FROM (VALUES
     -- stage,                 stage_group,      filler, step_boundary, step_level
     ('router.wait',          'router.wait',     true,   false, false),
+    ('router.unseen',        'router.unseen',   true,   false, false),
     ('handoff.step_wait',    'handoff.prep',    false,  true,  false),
     ('handoff.handshake',    'handoff.prep',    false,  false, false),
     ('handoff.agent_load',   'handoff.prep',    false,  false, false),
@@ -48,6 +49,6 @@ COMMENT ON COLUMN stages.role IS 'role that records the stage: router | prefill 
 COMMENT ON COLUMN stages.category IS 'queue | compute | transfer | coordination; NULL for parents, which are never charged';
 COMMENT ON COLUMN stages.owns_ttft IS 'true if the stage can own time on a request''s TTFT critical path (leaf request stage)';
 COMMENT ON COLUMN stages.stage_group IS 'the DESIGN.md §2 stage a child rolls up to (handoff.* -> handoff.prep); itself otherwise';
-COMMENT ON COLUMN stages.is_filler IS 'true for waits (router.wait) that own only time no other stage covers';
+COMMENT ON COLUMN stages.is_filler IS 'true for waits (router.wait, the pseudo-stage router.unseen) that own only time no other stage covers';
 COMMENT ON COLUMN stages.is_step_boundary IS 'true for waits on an engine-step boundary (handoff.step_wait, kv.ready)';
 COMMENT ON COLUMN stages.doc IS 'meaning of the stage (from -> to)';

@@ -49,6 +49,7 @@ WITH per_group AS (
            sum(s.dur_ns) FILTER (WHERE s.stage IN (SELECT stage FROM stages WHERE is_step_boundary)) AS step_boundary_ns,
            sum(s.dur_ns) FILTER (WHERE s.stage = 'kv.ready') AS readiness_lag_ns,
            sum(s.dur_ns) FILTER (WHERE s.stage = 'router.wait') AS router_wait_ns,
+           sum(s.dur_ns) FILTER (WHERE s.stage = 'router.unseen') AS router_unseen_ns,
            count(*) AS segments
     FROM _mat_ttft_segments s
     WHERE s.rkey IN (SELECT rkey FROM _scope_keys)
@@ -60,6 +61,7 @@ WITH per_group AS (
            coalesce(sum(transfer_ns), 0) AS transfer_ns, coalesce(sum(coordination_ns), 0) AS coordination_ns,
            coalesce(sum(unattributed_ns), 0) AS unattributed_ns, coalesce(sum(step_boundary_ns), 0) AS step_boundary_ns,
            coalesce(sum(readiness_lag_ns), 0) AS readiness_lag_ns, coalesce(sum(router_wait_ns), 0) AS router_wait_ns,
+           coalesce(sum(router_unseen_ns), 0) AS router_unseen_ns,
            sum(segments) AS segments,
            arg_max(stage_group, (d, stage_group)) AS dominant_stage, max(d) AS dominant_ns
     FROM per_group GROUP BY rkey
@@ -78,11 +80,12 @@ SELECT q.run_id, q.request_id, q.prompt_index, q.mode,
        seg.step_boundary_ns / 1e6 AS step_boundary_ms,
        seg.readiness_lag_ns / 1e6 AS readiness_lag_ms,
        seg.router_wait_ns / 1e6 AS router_wait_ms,
+       seg.router_unseen_ns / 1e6 AS router_unseen_ms,
        seg.dominant_stage::VARCHAR AS dominant_stage, seg.dominant_ns / 1e6 AS dominant_ms,
        q.first_contact, q.recomputed,
        q.prompt_tokens, q.cached_tokens, q.uncached_tokens, q.output_tokens,
        q.arrival_ns, q.first_token_ns, q.prefill_engine, q.decode_engine, seg.segments::BIGINT AS segments, q.kv_descriptors,
-       q.rkey
+       q.ttft_source, q.rkey
 FROM _req_base q
 JOIN seg ON seg.rkey = q.rkey
 LEFT JOIN hid ON hid.rkey = q.rkey;  -- seg holds only the refreshed requests
@@ -95,7 +98,7 @@ COMMENT ON COLUMN ttft_breakdown.run_id IS 'deployment run id';
 COMMENT ON COLUMN ttft_breakdown.request_id IS 'base request id X';
 COMMENT ON COLUMN ttft_breakdown.prompt_index IS 'prompt index i';
 COMMENT ON COLUMN ttft_breakdown.mode IS 'handoff mode: pull | push | unknown';
-COMMENT ON COLUMN ttft_breakdown.ttft_ns IS 'first token written - request received, router clock (duration ns)';
+COMMENT ON COLUMN ttft_breakdown.ttft_ns IS 'first token written - request received (duration ns): the router''s, or (ttft_source engine) D''s API server''s first token chunk - P''s API server''s receipt';
 COMMENT ON COLUMN ttft_breakdown.ttft_ms IS 'ttft_ns in ms';
 COMMENT ON COLUMN ttft_breakdown.queue_ns IS 'exposed queue time (duration ns)';
 COMMENT ON COLUMN ttft_breakdown.compute_ns IS 'exposed compute time (duration ns)';
@@ -112,6 +115,7 @@ COMMENT ON COLUMN ttft_breakdown.hidden_ms IS 'hidden_ns in ms';
 COMMENT ON COLUMN ttft_breakdown.step_boundary_ms IS 'exposed waits on engine-step boundaries: handoff.step_wait + kv.ready (ms)';
 COMMENT ON COLUMN ttft_breakdown.readiness_lag_ms IS 'exposed kv.ready: all ranks'' KV ready -> promoted by the scheduler (ms)';
 COMMENT ON COLUMN ttft_breakdown.router_wait_ms IS 'exposed router.wait: the router awaiting a leg while no engine stage runs (ms)';
+COMMENT ON COLUMN ttft_breakdown.router_unseen_ms IS 'exposed router.unseen (engine-clock window only): the router''s hop between P''s response and D''s request (pull) or before D''s leg arrived (push), not recorded (ms; part of coordination)';
 COMMENT ON COLUMN ttft_breakdown.dominant_stage IS 'stage (rolled up to its DESIGN.md §2 stage) with the most exposed time';
 COMMENT ON COLUMN ttft_breakdown.dominant_ms IS 'exposed time of dominant_stage (ms)';
 COMMENT ON COLUMN ttft_breakdown.first_contact IS 'true if the handoff paid the first-contact cost (handshake) for its engine pair';
@@ -120,10 +124,11 @@ COMMENT ON COLUMN ttft_breakdown.prompt_tokens IS 'prompt tokens (tokens)';
 COMMENT ON COLUMN ttft_breakdown.cached_tokens IS 'prompt tokens from the prefix cache (tokens)';
 COMMENT ON COLUMN ttft_breakdown.uncached_tokens IS 'prompt tokens computed (tokens)';
 COMMENT ON COLUMN ttft_breakdown.output_tokens IS 'generated tokens (requests.output_tokens: router, else D''s request.finished) (tokens)';
-COMMENT ON COLUMN ttft_breakdown.arrival_ns IS 'request received by the router (ns since the Unix epoch)';
-COMMENT ON COLUMN ttft_breakdown.first_token_ns IS 'first token written by the router (ns since the Unix epoch)';
+COMMENT ON COLUMN ttft_breakdown.arrival_ns IS 'request received by the router, or (engine) by P''s API server (ns since the Unix epoch)';
+COMMENT ON COLUMN ttft_breakdown.first_token_ns IS 'first token written by the router, or (engine) by D''s API server (ns since the Unix epoch)';
 COMMENT ON COLUMN ttft_breakdown.prefill_engine IS 'prefill engine id';
 COMMENT ON COLUMN ttft_breakdown.decode_engine IS 'decode engine id';
 COMMENT ON COLUMN ttft_breakdown.segments IS 'number of ttft_segments rows (count)';
 COMMENT ON COLUMN ttft_breakdown.kv_descriptors IS 'NIXL descriptors of the request''s kv.transfer spans, all ranks (count; NULL: no transfer)';
+COMMENT ON COLUMN ttft_breakdown.ttft_source IS 'router | engine: whose clocks give the window (requests.ttft_source); engine: P''s API server received -> D''s API server wrote the first token chunk, router hops unseen';
 COMMENT ON COLUMN ttft_breakdown.rkey IS 'request join key';

@@ -38,6 +38,16 @@
 --     descendants are not split out (their parent owns their time).
 --  5. Waits (router.wait) own only instants no stage covers; what remains is
 --     an `unattributed` segment named by its neighbours.
+--  Engine-clock window (request_base.ttft_source = 'engine': no router row):
+--  the window is [P's API server received, D's API server wrote the first
+--  token chunk] and the same steps apply. The router's hop between the legs
+--  is not recorded but is not dropped: a pseudo-stage router.unseen (a wait,
+--  like router.wait: it owns only instants no stage covers) spans
+--     pull: [P's response written (prefill_response_ns), D's API server
+--            received (decode_arrival_ns)]  -- the router got P's answer and
+--            sent D's leg
+--     push: [arrival, decode_arrival_ns]    -- D's leg on its way from the router
+--  (span_id NULL). Its segments say "router hop unseen" in the breakdown.
 --  Two rules adjust candidates before 4 (in step 3's query):
 --  6. kv.ready runs from the end of the request's kv.transfer (the kept,
 --     slowest rank's) when it is recorded as starting later: DESIGN.md §2
@@ -66,7 +76,8 @@ CREATE OR REPLACE MACRO _post_join_stage(g) AS g IN ('handoff.prep', 'kv.transfe
 
 -- The refreshed complete requests (small; every later step joins it on rkey alone).
 CREATE OR REPLACE VIEW _calc_tt_req AS
-SELECT rkey, arrival_ns, first_token_ns, prefill_response_ns, run_id, request_id, prompt_index FROM _req_base
+SELECT rkey, arrival_ns, first_token_ns, prefill_response_ns, run_id, request_id, prompt_index,
+       ttft_source, mode, decode_arrival_ns FROM _req_base
 WHERE first_token_ns IS NOT NULL AND arrival_ns IS NOT NULL AND first_token_ns >= arrival_ns
   AND rkey IN (SELECT rkey FROM _scope_keys);
 CREATE TABLE IF NOT EXISTS _mat_tt_req AS SELECT * FROM _calc_tt_req LIMIT 0;
@@ -87,7 +98,18 @@ JOIN _tt_req q ON q.rkey = t.rkey
 JOIN stages s ON s.stage = t.name
 WHERE t.record = 'span' AND s.owns_ttft
   AND t.c_start_ns <= q.first_token_ns AND t.c_end_ns >= q.arrival_ns
-  AND (t.role <> 'prefill' OR q.prefill_response_ns IS NULL OR t.c_start_ns <= q.prefill_response_ns);
+  AND (t.role <> 'prefill' OR q.prefill_response_ns IS NULL OR t.c_start_ns <= q.prefill_response_ns)
+UNION ALL
+-- engine-clock window: the router's unseen hop (pseudo-stage router.unseen; see the header)
+SELECT u.rkey, NULL::UBIGINT, NULL::UBIGINT, 'router.unseen'::_stage_name, s.category,
+       s.stage_group::_stage_name, s.is_filler, 'router', NULL::VARCHAR, NULL::SMALLINT, 0, u.e0,
+       'router', u.s0, u.e0, u.arrival_ns, u.first_token_ns
+FROM (SELECT rkey, arrival_ns, first_token_ns,
+             greatest(CASE WHEN mode = 'pull' THEN prefill_response_ns ELSE arrival_ns END, arrival_ns) AS s0,
+             least(decode_arrival_ns, first_token_ns) AS e0
+      FROM _tt_req WHERE ttft_source = 'engine') u
+JOIN stages s ON s.stage = 'router.unseen'
+WHERE u.e0 > u.s0;
 
 -- Candidates after the rank and branch rules; `kept` = may own time.
 CREATE OR REPLACE VIEW _calc_tt_cand AS
@@ -257,21 +279,21 @@ CREATE TABLE IF NOT EXISTS _mat_ttft_segments AS SELECT * FROM _calc_ttft_segmen
 CREATE OR REPLACE VIEW ttft_segments AS
 SELECT * REPLACE (stage::VARCHAR AS stage, stage_group::VARCHAR AS stage_group) FROM _mat_ttft_segments;
 
-COMMENT ON VIEW ttft_segments IS 'Exclusive critical-path segments tiling each complete request''s [arrival at router, first token written] (DESIGN.md §2-3).';
+COMMENT ON VIEW ttft_segments IS 'Exclusive critical-path segments tiling each complete request''s [arrival, first token written] (DESIGN.md §2-3): the router''s window, or without a router record the engines'' (requests.ttft_source = engine; the router''s hop between the legs is stage router.unseen).';
 COMMENT ON COLUMN ttft_segments.run_id IS 'deployment run id';
 COMMENT ON COLUMN ttft_segments.request_id IS 'base request id X';
 COMMENT ON COLUMN ttft_segments.prompt_index IS 'prompt index i (0 otherwise)';
 COMMENT ON COLUMN ttft_segments.seq IS 'position of the segment in time order, from 1';
-COMMENT ON COLUMN ttft_segments.stage IS 'leaf stage owning the segment, or ''unattributed''';
+COMMENT ON COLUMN ttft_segments.stage IS 'leaf stage owning the segment, ''router.unseen'' (engine-clock window: the router''s hop, not recorded), or ''unattributed''';
 COMMENT ON COLUMN ttft_segments.stage_group IS 'DESIGN.md §2 stage the leaf rolls up to (handoff.* -> handoff.prep)';
 COMMENT ON COLUMN ttft_segments.category IS 'queue | compute | transfer | coordination (unattributed counts as coordination)';
-COMMENT ON COLUMN ttft_segments.start_ns IS 'segment start on the router clock (ns since the Unix epoch)';
-COMMENT ON COLUMN ttft_segments.end_ns IS 'segment end on the router clock (ns since the Unix epoch)';
+COMMENT ON COLUMN ttft_segments.start_ns IS 'segment start on the corrected clock: the router''s, or (engine-clock window) the reference prefill engine''s (ns since the Unix epoch)';
+COMMENT ON COLUMN ttft_segments.end_ns IS 'segment end on the corrected clock (ns since the Unix epoch)';
 COMMENT ON COLUMN ttft_segments.dur_ns IS 'end_ns - start_ns (duration ns); the segments of a request sum to its TTFT';
 COMMENT ON COLUMN ttft_segments.role IS 'role of the owning stage (NULL for unattributed)';
 COMMENT ON COLUMN ttft_segments.engine_id IS 'engine of the owning stage (NULL for router stages and unattributed)';
 COMMENT ON COLUMN ttft_segments.tp_rank IS 'rank of a per-rank stage: the slowest expected rank (NULL if not per-rank)';
 COMMENT ON COLUMN ttft_segments.attempt IS 'attempt of the owning stage';
-COMMENT ON COLUMN ttft_segments.span_id IS 'span that owns the segment (NULL for unattributed)';
+COMMENT ON COLUMN ttft_segments.span_id IS 'span that owns the segment (NULL for unattributed and router.unseen)';
 COMMENT ON COLUMN ttft_segments.detail IS 'for unattributed: ''between <previous stage> and <next stage>''';
 COMMENT ON COLUMN ttft_segments.rkey IS 'request join key (see spans.rkey)';

@@ -51,6 +51,12 @@ facts = [f"prompt {row['prompt_tokens']} tokens" if row.get("prompt_tokens") == 
          f"P `{row['prefill_engine']}`" if row.get("prefill_engine") else None,
          f"D `{row['decode_engine']}`" if row.get("decode_engine") else None]
 st.markdown(" · ".join(f for f in facts if f))
+if row.get("ttft_source") == "engine":
+    st.warning("**Router hop unseen**: no router record for this request, so its TTFT is the engines' own window "
+               "(P's API server received it → D's API server wrote the first token chunk). The router's time "
+               "before P and after D is not in it; its hop between the legs is `router.unseen`"
+               + (f" ({data.fmt_ms(row['router_unseen_ms'])})" if row.get("router_unseen_ms") else "") + ".",
+               icon=":material/visibility_off:")
 
 spans = ui.q(t, data.request_spans, rkey)
 segs = ui.q(t, data.request_segments, rkey)
@@ -64,7 +70,9 @@ if len(clock):
     parts = [f"`{r.clock_domain}` ({r.role}) shifted by {r.shift_ms:+,.3f} ms"
              + (f" (± {r.bound_ms:,.3f} ms)" if r.bound_ms == r.bound_ms else " (unbounded)")
              for r in clock.itertuples()]
-    st.info("**Clock correction applied**: times are shown on the router clock; " + "; ".join(parts)
+    ref = ("the router clock" if row.get("ttft_source") != "engine"
+           else "the reference prefill engine's clock (no router record)")
+    st.info(f"**Clock correction applied**: times are shown on {ref}; " + "; ".join(parts)
             + ". A clock's shift is minus its estimated offset from the router's; the bound is how far the "
             "true offset may be from it (see the `clock_offsets` view).")
     st.dataframe(clock, hide_index=True, key="clock", column_config={

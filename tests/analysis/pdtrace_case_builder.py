@@ -26,9 +26,10 @@ def ns(ms: float) -> int:
 class Case:
     """Rows of one store; ``write(dir)`` writes one file per (role, engine)."""
 
-    def __init__(self, clock_shift_ms: dict[str, float] | None = None):
+    def __init__(self, clock_shift_ms: dict[str, float] | None = None, connector: str | None = None):
         self.rows: dict[tuple, list] = defaultdict(list)
         self.shift = clock_shift_ms or {}
+        self.connector = connector      # engines' resource `connector` (KV connector class), if given
 
     def _key(self, role, engine):
         return (role, engine)
@@ -75,6 +76,8 @@ class Case:
         for (role, engine), rows in sorted(self.rows.items(), key=lambda kv: (kv[0][0], kv[0][1] or "")):
             res = {"run_id": RUN, "role": role, "engine_id": engine, "host": "h", "pid": hash((role, engine)) % 30000,
                    "service_name": f"pdtrace-{role}"}
+            if self.connector and role != "router":
+                res["connector"] = self.connector
             name = f"{prefix}{role}-{engine or 'router'}.parquet"
             paths.append(store.write_rows(directory, rows, resource=res, name=name))
         return paths

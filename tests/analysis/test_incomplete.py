@@ -117,8 +117,10 @@ def test_unlinked_engine_only_request_is_incomplete_not_dropped(analyse):
     c = Case()
     c.span("decode", "decode.queue", 0, 5, rid="lonely", engine="d0")
     tr = analyse(c)
-    inc = tr.query("SELECT request_id, cause FROM incomplete_requests")
-    assert inc == [{"request_id": "lonely", "cause": "no_router_record"}]
+    inc = tr.query("SELECT request_id, cause, detail, ttft_source FROM incomplete_requests")
+    # no router record: an engine-clock request (DESIGN.md §3), and D alone cannot give its window
+    assert inc == [{"request_id": "lonely", "cause": "no_prefill_record",
+                    "detail": "no router record; D saw the request, P never did", "ttft_source": "engine"}]
 
 
 def test_missing_stages_named(analyse):

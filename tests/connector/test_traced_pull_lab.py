@@ -195,3 +195,10 @@ def test_sampling_half_keeps_the_same_ids_everywhere(model_dir, wl, traced_run, 
     assert by["router"] == by["prefill"] == by["decode"]
     assert kept == {x for x in sent if _ids.is_sampled(x, 0.5)}
     lt.check_activation(run_dir, "explicit")  # pdtrace's class names on the command line
+
+
+def test_engine_clock_window_without_the_routers_files(traced_run):
+    """Issue 16 item 2: the run's files minus the router's give every replayed request a complete engine-clock
+    TTFT (ttft_source = engine) whose breakdown tiles the window to the ns, within the router's TTFT."""
+    from engine_window import check_engine_window
+    check_engine_window(traced_run["dir"], [r.router_request_id for r in traced_run["recs"]])

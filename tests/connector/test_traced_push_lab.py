@@ -247,3 +247,10 @@ def test_unset_no_pdtrace_thread_or_process_in_any_engine_process(untraced_run):
     assert p["processes"] >= 4 and p["writers"] == [] and p["sinks"] == [], p
     log = (untraced_run["dir"] / "logs" / "prefill-0.log").read_text(errors="replace")
     assert "Creating v1 connector with name: NixlPushConnector" in log
+
+
+def test_engine_clock_window_without_the_routers_files(traced_run):
+    """Issue 16 item 2: the run's files minus the router's give every replayed request a complete engine-clock
+    TTFT (ttft_source = engine) whose breakdown tiles the window to the ns, within the router's TTFT."""
+    from engine_window import check_engine_window
+    check_engine_window(traced_run["dir"], [r.router_request_id for r in traced_run["recs"]])
