@@ -116,11 +116,18 @@ def agreement(client: list[dict], traced: dict[str, dict]) -> dict:
 
 
 def measure(out: Path, router: str, mode: str = "pull", n: int = 20, echo=print) -> dict:
-    """:func:`lab_run` + :func:`agreement` for one router; adds ``router``, ``run_dir`` and the lab's client summary."""
+    """:func:`lab_run` + :func:`agreement` for one router.
+
+    Adds ``router``, ``router_build``, ``mode``, ``run_dir``, the lab's client
+    summary (``client``) and D's prompt tokens by source during the replay
+    (``decode_prompt_tokens_by_source``: local_compute 0 means every prompt's KV
+    came from P).
+    """
     summary = lab_run(out, router, mode, n, echo)
     s = agreement(client_rows(out), traced_rows(out))
     s.update({"router": router, "mode": mode, "run_dir": str(out), "client": summary["client"],
-              "router_build": summary.get("router_build", "pdtrace")})
+              "router_build": summary.get("router_build", "pdtrace"),
+              "decode_prompt_tokens_by_source": summary["decode_prompt_tokens_by_source"]})
     return s
 
 
