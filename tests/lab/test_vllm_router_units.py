@@ -86,3 +86,12 @@ def test_start_failure_names_the_log(tmp_path, monkeypatch):
     assert str(tmp_path / "logs" / "router.log") in str(ei.value)
     assert "router" not in lab.procs
     assert not procs.port_is_bound(r_port)
+
+
+def test_cli_offers_the_routers():
+    from click.testing import CliRunner
+
+    from pdtrace.connector.cli import lab
+    r = CliRunner().invoke(lab, ["--router", "nginx"])
+    assert r.exit_code == 2 and "'pdtrace', 'vllm-router'" in r.output, r.output
+    assert "--router [pdtrace|vllm-router]" in CliRunner().invoke(lab, ["--help"]).output
