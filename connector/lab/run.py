@@ -7,6 +7,12 @@ holds ``run.json`` (configuration, scale factors, engine start times, summary),
 (what the client saw) and, with tracing on, the router's and engines' span
 files written by ``pdtrace.instrument``.
 
+``--router vllm-router`` puts vLLM's own P/D router (:mod:`.vllm_router`) in
+front of the engines instead of pdtrace's: it records no spans, so the
+report's TTFT windows come from the engines' clocks (``ttft_source =
+'engine'``), and the client's ``response_id`` joins its records to pdtrace's
+request ids.
+
 With tracing on and the traced connectors, the run ends by printing the
 ``pdtrace report`` summary of its directory (TTFT/TPOT by mode and prompt
 bucket, the queue/compute/transfer/coordination shares, dominant stages,
@@ -212,7 +218,8 @@ def run_lab(o: LabOptions, echo=print) -> dict:
         if o.router != "pdtrace" and no_report_reason(o) is None:
             echo(f"{o.router} records no spans: the report's TTFT runs on the engines' clocks "
                  "(ttft_source engine: P's API server received -> D's API server wrote the first token), "
-                 "the router hop unseen")
+                 f"the router hop unseen; it counts the {len(recs)} replayed requests and the warm-up "
+                 f"(whose id is {o.router}'s, not {WARMUP_CLIENT_ID.format('N')})")
         elif o.warmup and no_report_reason(o) is None:
             k = max(cfg.n_prefill, cfg.n_decode)
             echo(f"the report counts every request the router traced: the {len(recs)} replayed and the {k} "
