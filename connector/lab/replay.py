@@ -11,7 +11,11 @@ What the client saw is written per request to ``<out>/client/requests.parquet``
 (``time.time_ns`` anchored once, advanced by the monotonic clock).
 
 Columns: ``run_id``, ``request_index``, ``trace_index``, ``router_request_id``
-(the X the router used, from the response header), ``prompt_tokens``,
+(the X the router used, from the response header; empty when the router sends
+none, as ``vllm-router`` does), ``response_id`` (the ``id`` of the first
+stream chunk: vLLM's ``cmpl-<id its API server got>``, so
+:func:`engine_request_id` of it is pdtrace's ``request_id`` behind any router
+that relays D's stream; empty if no chunk came), ``prompt_tokens``,
 ``max_tokens``, ``shared_prefix_tokens``, ``scheduled_ns`` (planned send),
 ``send_ns``, ``first_token_ns`` (null if none), ``end_ns``, ``token_times_ns``
 (list, one per generated token), ``output_tokens``, ``status`` (``ok``,
@@ -49,6 +53,7 @@ class ClientRecord:
     http_status: int = 0
     error_type: str = ""
     router_request_id: str = ""
+    response_id: str = ""
 
     @property
     def ok(self) -> bool:
@@ -112,6 +117,8 @@ async def send_one(session: aiohttp.ClientSession, url: str, req: ReplayRequest,
                             rec.error_type = str(err.get("type", ""))[:64]
                             rec.http_status = int(err.get("code") or 0) if str(err.get("code", "")).isdigit() else rec.http_status
                             continue
+                        if not rec.response_id and isinstance(obj.get("id"), str):
+                            rec.response_id = obj["id"][:256]
                         new, total = _count_tokens(obj, total)
                         if new:
                             if rec.first_token_ns is None:
@@ -182,6 +189,7 @@ def write_records(recs: list[ClientRecord], out_dir, run_id: str) -> str:
         "request_index": [r.request_index for r in recs],
         "trace_index": [r.trace_index for r in recs],
         "router_request_id": [r.router_request_id for r in recs],
+        "response_id": [r.response_id for r in recs],
         "prompt_tokens": [r.prompt_tokens for r in recs],
         "max_tokens": [r.max_tokens for r in recs],
         "shared_prefix_tokens": [r.shared_prefix_tokens for r in recs],
@@ -197,7 +205,7 @@ def write_records(recs: list[ClientRecord], out_dir, run_id: str) -> str:
     }
     schema = pa.schema([
         ("run_id", pa.string()), ("request_index", pa.int32()), ("trace_index", pa.int32()),
-        ("router_request_id", pa.string()), ("prompt_tokens", pa.int32()), ("max_tokens", pa.int32()),
+        ("router_request_id", pa.string()), ("response_id", pa.string()), ("prompt_tokens", pa.int32()), ("max_tokens", pa.int32()),
         ("shared_prefix_tokens", pa.int32()), ("scheduled_ns", pa.int64()), ("send_ns", pa.int64()),
         ("first_token_ns", pa.int64()), ("end_ns", pa.int64()), ("token_times_ns", pa.list_(pa.int64())),
         ("output_tokens", pa.int32()), ("status", pa.string()), ("http_status", pa.int32()),
@@ -212,6 +220,21 @@ def write_records(recs: list[ClientRecord], out_dir, run_id: str) -> str:
     pq.write_table(table, tmp, compression="zstd")
     tmp.rename(path)
     return str(path)
+
+
+def engine_request_id(response_id: str) -> str:
+    """pdtrace's ``request_id`` (the id both engines got) from a completion's response ``id``.
+
+    vLLM's completions API answers with ``id = "cmpl-" + <the request id its API
+    server got>`` (``X-Request-Id``, or the id a router generated), and chat with
+    ``"chatcmpl-" + ...``; pdtrace strips the same prefix from the engines' ids
+    (:func:`pdtrace.instrument.ids.parse_request_id`). Returns ``""`` for ``""``;
+    an id without either prefix is returned unchanged.
+    """
+    for prefix in ("chatcmpl-", "cmpl-"):
+        if response_id.startswith(prefix):
+            return response_id[len(prefix):]
+    return response_id
 
 
 def _pct(xs: list[float], q: float) -> float | None:

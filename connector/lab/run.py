@@ -7,6 +7,7 @@ holds ``run.json`` (configuration, scale factors, engine start times, summary),
 (what the client saw) and, with tracing on, the router's and engines' span
 files written by ``pdtrace.instrument``.
 
+<<<<<<< HEAD
 How the engines are traced (``--connector``, ``--trace/--no-trace``):
 
 =====================  ===================================================================
@@ -24,6 +25,19 @@ With tracing on, the run ends by printing the ``pdtrace report`` summary of
 its directory (TTFT/TPOT by mode and prompt bucket, the
 queue/compute/transfer/coordination shares, dominant stages, incomplete
 requests, clock offsets); with ``--no-trace`` it says why there is no report.
+=======
+``--router vllm-router`` puts vLLM's own P/D router (:mod:`.vllm_router`) in
+front of the engines instead of pdtrace's: it records no spans, so the
+report's TTFT windows come from the engines' clocks (``ttft_source =
+'engine'``), and the client's ``response_id`` joins its records to pdtrace's
+request ids.
+
+With tracing on and the traced connectors, the run ends by printing the
+``pdtrace report`` summary of its directory (TTFT/TPOT by mode and prompt
+bucket, the queue/compute/transfer/coordination shares, dominant stages,
+incomplete requests, clock offsets); with ``--connector stock`` or
+``--no-trace`` it says why there is no report instead.
+>>>>>>> h/router
 """
 from __future__ import annotations
 
@@ -47,6 +61,8 @@ WORKLOADS = {"azure-conv": "AZURE_CONV", "mooncake-conv": "MOONCAKE_CONV"}
 # Default length scale per trace format: CPU cannot serve 12k-token prompts quickly.
 DEFAULT_LENGTH_SCALE = {"azure-csv": 0.25, "mooncake-jsonl": 0.05}
 TRACED = {"pull": "TracedNixlPullConnector", "push": "TracedNixlPushConnector"}
+#: ``--router``: pdtrace's traced router (default), or vLLM's ``vllm-router`` (records no spans).
+ROUTERS = ("pdtrace", "vllm-router")
 
 
 @dataclasses.dataclass
@@ -71,6 +87,7 @@ class LabOptions:
     check_env: bool = True
     role_env: dict = dataclasses.field(default_factory=dict)  # LabConfig.role_env: {role: {VAR: value}}
     report: bool = True                     # print `pdtrace report` of the run directory at the end
+    router: str = "pdtrace"                 # pdtrace (traced) | vllm-router (vLLM's, untraced; .vllm_router)
 
 
 def default_out(mode: str) -> Path:
@@ -148,6 +165,8 @@ def run_lab(o: LabOptions, echo=print) -> dict:
     """
     if o.mode not in ("pull", "push"):
         raise ValueError(f"mode must be pull or push, not {o.mode!r}")
+    if o.router not in ROUTERS:
+        raise ValueError(f"router must be one of {ROUTERS}, not {o.router!r}")
     if o.profile not in PROFILES:
         raise ValueError(f"profile must be one of {sorted(PROFILES)}, not {o.profile!r}")
     if o.check_env:
@@ -167,10 +186,10 @@ def run_lab(o: LabOptions, echo=print) -> dict:
     run_id = out.name
     echo(f"pdtrace lab: mode={o.mode} workload={name} ({wl.fmt}) requests={len(wl.requests)} "
          f"length_scale={length_scale} rate_scale={o.rate_scale} profile={o.profile} "
-         f"(KV {info['kv_bytes_per_token']} B/token) connector={o.connector} out={out}")
+         f"(KV {info['kv_bytes_per_token']} B/token) connector={o.connector} router={o.router} out={out}")
     cfg = LabConfig(model=model_dir, mode=o.mode, run_dir=out, profile=o.profile,
                     max_model_len=o.max_model_len, trace_dir=(out.resolve() if o.trace else None),
-                    router_timeout_s=o.request_timeout_s, role_env=dict(o.role_env))
+                    router_timeout_s=o.request_timeout_s, role_env=dict(o.role_env), router_kind=o.router)
     if o.connector == "traced":
         cfg.connector_class, cfg.connector_module = TRACED[o.mode], "pdtrace.connector.traced"
         cfg.extra_args = ["--middleware", "pdtrace.connector.traced.middleware.FrontendMiddleware"]
@@ -178,7 +197,12 @@ def run_lab(o: LabOptions, echo=print) -> dict:
                      "activation": activation(o),
                      "connector_module": cfg.connector_module, "model": str(model_dir), "model_info": info,
                      "workload": wl.summary(), "vllm_build": f"{lab_env.VLLM_DIST}=={lab_env.VLLM_VERSION}",
-                     "nixl_progress_thread": cfg.prog_thread}
+                     "nixl_progress_thread": cfg.prog_thread, "router": o.router}
+    if o.router == "vllm-router":
+        import importlib.metadata
+
+        from . import vllm_router
+        summary["router_build"] = f"{vllm_router.DIST}=={importlib.metadata.version(vllm_router.DIST)}"
     t_start = time.monotonic()
     with Lab(cfg) as lab:
         summary["engine_start_s"] = {k: round(v, 2) for k, v in lab.start_s.items()}
@@ -194,7 +218,7 @@ def run_lab(o: LabOptions, echo=print) -> dict:
         recs = asyncio.run(replay.replay(wl, lab.router_url, timeout_s=o.request_timeout_s, progress=o.progress))
         summary["replay_wall_s"] = round(time.monotonic() - t_replay, 3)
         d_after = [metrics.prompt_tokens_by_source(e.url) for e in lab.decodes]
-        rows = metrics.router_stats(lab.router_url)
+        rows = metrics.router_stats(lab.router_url) if o.router == "pdtrace" else []  # only ours has /_lab/stats
     summary["decode_prompt_tokens_by_source"] = {
         k: sum(a[k] - b[k] for a, b in zip(d_after, d_before)) for k in d_after[0]}
     summary["client_records"] = replay.write_records(recs, out / "client", run_id)
@@ -212,7 +236,12 @@ def run_lab(o: LabOptions, echo=print) -> dict:
          f"{src['external_kv_transfer']:.0f}, local prefix-cache hits {src['local_cache_hit']:.0f}")
     echo(f"scale factors: length x{length_scale}, rate x{o.rate_scale}; run directory: {out}")
     if o.report:
-        if o.warmup and no_report_reason(o) is None:
+        if o.router != "pdtrace" and no_report_reason(o) is None:
+            echo(f"{o.router} records no spans: the report's TTFT runs on the engines' clocks "
+                 "(ttft_source engine: P's API server received -> D's API server wrote the first token), "
+                 f"the router hop unseen; it counts the {len(recs)} replayed requests and the warm-up "
+                 f"(whose id is {o.router}'s, not {WARMUP_CLIENT_ID.format('N')})")
+        elif o.warmup and no_report_reason(o) is None:
             k = max(cfg.n_prefill, cfg.n_decode)
             echo(f"the report counts every request the router traced: the {len(recs)} replayed and the {k} "
                  f"warm-up request{'s' if k > 1 else ''} (client id {WARMUP_CLIENT_ID.format('N')}, which paid the "
