@@ -32,7 +32,7 @@ import click
 @click.option("--profile", type=click.Choice(["default", "transfer-heavy"]), default="default", show_default=True,
               help="transfer-heavy: 16x KV bytes per token and UCX_TLS=tcp,self.")
 @click.option("--connector", type=click.Choice(["stock", "traced"]), default="stock", show_default=True,
-             help="stock: vLLM's stock serving command (NixlConnector names, no --middleware) plus "
+              help="stock: vLLM's stock serving command (NixlConnector names, no --middleware) plus "
                    "PDTRACE_DIR, traced by pdtrace's vLLM plugin (the production recipe). traced: pdtrace's "
                    "class names (TracedNixl*Connector, kv_connector_module_path) and --middleware on the "
                    "command line.")

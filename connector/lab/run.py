@@ -7,7 +7,6 @@ holds ``run.json`` (configuration, scale factors, engine start times, summary),
 (what the client saw) and, with tracing on, the router's and engines' span
 files written by ``pdtrace.instrument``.
 
-<<<<<<< HEAD
 How the engines are traced (``--connector``, ``--trace/--no-trace``):
 
 =====================  ===================================================================
@@ -21,23 +20,16 @@ How the engines are traced (``--connector``, ``--trace/--no-trace``):
                        (with ``stock``: vLLM exactly as shipped) or the router
 =====================  ===================================================================
 
-With tracing on, the run ends by printing the ``pdtrace report`` summary of
-its directory (TTFT/TPOT by mode and prompt bucket, the
-queue/compute/transfer/coordination shares, dominant stages, incomplete
-requests, clock offsets); with ``--no-trace`` it says why there is no report.
-=======
 ``--router vllm-router`` puts vLLM's own P/D router (:mod:`.vllm_router`) in
 front of the engines instead of pdtrace's: it records no spans, so the
 report's TTFT windows come from the engines' clocks (``ttft_source =
 'engine'``), and the client's ``response_id`` joins its records to pdtrace's
 request ids.
 
-With tracing on and the traced connectors, the run ends by printing the
-``pdtrace report`` summary of its directory (TTFT/TPOT by mode and prompt
-bucket, the queue/compute/transfer/coordination shares, dominant stages,
-incomplete requests, clock offsets); with ``--connector stock`` or
-``--no-trace`` it says why there is no report instead.
->>>>>>> h/router
+With tracing on, the run ends by printing the ``pdtrace report`` summary of
+its directory (TTFT/TPOT by mode and prompt bucket, the
+queue/compute/transfer/coordination shares, dominant stages, incomplete
+requests, clock offsets); with ``--no-trace`` it says why there is no report.
 """
 from __future__ import annotations
 
