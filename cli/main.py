@@ -15,6 +15,7 @@ _SUBCOMMANDS = {
     "report": ("pdtrace.analysis.cli", "report", "Print the TTFT breakdown summary of a trace directory."),
     "sql": ("pdtrace.analysis.cli", "sql", "Run read-only SQL over a trace directory's views."),
     "dashboard": ("pdtrace.dashboard.cli", "dashboard", "Serve the Streamlit dashboard for a trace directory."),
+    "collect": ("pdtrace.instrument.collect", "collect", "Receive OTLP/HTTP spans from routers and engines into a trace directory."),
 }
 
 
