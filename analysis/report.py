@@ -28,7 +28,9 @@ def collect(con) -> dict[str, Any]:
     Keys: ``by_mode``, ``by_prompt_bucket`` (lists of summary rows),
     ``dominant_stages`` ([{mode, dominant_stage, requests}]), ``incomplete``
     ([{cause, requests}]), ``clock`` (worst offset bound per clock pair),
-    ``skipped_files`` ([{path, reason}]), ``transfers`` (count, descriptor-bound count).
+    ``skipped_files`` ([{path, reason}]), ``transfers`` (count, descriptor-bound count),
+    ``coarse`` ({by_engine: per-engine means from ``coarse_breakdown``, only: True when no request has
+    a pdtrace breakdown}).
     """
     return {
         "by_mode": _rows(con, f"SELECT {', '.join(_MODE_COLS)} FROM summary_by_mode ORDER BY mode"),
@@ -44,7 +46,19 @@ def collect(con) -> dict[str, Any]:
         "transfers": _rows(con, "SELECT count(*) AS transfers, count(*) FILTER (WHERE descriptor_bound) "
                                 "AS descriptor_bound FROM transfers")[0],
         "skipped_files": _rows(con, "SELECT path, reason FROM store_files WHERE NOT ok ORDER BY path"),
+        "coarse": _coarse(con),
     }
+
+
+def _coarse(con) -> dict[str, Any]:
+    """Per engine from stock vLLM llm_request spans (view coarse_breakdown); ``only`` when no request has a
+    pdtrace breakdown (then the report prints it: the coarse numbers are all the store allows)."""
+    rows = _rows(con, "SELECT role, engine_id, count(*) AS requests, round(median(engine_ttft_ms), 3) AS engine_ttft_p50_ms, "
+                      "round(avg(queue_ms), 3) AS queue_mean_ms, round(avg(prefill_ms), 3) AS prefill_mean_ms, "
+                      "round(avg(decode_ms), 3) AS decode_mean_ms, round(avg(other_ms), 3) AS other_mean_ms "
+                      "FROM coarse_breakdown GROUP BY ALL ORDER BY role, engine_id")
+    only = bool(rows) and _rows(con, "SELECT count(*) AS n FROM ttft_breakdown")[0]["n"] == 0
+    return {"by_engine": rows, "only": only}
 
 
 def fmt_value(v: Any) -> str:
@@ -90,6 +104,10 @@ def render(data: dict[str, Any], title: str = "") -> str:
     t = data["transfers"]
     out += [f"Transfers: {t['transfers']} ({t['descriptor_bound']} descriptor-bound)", ""]
     out += ["Clock offsets (whole trace)", table(data["clock"]), ""]
+    coarse = data.get("coarse") or {}
+    if coarse.get("only"):
+        out += ["Coarse breakdown (stock vLLM llm_request spans only, no pdtrace stages: engine_ttft = queue + "
+                "prefill + other per engine, ms; view coarse_breakdown)", table(coarse["by_engine"]), ""]
     if data["skipped_files"]:
         out += ["Skipped files", table(data["skipped_files"]), ""]
     return "\n".join(out)

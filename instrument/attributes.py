@@ -132,6 +132,7 @@ _ALLOWED: dict[str, Attr] = {
     "collect.unjoined_spans": _A(int, "pdtrace collect: spans written with no request id that maps (cumulative count)"),
     "collect.dropped_attributes": _A(int, "pdtrace collect: foreign attributes dropped (not allowlisted or wrong type) (cumulative count)"),
     "collect.write_errors": _A(int, "pdtrace collect: failed file writes (cumulative count)"),
+    "collect.skipped_pdtrace_spans": _A(int, "pdtrace collect: spans of pdtrace's own OTLP export, skipped (already in the store) (cumulative count)"),
     "collect.held_spans": _A(int, "pdtrace collect: spans waiting for their trace id to map, at the stats row's time (count)"),
 }
 

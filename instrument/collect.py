@@ -27,7 +27,10 @@ every ``rotate_s`` the parts are merged into one segment (``-s<seq>``) and
 deleted, as the recorder's sink does (readers drop the rows a listing sees
 twice by ``record_id``). A failed write drops that file's rows and counts
 them (``collect.write_errors``, ``collect.dropped_spans``); the next flush
-retries. SIGINT / SIGTERM (or :meth:`Collector.stop`) write everything
+retries. Spans of pdtrace's own OTLP export are skipped and counted
+(``collect.skipped_pdtrace_spans``; ``--keep-pdtrace`` keeps them):
+:class:`~pdtrace.instrument.otlp_ingest.Ingest` says why. SIGINT / SIGTERM
+(or :meth:`Collector.stop`) write everything
 received, spans still waiting for their trace included (unjoined if nothing
 mapped them).
 
@@ -57,7 +60,7 @@ MAX_BODY = 64 << 20
 DEFAULT_PORT = 4318
 
 _STATS_KEYS = ("received_spans", "written_spans", "dropped_spans", "bad_bodies", "unjoined_spans",
-               "dropped_attributes", "write_errors", "held_spans")
+               "dropped_attributes", "write_errors", "held_spans", "skipped_pdtrace_spans")
 
 
 class Collector:
@@ -66,21 +69,22 @@ class Collector:
     ``directory``: the store to write into (created if missing). ``port`` 0 picks
     a free port (:attr:`port` after :meth:`start`). ``run_id``: written on every
     collected row (a sender resource's ``pdtrace.run_id`` wins).
-    ``join_wait_s``: how long a span waits for its trace id to map
+    ``join_wait_s``: how long a span waits for its trace id to map;
+    ``keep_pdtrace``: store pdtrace's own OTLP export too
     (:class:`~pdtrace.instrument.otlp_ingest.Ingest`). Raises OSError from
     :meth:`start` when the address cannot be bound.
     """
 
     def __init__(self, directory, host: str = "127.0.0.1", port: int = DEFAULT_PORT, run_id: str | None = None,
                  flush_interval_s: float = 1.0, rotate_s: float = 60.0, join_wait_s: float = 10.0,
-                 max_queue_spans: int = 262_144) -> None:
+                 max_queue_spans: int = 262_144, keep_pdtrace: bool = False) -> None:
         from .convert import Converter
 
         self.dir = os.fspath(directory)
         self.host, self.port = host, port
         self.flush_interval_s, self.rotate_s = flush_interval_s, rotate_s
         self.max_queue_spans = max_queue_spans
-        self.ingest = otlp_ingest.Ingest(run_id, join_wait_s)
+        self.ingest = otlp_ingest.Ingest(run_id, join_wait_s, keep_pdtrace)
         self.conv = Converter()
         self.stats = dict.fromkeys(_STATS_KEYS, 0)
         self._q: queue.SimpleQueue = queue.SimpleQueue()
@@ -256,6 +260,7 @@ class Collector:
         self.stats["unjoined_spans"] = c.unjoined
         self.stats["dropped_attributes"] = self.conv.dropped_attributes
         self.stats["held_spans"] = self.ingest.held
+        self.stats["skipped_pdtrace_spans"] = c.skipped_pdtrace
         st = dict(self.stats)
         st["written_spans"] += spans
         t_ns = time.time_ns()
@@ -367,7 +372,9 @@ def _command():
                   show_default=True, help="Seconds between part files.")
     @click.option("--join-wait", "join_wait_s", type=click.FloatRange(0, 3600), default=10.0, show_default=True,
                   help="Seconds a span without its own request id waits for its trace id to map.")
-    def collect(directory, port, host, run_id, flush_interval_s, join_wait_s):
+    @click.option("--keep-pdtrace", is_flag=True,
+                  help="Also store spans from pdtrace's own OTLP export (skipped by default: already in its store).")
+    def collect(directory, port, host, run_id, flush_interval_s, join_wait_s, keep_pdtrace):
         """Receive OTLP/HTTP spans (POST /v1/traces) from routers and engines pdtrace did not instrument
         and write them into the store DIRECTORY.
 
@@ -377,7 +384,8 @@ def _command():
         if run_id is None:
             run_id = config.from_env().run_id
         try:
-            serve(directory, host, port, run_id=run_id, flush_interval_s=flush_interval_s, join_wait_s=join_wait_s)
+            serve(directory, host, port, run_id=run_id, flush_interval_s=flush_interval_s, join_wait_s=join_wait_s,
+                  keep_pdtrace=keep_pdtrace)
         except OSError as exc:
             raise click.ClickException(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
 

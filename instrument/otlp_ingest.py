@@ -166,11 +166,19 @@ class Counters:
     events: int = 0
     unjoined: int = 0
     derived_roots: int = 0
+    skipped_pdtrace: int = 0
     joined: dict = field(default_factory=dict)  # rule name -> spans
 
 
 class Ingest:
     """Stateful mapping of one collector: resources seen, the trace-id map, spans waiting for it.
+
+    Spans of pdtrace's own OTLP export (resource ``pdtrace.pdtrace_version``)
+    are skipped and counted (``counters.skipped_pdtrace``) unless
+    ``keep_pdtrace``: a traced process already writes them to its store, and
+    vLLM's ``--otlp-traces-endpoint`` sets ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``
+    in the engine's processes, which switches pdtrace's exporter on towards the
+    same collector (the copies' events would duplicate the store's).
 
     Not thread-safe: one thread calls :meth:`add` and :meth:`ready`.
     ``run_id``: the run id written on every collected row (a resource's
@@ -178,9 +186,10 @@ class Ingest:
     waits for its trace to map (rule 3) before rule 4 or 5 applies.
     """
 
-    def __init__(self, run_id: str | None = None, join_wait_s: float = 10.0) -> None:
+    def __init__(self, run_id: str | None = None, join_wait_s: float = 10.0, keep_pdtrace: bool = False) -> None:
         self.run_id = run_id
         self.join_wait_s = join_wait_s
+        self.keep_pdtrace = keep_pdtrace
         self.counters = Counters()
         self.resources: dict[tuple, dict] = {}
         self._traces: OrderedDict[str, tuple[str, int]] = OrderedDict()
@@ -200,6 +209,9 @@ class Ingest:
         n = 0
         for rs in req.resource_spans:
             res_key, res, role = self._resource(rs.resource)
+            if res["pdtrace_version"] is not None and not self.keep_pdtrace:
+                self.counters.skipped_pdtrace += sum(len(ss.spans) for ss in rs.scope_spans)
+                continue
             is_router = role == "router"
             for ss in rs.scope_spans:
                 scope = ss.scope.name or None

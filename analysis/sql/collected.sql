@@ -26,7 +26,8 @@ SELECT host, pid,
        max(attr_int['collect.bad_bodies']) AS bad_bodies,
        max(attr_int['collect.unjoined_spans']) AS unjoined_spans,
        max(attr_int['collect.dropped_attributes']) AS dropped_attributes,
-       max(attr_int['collect.write_errors']) AS write_errors
+       max(attr_int['collect.write_errors']) AS write_errors,
+       max(attr_int['collect.skipped_pdtrace_spans']) AS skipped_pdtrace_spans
 FROM _records
 WHERE record = 'stats' AND name = 'collect.stats'
 GROUP BY host, pid;
@@ -50,3 +51,4 @@ COMMENT ON COLUMN collect_stats.bad_bodies IS 'request bodies refused: not decod
 COMMENT ON COLUMN collect_stats.unjoined_spans IS 'spans written without a request id (count)';
 COMMENT ON COLUMN collect_stats.dropped_attributes IS 'foreign attributes dropped: not allowlisted or of the wrong type (count)';
 COMMENT ON COLUMN collect_stats.write_errors IS 'failed file writes (count)';
+COMMENT ON COLUMN collect_stats.skipped_pdtrace_spans IS 'spans of pdtrace''s own OTLP export, skipped: its processes write them to their store (count)';
