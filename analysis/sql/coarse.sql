@@ -14,10 +14,14 @@
 --   other       = engine_ttft - queue - prefill: the API server (tokenize,
 --                 hand-off to EngineCore) and output processing before the
 --                 first token is counted; coordination.
--- It is coarse: no handoff stage is seen. On a P/D decode engine vLLM's
--- "prefill" spans the KV load from P (transfer and its coordination) and the
--- first decode step; on the prefill engine it is the prompt's forward passes.
--- The router hop is not in these numbers (engine clocks only).
+-- It is coarse: no handoff stage is seen. On the prefill engine queue and
+-- prefill are what they say (the prompt's forward passes). On a P/D decode
+-- engine whose connector loads KV asynchronously (NIXL), vLLM records
+-- SCHEDULED only when the KV has arrived (vllm/v1/core/sched/scheduler.py
+-- skips a request while its KV fetch is in progress), so D's queue covers the
+-- wait for blocks *and* the KV load from P (transfer and its coordination),
+-- and D's prefill is its first decode step. The router hop is not in these
+-- numbers (engine clocks only).
 
 CREATE OR REPLACE VIEW coarse_breakdown AS
 SELECT run_id, request_id, prompt_index, role, engine_id,
@@ -45,8 +49,8 @@ COMMENT ON COLUMN coarse_breakdown.role IS 'prefill | decode | engine (role not 
 COMMENT ON COLUMN coarse_breakdown.engine_id IS 'engine the span came from (pdtrace.engine_id, service.instance.id or service.name@host/pid)';
 COMMENT ON COLUMN coarse_breakdown.arrival_ns IS 'request arrival at the engine''s API server (llm_request start; ns since the Unix epoch, corrected clock)';
 COMMENT ON COLUMN coarse_breakdown.engine_ttft_ms IS 'vLLM''s time_to_first_token on this engine: API-server arrival -> first token (ms); not the router''s TTFT';
-COMMENT ON COLUMN coarse_breakdown.queue_ms IS 'queued -> first scheduled in EngineCore (ms; queue)';
-COMMENT ON COLUMN coarse_breakdown.prefill_ms IS 'first scheduled -> first token (ms; compute on P; on a P/D decode engine it includes the KV load)';
+COMMENT ON COLUMN coarse_breakdown.queue_ms IS 'queued -> first scheduled in EngineCore (ms; queue; on a P/D decode engine it includes the KV load from P)';
+COMMENT ON COLUMN coarse_breakdown.prefill_ms IS 'first scheduled -> first token (ms; compute; on a P/D decode engine the first decode step)';
 COMMENT ON COLUMN coarse_breakdown.decode_ms IS 'first token -> last token (ms)';
 COMMENT ON COLUMN coarse_breakdown.other_ms IS 'engine_ttft - queue - prefill: API server and output processing before the first token (ms; coordination)';
 COMMENT ON COLUMN coarse_breakdown.e2e_ms IS 'API-server arrival -> request finished (ms)';

@@ -56,15 +56,25 @@ def test_every_llm_request_span_lands_and_joins_the_routers_request(collected):
     recs = collected["recs"]
     assert len(recs) == N_REQUESTS and all(r.ok for r in recs), [(r.status, r.error_type) for r in recs]
     st = collected["stats"]
-    assert st["bad_bodies"] == 0 and st["dropped_spans"] == 0 and st["unjoined_spans"] == 0, st
+    assert st["bad_bodies"] == 0 and st["dropped_spans"] == 0, st
     with db.open_trace(collected["trace"]) as tr:
         router_ids = {r["request_id"] for r in tr.query(
             "SELECT request_id FROM spans WHERE role = 'router' AND stage = 'router.request'")}
     assert {r.router_request_id for r in recs} <= router_ids
     with db.open_trace(collected["collected"]) as tr:
         spans = tr.query("SELECT request_id, role, stage, trace_id, attr_str['otlp.join'] AS joined_by, "
-                         "attr_str['gen_ai.request.id'] AS vllm_id FROM spans")
-    assert {s["stage"] for s in spans} == {"llm_request"}
+                         "attr_str['gen_ai.request.id'] AS vllm_id FROM spans WHERE stage = 'llm_request'")
+        startup = tr.query("SELECT stage, request_id, attr_str['otlp.join'] AS joined_by FROM spans "
+                           "WHERE stage <> 'llm_request'")
+        unjoined = tr.query("SELECT sum(unjoined) AS n FROM collected_spans")[0]["n"]
+    # vLLM's own start-up spans (model loading, EngineCore init: no request) are kept and counted unjoined
+    assert {"Load model", "EngineCoreProc init"} <= {s["stage"] for s in startup}, startup
+    assert all(s["request_id"] is None and s["joined_by"] == "none" for s in startup), startup
+    assert unjoined == len(startup)
+    # the counters count deliveries: a span sent twice (vLLM's start-up spans can be, by a forked process
+    # that inherited the exporter's queue) is written twice and read once (same record_id)
+    assert st["unjoined_spans"] >= len(startup) and st["written_spans"] >= len(spans) + len(startup), st
+    assert len(spans) == 2 * N_REQUESTS, spans
     # one span per engine per request: P (max_tokens=1 leg) and D
     by_req: dict[str, list[str]] = {}
     for s in spans:
@@ -106,12 +116,16 @@ def test_a_stock_only_store_gives_the_coarse_breakdown(collected):
         assert r["coarse"] and r["joined"], r
         assert r["queue_ms"] >= 0 and r["prefill_ms"] > 0 and r["decode_ms"] >= 0, r
         assert r["prompt_tokens"] > 0, r
-        # queue + prefill ~ engine TTFT as vLLM reports it; the rest is the API server's own share
-        # (tokenize, hand-off to EngineCore, output processing), >= 0 and a minor part
+        # queue + prefill are inside engine TTFT; the rest (other) is the API server's share
+        # (hand-off to EngineCore, output processing)
         assert r["other_ms"] >= 0, r
-        assert r["queue_ms"] + r["prefill_ms"] >= 0.5 * r["engine_ttft_ms"], r
         if r["role"] == "prefill":
-            assert r["output_tokens"] == 1, r
+            assert r["output_tokens"] == 1 and r["decode_ms"] == 0, r
+        else:
+            assert r["output_tokens"] >= 1, r
+    # on P, queue + prefill ~ engine TTFT as vLLM reports it (lab, 2 busy cores: 74-85 % past the first request)
+    p_share = sorted((r["queue_ms"] + r["prefill_ms"]) / r["engine_ttft_ms"] for r in rows if r["role"] == "prefill")
+    assert p_share[len(p_share) // 2] >= 0.5, p_share
     out = CliRunner().invoke(main, ["report", str(collected["collected"]), "--no-cache"])
     assert out.exit_code == 0, out.output
     assert "Coarse breakdown" in out.output, out.output
