@@ -114,7 +114,6 @@ class Collector:
         app = web.Application(client_max_size=MAX_BODY)
         app.router.add_post("/v1/traces", self._handle)
         loop = asyncio.new_event_loop()
-        self._loop = loop
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         loop.run_until_complete(self._runner.setup())
         site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)
@@ -124,7 +123,8 @@ class Collector:
             loop.run_until_complete(self._runner.cleanup())
             loop.close()
             raise
-        self.port = site._server.sockets[0].getsockname()[1]
+        self.port = self._runner.addresses[0][1]
+        self._loop = loop
         self._server_thread = threading.Thread(target=loop.run_forever, name="pdtrace-collect-http", daemon=True)
         self._server_thread.start()
         self._writer.start()

@@ -96,6 +96,11 @@ X_REQUEST_ID_ATTR = "http.request.header.x-request-id"
 #: Trace ids remembered for rule 3 (least recently mapped forgotten first).
 TRACE_MAP_MAX = 262_144
 
+#: Attribute keys :meth:`Ingest._span` looks at (besides ``pdtrace.*``).
+_SPECIAL_KEYS = frozenset((X_REQUEST_ID_ATTR, "pdtrace.request_id", "gen_ai.request.id", "gen_ai.usage.prompt_tokens"))
+#: AnyValue kinds the store holds (bool as int).
+_SCALARS = frozenset(("string_value", "int_value", "double_value", "bool_value"))
+
 _ROLE_WORDS = (("prefill", "prefill"), ("decode", "decode"), ("router", "router"), ("proxy", "router"),
                ("gateway", "router"))
 _U64 = (1 << 64) - 1
@@ -270,24 +275,32 @@ class Ingest:
         keys, vals = [], []
         own = None  # (rule, raw id)
         header = None
+        special = _SPECIAL_KEYS
         for kv in sp.attributes:
             k = kv.key
-            if k == X_REQUEST_ID_ATTR:
-                header = _header_id(kv.value)
-                continue
-            v = _value(kv.value)
-            if k == "pdtrace.request_id" and isinstance(v, str) and v:
-                own = ("pdtrace.request_id", v)
-                continue
-            if k == "gen_ai.request.id" and isinstance(v, str) and v and own is None:
-                own = ("gen_ai.request.id", v)
-            if k.startswith("pdtrace."):
-                continue
+            av = kv.value
+            kind_ = av.WhichOneof("value")
+            v = getattr(av, kind_) if kind_ in _SCALARS else _Unstorable
+            if kind_ == "bool_value":
+                v = int(v)
+            if k in special or k.startswith("pdtrace."):
+                if k == X_REQUEST_ID_ATTR:
+                    header = _header_id(av)
+                    continue
+                if k == "pdtrace.request_id":
+                    if isinstance(v, str) and v:
+                        own = ("pdtrace.request_id", v)
+                    continue
+                if k == "gen_ai.request.id":
+                    if isinstance(v, str) and v and own is None:
+                        own = ("gen_ai.request.id", v)
+                elif k == "gen_ai.usage.prompt_tokens":
+                    keys.append("gen_ai.usage.input_tokens")
+                    vals.append(v)
+                else:  # other pdtrace.* attributes (pdtrace's own export): its columns, not attributes
+                    continue
             keys.append(k)
             vals.append(v)
-            if k == "gen_ai.usage.prompt_tokens":
-                keys.append("gen_ai.usage.input_tokens")
-                vals.append(v)
         if scope:
             keys.append("otlp.scope")
             vals.append(scope)

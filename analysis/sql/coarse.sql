@@ -37,7 +37,7 @@ SELECT run_id, request_id, prompt_index, role, engine_id,
        attr_int['gen_ai.usage.completion_tokens'] AS output_tokens,
        request_id IS NOT NULL AS joined,
        true AS coarse,
-       record_id
+       record_id, rkey
 FROM spans
 WHERE stage = 'llm_request';
 
@@ -59,3 +59,4 @@ COMMENT ON COLUMN coarse_breakdown.output_tokens IS 'tokens this engine generate
 COMMENT ON COLUMN coarse_breakdown.joined IS 'true if the span mapped to a request id';
 COMMENT ON COLUMN coarse_breakdown.coarse IS 'always true: engine-level numbers from vLLM''s own span, no pdtrace stage';
 COMMENT ON COLUMN coarse_breakdown.record_id IS 'record id of the llm_request span';
+COMMENT ON COLUMN coarse_breakdown.rkey IS 'request join key (see spans.rkey); NULL when the span did not map';

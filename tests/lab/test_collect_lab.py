@@ -93,7 +93,7 @@ def test_every_llm_request_span_lands_and_joins_the_routers_request(collected):
         shutil.copy(f, both / f.name)
     with db.open_trace(both) as tr:
         rows = tr.query("SELECT r.request_id, r.status, r.ttft_ms, c.role, c.engine_ttft_ms "
-                        "FROM coarse_breakdown c JOIN requests r USING (run_id, request_id, prompt_index)")
+                        "FROM coarse_breakdown c JOIN requests r USING (rkey)")
     assert len(rows) == 2 * N_REQUESTS, rows
     for r in rows:
         assert r["status"] == "complete", r
