@@ -54,7 +54,8 @@ export), else ``engine_id`` = ``service.instance.id`` or
 ``vllm.process_id``, ``run_id`` = the collector's run id.
 
 Router root → TTFT window. A span of role ``router``, kind SERVER, with no
-parent, that carries a **first-token instant** also yields the rows the
+parent or a remote one (``Span.flags``: the client sent a ``traceparent``),
+that carries a **first-token instant** also yields the rows the
 analysis reads as pdtrace's router root (module ``request_base``): a derived
 ``router.request`` span (same times, ``otlp.derived_from`` = the root's span id
 in hex), a ``router.first_token`` event and a ``router.last_token`` event. The
@@ -92,6 +93,9 @@ LAST_TOKEN_EVENTS = ("router.last_token", "last_token", "gen_ai.last_token")
 FIRST_TOKEN_ATTR = "gen_ai.server.time_to_first_token"
 #: The captured X-Request-Id header (OpenTelemetry HTTP semantic conventions).
 X_REQUEST_ID_ATTR = "http.request.header.x-request-id"
+
+#: OTLP Span.flags bits: "has is_remote" (0x100) and "parent is remote" (0x200) (SpanFlags in trace.proto).
+_REMOTE_PARENT = 0x300
 
 #: Trace ids remembered for rule 3 (least recently mapped forgotten first).
 TRACE_MAP_MAX = 262_144
@@ -323,7 +327,7 @@ class Ingest:
                 last = t if last is None else max(last, t)
             self.counters.events += 1
         root = None
-        if is_router and kind == schema.KIND_SERVER and parent is None:
+        if is_router and kind == schema.KIND_SERVER and (parent is None or sp.flags & _REMOTE_PARENT == _REMOTE_PARENT):
             if first is None:
                 for k, v in zip(keys, vals):
                     if k == FIRST_TOKEN_ATTR and isinstance(v, (int, float)) and v >= 0:

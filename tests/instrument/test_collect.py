@@ -137,10 +137,15 @@ def test_a_foreign_router_root_gives_the_router_window_joined_by_trace_id(collec
 
 
 def test_router_root_with_ttft_attribute_and_only_its_header_id(collector):
-    """No engine span in the trace: after the wait the root joins by its X-Request-Id; TTFT from the attribute."""
+    """No engine span in the trace: after the wait the root joins by its X-Request-Id; TTFT from the attribute.
+
+    The client sent a traceparent: the root's parent is remote, and it is still the router's root."""
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    client = TraceContextTextMapPropagator().extract({"traceparent": f"00-{'ab' * 16}-{'cd' * 8}-01"})
     col = collector(join_wait_s=0.2)
     router = provider(col, "edge-proxy")
-    s = router.get_tracer("p").start_span("proxy", kind=SpanKind.SERVER, start_time=T0, attributes={
+    s = router.get_tracer("p").start_span("proxy", context=client, kind=SpanKind.SERVER, start_time=T0, attributes={
         "http.request.header.x-request-id": ["cmpl-R9-0"], "gen_ai.server.time_to_first_token": 0.075})
     s.end(end_time=T0 + 300 * MS)
     router.shutdown()
@@ -148,10 +153,10 @@ def test_router_root_with_ttft_attribute_and_only_its_header_id(collector):
     col.stop()
     with db.open_trace(col.dir) as tr:
         req = tr.query("SELECT request_id, status, ttft_ms, last_token_ns FROM requests")
-        j = tr.query("SELECT attr_str['otlp.join'] AS j FROM spans WHERE stage = 'proxy'")
+        j = tr.query("SELECT attr_str['otlp.join'] AS j, parent_span_id, trace_id FROM spans WHERE stage = 'proxy'")
         ev = tr.query("SELECT event, attr_str['otlp.last_token_source'] AS src FROM events ORDER BY event")
     assert req == [{"request_id": "R9", "status": "complete", "ttft_ms": 75.0, "last_token_ns": T0 + 300 * MS}]
-    assert j == [{"j": "x-request-id"}]
+    assert j == [{"j": "x-request-id", "parent_span_id": int("cd" * 8, 16), "trace_id": "ab" * 16}]
     assert ev == [{"event": "router.first_token", "src": None}, {"event": "router.last_token", "src": "span_end"}]
 
 
