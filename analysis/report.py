@@ -31,7 +31,9 @@ def collect(con) -> dict[str, Any]:
     ``skipped_files`` ([{path, reason}]), ``transfers`` (count, descriptor-bound count),
     ``ttft_source`` ([{ttft_source, requests, complete, router_unseen_mean_ms}]: whose clocks gave
     the TTFT windows, DESIGN.md §3; router_unseen_mean_ms is the mean exposed router.unseen of the
-    complete requests, NULL for router windows).
+    complete requests, NULL for router windows),
+    ``coarse`` ({by_engine: per-engine means from ``coarse_breakdown``, only: True when no request has
+    a pdtrace breakdown}).
     """
     return {
         "by_mode": _rows(con, f"SELECT {', '.join(_MODE_COLS)} FROM summary_by_mode ORDER BY mode"),
@@ -52,6 +54,7 @@ def collect(con) -> dict[str, Any]:
                                   "CASE WHEN q.ttft_source = 'engine' THEN round(avg(b.router_unseen_ms), 3) END "
                                   "AS router_unseen_mean_ms FROM requests q LEFT JOIN ttft_breakdown b "
                                   "ON b.rkey = q.rkey GROUP BY q.ttft_source ORDER BY q.ttft_source DESC"),
+        "coarse": _coarse(con),
     }
 
 
@@ -67,6 +70,17 @@ def engine_source_note(data: dict[str, Any]) -> str | None:
     """The 'router hop unseen' sentence for ``collect``'s dict, or None when every window is the router's."""
     n = sum(r["requests"] for r in data.get("ttft_source", []) if r["ttft_source"] == "engine")
     return ENGINE_SOURCE_NOTE.format(n=n) if n else None
+
+
+def _coarse(con) -> dict[str, Any]:
+    """Per engine from stock vLLM llm_request spans (view coarse_breakdown); ``only`` when no request has a
+    pdtrace breakdown (then the report prints it: the coarse numbers are all the store allows)."""
+    rows = _rows(con, "SELECT role, engine_id, count(*) AS requests, round(median(engine_ttft_ms), 3) AS engine_ttft_p50_ms, "
+                      "round(avg(queue_ms), 3) AS queue_mean_ms, round(avg(prefill_ms), 3) AS prefill_mean_ms, "
+                      "round(avg(decode_ms), 3) AS decode_mean_ms, round(avg(other_ms), 3) AS other_mean_ms "
+                      "FROM coarse_breakdown GROUP BY ALL ORDER BY role, engine_id")
+    only = bool(rows) and _rows(con, "SELECT count(*) AS n FROM ttft_breakdown")[0]["n"] == 0
+    return {"by_engine": rows, "only": only}
 
 
 def fmt_value(v: Any) -> str:
@@ -117,6 +131,10 @@ def render(data: dict[str, Any], title: str = "") -> str:
     t = data["transfers"]
     out += [f"Transfers: {t['transfers']} ({t['descriptor_bound']} descriptor-bound)", ""]
     out += ["Clock offsets (whole trace)", table(data["clock"]), ""]
+    coarse = data.get("coarse") or {}
+    if coarse.get("only"):
+        out += ["Coarse breakdown (stock vLLM llm_request spans only, no pdtrace stages: engine_ttft = queue + "
+                "prefill + other per engine, ms; view coarse_breakdown)", table(coarse["by_engine"]), ""]
     if data["skipped_files"]:
         out += ["Skipped files", table(data["skipped_files"]), ""]
     return "\n".join(out)

@@ -16,6 +16,7 @@ _SUBCOMMANDS = {
     "sql": ("pdtrace.analysis.cli", "sql", "Run read-only SQL over a trace directory's views."),
     "check": ("pdtrace.analysis.cli", "check", "Check that tracing works: processes writing, drops, errors, clocks."),
     "dashboard": ("pdtrace.dashboard.cli", "dashboard", "Serve the Streamlit dashboard for a trace directory."),
+    "collect": ("pdtrace.instrument.collect", "collect", "Receive OTLP/HTTP spans from routers and engines into a trace directory."),
 }
 
 

@@ -97,6 +97,43 @@ _ALLOWED: dict[str, Attr] = {
     "lifecycle.cause": _A(str, "cause of a failure/lifecycle event (e.g. 'post_failure', 'ttl_expired')"),
     "lifecycle.expected": _A(int, "expected count (ranks, notifications) for a lifecycle event"),
     "lifecycle.received": _A(int, "received count for a lifecycle event"),
+    # --- foreign spans received by `pdtrace collect` (pdtrace.instrument.collect) ----
+    # vLLM's own llm_request span (vllm/tracing/utils.py SpanAttributes; times in s as vLLM sends them)
+    "gen_ai.usage.prompt_tokens": _A(int, "vLLM llm_request: prompt tokens"),
+    "gen_ai.usage.completion_tokens": _A(int, "vLLM llm_request: generated tokens"),
+    "gen_ai.usage.num_sequences": _A(int, "vLLM llm_request: sequences generated"),
+    "gen_ai.request.n": _A(int, "vLLM llm_request: n asked for"),
+    "gen_ai.request.temperature": _A(float, "vLLM llm_request: sampling temperature"),
+    "gen_ai.request.top_p": _A(float, "vLLM llm_request: top_p"),
+    "gen_ai.response.model": _A(str, "model that served the response"),
+    "gen_ai.latency.time_in_queue": _A(float, "vLLM llm_request: queued -> first scheduled in EngineCore (s); on a P/D decode engine (async KV load) it includes the KV load"),
+    "gen_ai.latency.time_to_first_token": _A(float, "vLLM llm_request: engine_ttft, API-server arrival -> first token (s)"),
+    "gen_ai.latency.e2e": _A(float, "vLLM llm_request: API-server arrival -> finished (s)"),
+    "gen_ai.latency.time_in_scheduler": _A(float, "vLLM: time in the scheduler (s)"),
+    "gen_ai.latency.time_in_model_forward": _A(float, "vLLM: model forward time (s)"),
+    "gen_ai.latency.time_in_model_execute": _A(float, "vLLM: model execute time (s)"),
+    "gen_ai.latency.time_in_model_prefill": _A(float, "vLLM llm_request: first scheduled -> first token (s); on a P/D decode engine (async KV load) its first decode step"),
+    "gen_ai.latency.time_in_model_decode": _A(float, "vLLM llm_request: first token -> last token (s)"),
+    "gen_ai.latency.time_in_model_inference": _A(float, "vLLM llm_request: first scheduled -> last token (s)"),
+    # a foreign router's root span
+    "gen_ai.server.time_to_first_token": _A(float, "a foreign router's root span: span start -> first token written (s)"),
+    "http.request.method": _A(str, "HTTP method of a foreign server/client span", 16),
+    "http.route": _A(str, "matched HTTP route of a foreign server span (e.g. '/v1/completions')"),
+    "url.path": _A(str, "URL path of a foreign HTTP span (no query string)"),
+    # added by pdtrace collect itself
+    "otlp.join": _A(str, "how a collected span got its request_id: 'pdtrace.request_id', 'gen_ai.request.id', 'trace_id', 'x-request-id' or 'none' (unjoined)"),
+    "otlp.scope": _A(str, "OpenTelemetry instrumentation scope name of a collected span"),
+    "otlp.derived_from": _A(str, "derived row (router.request, router.*_token): span id (16 hex) of the foreign root span it was made from"),
+    "otlp.last_token_source": _A(str, "derived router.last_token: 'event' (the root's last-token event) or 'span_end' (none: the root's end)"),
+    "collect.received_spans": _A(int, "pdtrace collect: spans received in decodable bodies (cumulative count)"),
+    "collect.written_spans": _A(int, "pdtrace collect: collected spans written to the store (cumulative count)"),
+    "collect.dropped_spans": _A(int, "pdtrace collect: spans dropped (queue full or a failed write) (cumulative count)"),
+    "collect.bad_bodies": _A(int, "pdtrace collect: request bodies refused (not decodable: HTTP 400; too large: 413; bad content type: 415) (cumulative count)"),
+    "collect.unjoined_spans": _A(int, "pdtrace collect: spans written with no request id that maps (cumulative count)"),
+    "collect.dropped_attributes": _A(int, "pdtrace collect: foreign attributes dropped (not allowlisted or wrong type) (cumulative count)"),
+    "collect.write_errors": _A(int, "pdtrace collect: failed file writes (cumulative count)"),
+    "collect.skipped_pdtrace_spans": _A(int, "pdtrace collect: spans of pdtrace's own OTLP export, skipped (already in the store) (cumulative count)"),
+    "collect.held_spans": _A(int, "pdtrace collect: spans waiting for their trace id to map, at the stats row's time (count)"),
 }
 
 #: Public read-only view of the allowlist: {key: Attr}.
