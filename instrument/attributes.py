@@ -97,6 +97,12 @@ _ALLOWED: dict[str, Attr] = {
     "lifecycle.cause": _A(str, "cause of a failure/lifecycle event (e.g. 'post_failure', 'ttl_expired')"),
     "lifecycle.expected": _A(int, "expected count (ranks, notifications) for a lifecycle event"),
     "lifecycle.received": _A(int, "received count for a lifecycle event"),
+    # --- open spans (record type 'open': a stage still waiting) ----------------------
+    "open.state": _A(str, "state of an 'open' row: 'open' (still open at the flush) or 'abandoned' (dropped, no span row follows)"),
+    "wait.for": _A(str, "what an open stage waits for: 'schedule' (a batch slot), 'blocks' (KV blocks), 'registration', "
+                        "'read_post', 'read_done', 'write_done' (rank notifications), 'engine' (EngineCore output)"),
+    "wait.expected": _A(int, "open stage: messages or ranks it waits for in all (count)"),
+    "wait.received": _A(int, "open stage: of wait.expected, those received so far (count)"),
 }
 
 #: Public read-only view of the allowlist: {key: Attr}.
