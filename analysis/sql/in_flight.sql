@@ -13,6 +13,8 @@
 --   (c) a `span` row of the same request, attempt and stage name ended at or
 --       after the open span's start (another process recorded the stage: D's
 --       open dest.register is ended by P's row when the registration matched;
+--       a frontend's 'in' part does not end the open frontend span, which lasts
+--       until its 'out' part;
 --       D's open handoff.prep by its worker's row when the READ was posted).
 -- The trace end of a process is its last flush: the latest `stats` or
 -- `clock` row it wrote. A request is in flight iff one of its open spans is not
@@ -63,7 +65,8 @@ FROM o
 WHERE coalesce(o.attr_str['open.state'], 'open') <> 'abandoned'
   AND NOT EXISTS (SELECT 1 FROM rr s WHERE s.record = 'span' AND s.span_id = o.span_id)
   AND NOT EXISTS (SELECT 1 FROM rr s WHERE s.record = 'span' AND s.rkey = o.rkey AND s.attempt = o.attempt
-                  AND s.name = o.name AND s.c_end_ns >= o.c_start_ns);
+                  AND s.name = o.name AND s.c_end_ns >= o.c_start_ns
+                  AND coalesce(s.attr_str['frontend.part'], '') <> 'in');
 CREATE TABLE IF NOT EXISTS _mat_open_spans AS SELECT * FROM _calc_open_spans LIMIT 0;
 
 CREATE OR REPLACE VIEW in_flight_spans AS
