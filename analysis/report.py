@@ -16,6 +16,10 @@ _BUCKET_COLS = ["mode", "prompt_bucket_lo", "requests", "ttft_mean_ms", "ttft_p9
                 "compute_share", "coordination_share"]
 
 
+#: In-flight requests the report lists (the oldest); the total is printed beside them.
+IN_FLIGHT_ROWS = 20
+
+
 def _rows(con, sql: str) -> list[dict[str, Any]]:
     cur = con.execute(sql)
     cols = [d[0] for d in cur.description]
@@ -33,9 +37,15 @@ def collect(con) -> dict[str, Any]:
     the TTFT windows, DESIGN.md §3; router_unseen_mean_ms is the mean exposed router.unseen of the
     complete requests, NULL for router windows),
     ``coarse`` ({by_engine: per-engine means from ``coarse_breakdown``, only: True when no request has
-    a pdtrace breakdown}).
+    a pdtrace breakdown}),
+    ``in_flight`` (requests not finished at the trace end, oldest first, at most
+    :data:`IN_FLIGHT_ROWS`: [{request_id, mode, stage, role, engine_id, age_ms, waits_for}]) and
+    ``in_flight_total`` (all of them, count).
     """
     return {
+        "in_flight": _rows(con, "SELECT request_id, mode, stage, role, engine_id, round(age_ms, 3) AS age_ms, "
+                                f"waits_for FROM in_flight ORDER BY age_ms DESC, request_id LIMIT {IN_FLIGHT_ROWS}"),
+        "in_flight_total": _rows(con, "SELECT count(*) AS n FROM in_flight")[0]["n"],
         "by_mode": _rows(con, f"SELECT {', '.join(_MODE_COLS)} FROM summary_by_mode ORDER BY mode"),
         "by_prompt_bucket": _rows(con, f"SELECT {', '.join(_BUCKET_COLS)} FROM summary_by_prompt_bucket "
                                        "ORDER BY mode, prompt_bucket_lo"),
@@ -119,6 +129,11 @@ def render(data: dict[str, Any], title: str = "") -> str:
     out = []
     if title:
         out += [f"# {title}", ""]
+    if data.get("in_flight"):
+        n = data.get("in_flight_total", len(data["in_flight"]))
+        shown = "" if n <= len(data["in_flight"]) else f"; the {len(data['in_flight'])} oldest shown"
+        out += [f"In flight now ({n} requests not finished at the trace end{shown}; age in ms)",
+                table(data["in_flight"]), ""]
     out += ["TTFT and TPOT by mode (ms; shares of TTFT)", table(data["by_mode"]), ""]
     if "ttft_source" in data:
         out += ["TTFT source (router: the router's clock; engine: P's API server -> D's API server)",

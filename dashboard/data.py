@@ -334,9 +334,19 @@ def category_share_by_bucket(t: Trace, w: Window = ALL) -> pd.DataFrame:
                sum(coordination_ms) AS coordination
         FROM ttft_breakdown WHERE {w.sql()} GROUP BY ALL""")
     long = _long_shares(df, ["mode", "prompt_bucket"])
-    if not long.empty:
-        long["mean_ms"] = long["ms"] / long["requests"]
+    long["mean_ms"] = long["ms"] / long["requests"] if not long.empty else pd.Series(dtype="float64")
     return long
+
+
+def in_flight(t: Trace, limit: int = 200) -> pd.DataFrame:
+    """Requests not finished at the trace end (view ``in_flight``), oldest stage first.
+
+    Columns: request_id, mode, stage, role, engine_id, age_ms (ms), waits_for (text), since_ns
+    (router clock, ns since the Unix epoch). Not windowed: "now" is the trace end.
+    """
+    return t.query(f"""
+        SELECT request_id, mode, stage, role, engine_id, age_ms, waits_for, since_ns
+        FROM in_flight ORDER BY age_ms DESC, request_id LIMIT {int(limit)}""")
 
 
 def incomplete_by_cause(t: Trace, w: Window = ALL) -> pd.DataFrame:
@@ -396,7 +406,8 @@ def request_spans(t: Trace, rkey: int) -> pd.DataFrame:
     lane (role · engine · thread), start_ns, end_ns (router clock, ns since the Unix epoch),
     raw_start_ns, clock_offset_ns, clock_bound_ns (ns), dur_ms, exposed_ms (time this span
     owns on the critical path, ms), hidden_ms (time of this stage off the critical path, ms),
-    attrs (short text).
+    attrs (short text). A stage still open at the trace end (view ``in_flight_spans``) is a row
+    in lane ``role · engine · open``, ending at its process's trace end ("now"), thread ``open``.
     """
     return t.query("""
         WITH seg AS (SELECT span_id, sum(dur_ns) AS exposed_ns FROM ttft_segments WHERE rkey = $1 GROUP BY span_id)
@@ -408,7 +419,15 @@ def request_spans(t: Trace, rkey: int) -> pd.DataFrame:
                s.attr_int, s.attr_str
         FROM spans s LEFT JOIN seg USING (span_id)
         WHERE s.rkey = $1
-        ORDER BY s.start_ns, s.span_id""", [rkey])
+        UNION ALL
+        -- stages still open at the trace end, drawn to "now" (the trace end of their process)
+        SELECT f.span_id, NULL, f.stage, f.category, f.role, f.engine_id, 'open' AS thread, f.tp_rank,
+               f.role || coalesce(' · ' || f.engine_id, '') || coalesce(' · rank ' || f.tp_rank, '') || ' · open',
+               f.since_ns, f.trace_end_ns, f.since_ns, 0, NULL, f.age_ms, 0, NULL::MAP(VARCHAR, BIGINT),
+               MAP {'open.waits_for': concat_ws(' ', f.wait_for, CASE WHEN f.wait_expected IS NOT NULL
+                    THEN coalesce(f.wait_received, 0) || ' of ' || f.wait_expected END)}
+        FROM in_flight_spans f WHERE f.rkey = $1
+        ORDER BY start_ns, span_id""", [rkey])
 
 
 def request_segments(t: Trace, rkey: int) -> pd.DataFrame:

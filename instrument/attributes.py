@@ -134,6 +134,12 @@ _ALLOWED: dict[str, Attr] = {
     "collect.write_errors": _A(int, "pdtrace collect: failed file writes (cumulative count)"),
     "collect.skipped_pdtrace_spans": _A(int, "pdtrace collect: spans of pdtrace's own OTLP export, skipped (already in the store) (cumulative count)"),
     "collect.held_spans": _A(int, "pdtrace collect: spans waiting for their trace id to map, at the stats row's time (count)"),
+    # --- open spans (record type 'open': a stage still waiting) ----------------------
+    "open.state": _A(str, "state of an 'open' row: 'open' (still open at the flush) or 'abandoned' (dropped, no span row follows)"),
+    "wait.for": _A(str, "what an open stage waits for: 'schedule' (a batch slot), 'blocks' (KV blocks), 'registration', "
+                        "'read_post', 'read_done', 'write_done' (rank notifications), 'engine' (EngineCore output)"),
+    "wait.expected": _A(int, "open stage: messages or ranks it waits for in all (count)"),
+    "wait.received": _A(int, "open stage: of wait.expected, those received so far (count)"),
 }
 
 #: Public read-only view of the allowlist: {key: Attr}.

@@ -14,6 +14,11 @@ variable                       default    meaning
                                           (every k-th step, k = round(1/fraction))
 ``PDTRACE_BUFFER_SPANS``       ``65536``  bound of the in-memory buffer, in records
 ``PDTRACE_FLUSH_INTERVAL_S``   ``1.0``    writer flush interval (s); a SIGKILL loses at most this
+``PDTRACE_OPEN_AFTER_S``       ``1.0``    a span open (started, not ended) at least this long (s) is
+                                          written at every flush as an ``open`` record with its
+                                          latest attributes, until it ends (view ``in_flight``);
+                                          0: every open span. Keep it <= 2 flush intervals: a stuck
+                                          stage is then in the store within threshold + 1 interval
 ``PDTRACE_ROTATE_S``           ``60``     merge a process's per-flush files into one segment
                                           file at least this often (s)
 ``PDTRACE_ROTATE_BYTES``       ``67108864`` ... or when the sink holds this many bytes of them (Arrow buffers)
@@ -95,6 +100,7 @@ class Config:
     step_sample: float = 1.0
     buffer_spans: int = 65536
     flush_interval_s: float = 1.0
+    open_after_s: float = 1.0
     rotate_s: float = 60.0
     rotate_bytes: int = 64 << 20
     anchor_interval_s: float = 10.0
@@ -144,6 +150,7 @@ def from_env(env: dict | None = None) -> Config:
         step_sample=_float(env, "PDTRACE_STEP_SAMPLE", 1.0, 0.0, 1.0),
         buffer_spans=_int(env, "PDTRACE_BUFFER_SPANS", 65536, 16, 1 << 26),
         flush_interval_s=_float(env, "PDTRACE_FLUSH_INTERVAL_S", 1.0, 0.01, 3600.0),
+        open_after_s=_float(env, "PDTRACE_OPEN_AFTER_S", 1.0, 0.0, 86400.0),
         rotate_s=_float(env, "PDTRACE_ROTATE_S", 60.0, 0.0, 86400.0),
         rotate_bytes=_int(env, "PDTRACE_ROTATE_BYTES", 64 << 20, 1 << 16, 1 << 34),
         anchor_interval_s=_float(env, "PDTRACE_ANCHOR_INTERVAL_S", 10.0, 0.01, 86400.0),

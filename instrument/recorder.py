@@ -25,6 +25,15 @@ Memory bound: at most ``PDTRACE_BUFFER_SPANS`` records wait in the deque
 attributes as measured by ``benchmarks/recorder_bench.py``, so the default
 65,536 bounds the buffer at ~25 MiB), and at most ``PDTRACE_BUFFER_SPANS``
 spans may be open (started, not ended).
+
+Open spans are visible while they stay open: at every flush the writer
+thread asks :meth:`Tracer.open_records` for a record of each span open at
+least ``PDTRACE_OPEN_AFTER_S`` (record type ``open``, see
+:mod:`pdtrace.instrument.schema`), so a stage that hangs is in the store
+while it hangs. A call site that records a stage after the fact with
+explicit times makes it visible as it waits with :meth:`Tracer.start`, then
+writes the final span itself with ``record(..., span_id=sid)`` and
+:meth:`Tracer.close` (or :meth:`Tracer.abandon` when no span follows).
 """
 from __future__ import annotations
 
@@ -60,7 +69,7 @@ log = logging.getLogger("pdtrace")
 # collections; in a process whose heap was frozen (vLLM's engine calls
 # gc.freeze()), those took 3.5-4.4 ms each, GIL held, every ~120,000 records
 # (BENCHMARKS.md, Recorder).
-R_SPAN, R_EVENT, R_CLOCK, R_STATS = 0, 1, 2, 3
+R_SPAN, R_EVENT, R_CLOCK, R_STATS, R_OPEN = 0, 1, 2, 3, 4
 
 _tls = threading.local()
 
@@ -110,6 +119,7 @@ class Tracer:
         self.activation = "explicit"
         self._activated_pid = 0
         self._activate_lock = threading.Lock()
+        self._open_after_ns = 1_000_000_000
 
     # ------------------------------------------------------------------ setup
     def activate(self, activation: str = "explicit") -> bool:
@@ -155,6 +165,7 @@ class Tracer:
             self._wake_at = max(1, cfg.buffer_spans // 2)
             self._buf = deque()
             self._open = {}
+            self._open_after_ns = int(cfg.open_after_s * 1e9)
             self._reset_ids()
             self._sample_threshold = _ids.sample_threshold(cfg.sample)
             self._step_every = 0 if cfg.step_sample <= 0 else max(1, round(1 / cfg.step_sample))
@@ -303,6 +314,67 @@ class Tracer:
                                attempt, rank, th))
         if len(buf) == self._wake_at:
             self._wake.set()
+
+    def update(self, span_id: int, attrs: Mapping[str, object]) -> None:
+        """Merge ``attrs`` into an open span's attributes (what it waits for, counts received so far).
+
+        Seen by the next flush's ``open`` record and by :meth:`end`. Unknown or
+        closed ids are ignored; never raises.
+        """
+        o = self._open.get(span_id)
+        if o is not None and attrs:
+            a0 = o[4]
+            self._open[span_id] = o[:4] + ({**a0, **attrs} if a0 else dict(attrs),) + o[5:]
+
+    def close(self, span_id: int) -> None:
+        """Forget an open span whose final row the caller records itself (``record(..., span_id=span_id)``).
+
+        Writes nothing. Unknown ids are ignored.
+        """
+        self._open.pop(span_id, None)
+
+    def abandon(self, span_id: int, time_ns: int | None = None) -> None:
+        """Forget an open span that gets no ``span`` row (the stage did not happen after all:
+        the request was freed, the wait was not needed). If it may have been written as open
+        (open at least ``PDTRACE_OPEN_AFTER_S``), one last ``open`` record with ``open.state``
+        = ``'abandoned'`` tells readers it is over. Unknown ids are ignored; never raises.
+        """
+        o = self._open.pop(span_id, None)
+        if o is None or not self.on:
+            return
+        t = _now() if time_ns is None else time_ns
+        if t - o[2] < self._open_after_ns:
+            return
+        buf = self._buf
+        if len(buf) >= self._cap:
+            next(self._dropped)
+            return
+        buf.append(self._open_record(span_id, o, t, "abandoned"))
+
+    def _open_record(self, sid: int, o: tuple, t: int, state: str) -> tuple:
+        name, rid, start, parent, a0, kind, attempt, rank, pidx = o
+        keys = (*a0, "open.state") if a0 else ("open.state",)
+        vals = (*a0.values(), state) if a0 else (state,)
+        return (R_OPEN, next(self._ids), sid, parent, name, kind, start, t, STATUS_UNSET, None,
+                rid, pidx, attempt, rank, None, *keys, *vals)
+
+    def open_records(self, now_ns: int | None = None) -> list[tuple]:
+        """One ``open`` record (recorder.py layout, fresh record id, ``end`` = ``now_ns``) per span
+        open at least ``PDTRACE_OPEN_AFTER_S`` at ``now_ns`` (monotonic ns, default now).
+
+        Called by the writer thread at each flush; a snapshot of the open set
+        (``dict.copy`` runs without releasing the GIL, so callers on other
+        threads may start and end spans meanwhile). Never raises.
+        """
+        if not self._open:
+            return []
+        t = _now() if now_ns is None else now_ns
+        cut = t - self._open_after_ns
+        try:
+            snap = self._open.copy()
+        except RuntimeError:  # pragma: no cover - a copy does not iterate in Python
+            return []
+        return [self._open_record(sid, o, t, "open") for sid, o in snap.items() if o[2] <= cut]
 
     @contextmanager
     def span(self, name: str, request_id: str | None = None, **kw) -> Iterator[int]:

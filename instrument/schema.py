@@ -9,7 +9,7 @@ columns at the end) and skip, naming it, a file of another major.
 
 The model follows OpenTelemetry's span (trace id, span id, parent, name, kind,
 start/end, status, attributes, events, resource) with typed columns for what
-the analysis filters on. Records of four types share the table, told apart by
+the analysis filters on. Records of five types share the table, told apart by
 ``record``:
 
 ==========  ===============================================================
@@ -31,6 +31,15 @@ record      meaning of the row
             ``recorder.dropped_attributes``; cumulative since process start;
             ``attr_float``: ``recorder.sample``, ``recorder.step_sample``,
             the sampling in force)
+``open``    (since 1.1) the state of a span still open at a flush: written
+            at each flush while a span has been open at least
+            ``PDTRACE_OPEN_AFTER_S``; ``span_id`` = the open span's id (its
+            final ``span`` row, when it ends, has the same id), ``start_ns``
+            = its start, ``end_ns`` = the flush instant (the state's "as
+            of"), attributes = its latest ones plus ``open.state``
+            (``'open'``; ``'abandoned'`` on the last row of a span dropped
+            without a ``span`` row). A reader takes the latest row per
+            ``span_id`` and ignores spans that have a ``span`` row.
 ==========  ===============================================================
 
 Times are integer ns since the Unix epoch, converted from the process's
@@ -43,9 +52,10 @@ from __future__ import annotations
 # __getattr__ below): the recorder needs the constants of this module, and a
 # traced process never needs pyarrow (its sink converts, pdtrace.instrument.sink).
 
-#: Major.minor of the store's schema. Bump the minor for added columns (readers
-#: of the same major must still work), the major for anything else.
-SCHEMA_VERSION = "1.0"
+#: Major.minor of the store's schema. Bump the minor for added columns or record
+#: types (readers of the same major must still work: they select the record types
+#: they know), the major for anything else. 1.1 added the ``open`` record type.
+SCHEMA_VERSION = "1.1"
 SCHEMA_MAJOR = 1
 
 #: Parquet key-value metadata key that carries :data:`SCHEMA_VERSION`.
@@ -63,7 +73,7 @@ KIND_INTERNAL, KIND_SERVER, KIND_CLIENT, KIND_PRODUCER, KIND_CONSUMER = 1, 2, 3,
 #: OTLP status codes.
 STATUS_UNSET, STATUS_OK, STATUS_ERROR = 0, 1, 2
 
-RECORD_TYPES = ("span", "event", "clock", "stats")
+RECORD_TYPES = ("span", "event", "clock", "stats", "open")
 
 #: The column names of a resource (constant per process).
 RESOURCE_COLUMNS = (
@@ -83,7 +93,7 @@ def _build() -> dict:
     _dict_str = pa.dictionary(pa.int32(), pa.string())
     columns = [
         ("schema_version", _dict_str, "store schema major.minor, e.g. '1.0'"),
-        ("record", _dict_str, "row type: span | event | clock | stats"),
+        ("record", _dict_str, "row type: span | event | clock | stats | open"),
         ("record_id", pa.uint64(), "unique id of this row across the store (spans: = span_id); duplicates of a row are the same row"),
         ("trace_id", _str, "W3C trace id, 32 lowercase hex; derived from request_id (sha256) so router, P and D agree; null for step spans"),
         ("span_id", pa.uint64(), "span rows: this span's id; event rows: the span the event is on (null: on the request)"),

@@ -13,7 +13,8 @@ whose write returned at once, so that a thread waiting for the GIL gets it.
 BENCHMARKS.md (Recorder) has the figures.
 
 Every flush interval (PDTRACE_FLUSH_INTERVAL_S, default 1 s), on a flush
-request and at stop, the writer sends a *tick*; the sink writes one part file
+request and at stop, the writer sends the ``open`` records of the spans open
+at least PDTRACE_OPEN_AFTER_S (:meth:`Tracer.open_records`), then a *tick*; the sink writes one part file
 and answers with its counters, which :meth:`Writer.stats` reports. A SIGKILL
 of the traced process loses only the records not yet sent (at most one
 interval): the sink sees end of file and writes what it has.
@@ -245,6 +246,7 @@ class Writer(threading.Thread):
                 self._drain()
                 now = time.monotonic()
                 if stopping or asked or now >= next_flush:
+                    self._send_open()
                     self._tick(final=stopping)
                     next_flush = now + interval
             except Exception as exc:  # never let the thread die: count and go on
@@ -281,6 +283,18 @@ class Writer(threading.Thread):
             self._rec_ns = max(1, (3 * self._rec_ns + (cpu2 - cpu0) // k) // 4)
             if n > 0 and self._send_wall_ns < YIELD_S * 1e9:  # a blocked write already let waiters in
                 time.sleep(YIELD_S)
+
+    def _send_open(self) -> None:
+        """Send the ``open`` records of the spans open long enough (Tracer.open_records), before a tick:
+        the part file the tick writes then holds each such span's latest state."""
+        recs = self.tracer.open_records()
+        if not recs:
+            return
+        self.drained += len(recs)  # counted as recorded: recorded = dropped + written (+ pending)
+        if self._send(("recs", recs)):
+            self._sent += len(recs)
+        else:
+            self.dropped_in_writer += len(recs)
 
     def _send(self, msg, cpu0: int | None = None) -> bool:
         """Send one message to the sink (starting one if needed); False if it is unreachable."""

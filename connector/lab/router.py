@@ -41,8 +41,9 @@ TTFT on its clock minus the time it spent waiting on engines on the TTFT path
 (pull: P's round trip + D's time to first token chunk; push: D's).
 
 Test hooks (only with ``test_hooks: true`` in the config): request header
-``X-Pdtrace-Lab-Hold: 1`` parks D's leg after P answered until ``POST
-/_lab/release``; ``GET /_lab/held`` lists parked ids; header
+``X-Pdtrace-Lab-Hold: 1`` parks D's leg until ``POST /_lab/release`` (pull:
+after P answered; push: before D's leg is sent, so D sends no registration
+and P holds its KV waiting for one); ``GET /_lab/held`` lists parked ids; header
 ``X-Pdtrace-Lab-Fault: split-id`` gives D a different request id *after* the
 guard (simulates an intermediary rewriting ids).
 
@@ -399,6 +400,19 @@ class Router:
         if serial:
             p_task = asyncio.create_task(p_leg())
             t_d0 = await p_task  # raises the prefill leg's LegError
+        elif hold:
+            p_task = asyncio.create_task(p_leg())
+        if hold:  # test hook: D's leg is not sent (so D never registers) until released
+            ev = self.held.setdefault(x, asyncio.Event())
+            try:
+                await ev.wait()
+            except BaseException:
+                if not p_task.done():
+                    p_task.cancel()
+                raise
+            finally:
+                self.held.pop(x, None)
+            t_d0 = _now()
         d_dispatch = sp.start("router.dispatch", x, start_ns=t_d0, parent=root, pidx=pidx,
                               attrs={"router.leg": "decode", "router.upstream": D["url"][7:],
                                      "router.concurrent_legs": 0 if serial else 1}) if root else 0
@@ -411,7 +425,7 @@ class Router:
                                         "remote_engine_id": P["engine_id"], "remote_host": P["host"],
                                         "remote_port": P["side_port"], "tp_size": P.get("tp_size", 1),
                                         "remote_block_ids": None, "remote_request_id": None}
-        if not serial:
+        if not serial and not hold:
             p_task = asyncio.create_task(p_leg())
         try:
             return await self._relay_decode(request, path, D, d_body, d_headers, d_dispatch, ctx, p_task)

@@ -37,7 +37,10 @@ Clock domain: the rows carry the engine's ``engine_id`` (``engine_id`` in
 corrects them with the engine's clock offset (one host clock; DESIGN.md §3).
 
 Request id: the ``X-Request-Id`` header (the router's X), else none (the span
-is then dropped). Never raises into the server: errors are counted in
+is then dropped). While the exchange lasts the span is open (``tracer.start``,
+``wait.for = "engine"``): a request stuck in EngineCore shows in view
+``in_flight`` before it ends; its rows are recorded as above and the open
+span is closed (same span id as the ``out``/``whole`` part). Never raises into the server: errors are counted in
 :mod:`pdtrace.connector.traced.safety`.
 """
 from __future__ import annotations
@@ -193,7 +196,7 @@ class FrontendMiddleware:
         t0 = tracer.now()
         if self.engine_id is None:
             safe(self._resolve_engine_id, scope)
-        st = safe(self._start, scope)
+        st = safe(self._start, scope, t0)
         if st is None:
             return await self.app(scope, receive, send)
 
@@ -206,7 +209,7 @@ class FrontendMiddleware:
         finally:
             safe(self._finish, st, t0)
 
-    def _start(self, scope):
+    def _start(self, scope, t0):
         x = None
         for k, v in scope.get("headers") or ():
             if k.lower() == b"x-request-id":
@@ -214,7 +217,9 @@ class FrontendMiddleware:
                 break
         if not x or not tracer.sampled(x):
             return None
-        return {"x": x, "status": 0, "first": 0, "chunks": 0, "sid": tracer.new_id()}
+        # open while the exchange lasts (an ``open`` row while it waits for EngineCore; view in_flight)
+        sid = tracer.start(self.name, x, start_ns=t0, attrs={"wait.for": "engine", "frontend.part": "whole"})
+        return {"x": x, "status": 0, "first": 0, "chunks": 0, "sid": sid or tracer.new_id()}
 
     def _on_send(self, st, message) -> None:
         typ = message.get("type")
@@ -236,6 +241,7 @@ class FrontendMiddleware:
             tracer.record(self.name, x, t_out, t1, {**a, "frontend.part": "out"}, span_id=st["sid"])
         else:
             tracer.record(self.name, x, t0, t1, {**a, "frontend.part": "whole"}, span_id=st["sid"])
+        tracer.close(st["sid"])
         if st["first"] and 200 <= st["status"] < 300:  # an error body (e.g. 500 after a failed KV load) is no token
             tracer.event("token", x, span_id=st["sid"], time_ns=st["first"],
                          attrs={"request.stream": int(st["chunks"] > 1)})

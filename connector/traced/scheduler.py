@@ -29,6 +29,28 @@ hook (vLLM contract)            records
 
 Step spans are kept for every step (``PDTRACE_STEP_SAMPLE``), request spans
 only for sampled requests (``PDTRACE_SAMPLE``).
+
+Stages that can hang are *open* while they wait (``tracer.start``; the
+recorder writes them as ``open`` rows while they last, view ``in_flight``),
+with what they wait for in ``wait.for``; each is still recorded once, after
+the fact, with the same times as before (``record(..., span_id=...)`` then
+``tracer.close``), or dropped with ``tracer.abandon`` when no row of its own
+follows:
+
+========================  =====================================  ===========================================
+open stage                from → until                           ``wait.for``
+========================  =====================================  ===========================================
+``prefill.queue`` (P)     queued / chunk ended / preempted →     ``schedule`` (a batch slot)
+                          next chunk scheduled
+``decode.queue`` (D)      queued → blocks allocated              ``blocks``
+``dest.register`` (D,     blocks allocated → promoted (P's row   ``registration``
+push)                     ends the stage when it matched)
+``handoff.prep`` (D,      blocks allocated → promoted (the       ``read_post``
+pull)                     worker's row ends it at the post)
+``kv.ready`` (D)          blocks allocated → promoted            ``write_done`` (push) / ``read_done`` (pull)
+``prefill.block_hold``    KV ready → blocks released             ``registration`` (push) / ``read_done`` (pull)
+(P)
+========================  =====================================  ===========================================
 """
 from __future__ import annotations
 
@@ -46,7 +68,8 @@ class SReq:
 
     __slots__ = ("req", "x", "pidx", "role", "sampled", "t_queued", "t_alloc", "attempt", "cached",
                  "compute_sid", "t_compute0", "last_end", "chunks", "awaiting", "promoted", "t_promoted",
-                 "ranks", "t_kv_ready", "first_step_sid", "queue_open", "prefill_done", "failed")
+                 "ranks", "t_kv_ready", "first_step_sid", "queue_open", "prefill_done", "failed", "q_sid",
+                 "w_sids", "h_sid")
 
     def __init__(self, req, role):
         self.req = req
@@ -70,6 +93,9 @@ class SReq:
         self.queue_open = True
         self.prefill_done = False
         self.failed = False  # aborted or its KV load failed: no first step, no token
+        self.q_sid = 0  # the open queue span (prefill.queue / decode.queue)
+        self.w_sids = ()  # D's open waits for its KV (dest.register / handoff.prep, kv.ready)
+        self.h_sid = 0  # P's open prefill.block_hold
 
 
 class PendingStep:
@@ -121,6 +147,28 @@ class TracedSchedulerMixin:
             if st.t_queued - 60_000_000_000 < a < st.t_queued:
                 st.t_queued = a
         self._pdt_reqs[request.request_id] = st
+        if st.sampled:
+            self._pdt_open_queue(st, st.t_queued)
+
+    def _pdt_open(self, st: SReq, name: str, t: int, wait_for: str) -> int:
+        """Open ``name`` for ``st`` from ``t`` (monotonic ns), waiting for ``wait_for``; its span id (0: not open)."""
+        return tracer.start(name, st.x, start_ns=t, prompt_index=st.pidx, attempt=st.attempt,
+                            attrs={"wait.for": wait_for, "request.mode": self._pdt_mode,
+                                   "request.internal_id": st.req.request_id})
+
+    def _pdt_open_queue(self, st: SReq, t: int) -> None:
+        tracer.abandon(st.q_sid, t)
+        if self._pdt_role == "decode" and not st.t_alloc:
+            st.q_sid = self._pdt_open(st, "decode.queue", t, "blocks")
+        else:
+            st.q_sid = self._pdt_open(st, "prefill.queue", t, "schedule")
+
+    def _pdt_drop_open(self, st: SReq, t: int | None = None) -> None:
+        """Abandon ``st``'s open queue and KV waits (promoted, freed or failed)."""
+        tracer.abandon(st.q_sid, t)
+        for sid in st.w_sids:
+            tracer.abandon(sid, t)
+        st.q_sid, st.w_sids = 0, ()
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         r = super().get_num_new_matched_tokens(request, num_computed_tokens)
@@ -148,7 +196,16 @@ class TracedSchedulerMixin:
             st.queue_open = False
             if st.sampled:
                 tracer.record("decode.queue", st.x, st.t_queued, t, self._pdt_req_attrs(st),
-                              prompt_index=st.pidx, attempt=st.attempt)
+                              prompt_index=st.pidx, attempt=st.attempt, span_id=st.q_sid or None)
+                tracer.close(st.q_sid)
+                st.q_sid = 0
+                push = self._pdt_mode == "push"
+                st.w_sids = (self._pdt_open(st, "dest.register" if push else "handoff.prep", t,
+                                            "registration" if push else "read_post"),
+                             self._pdt_open(st, "kv.ready", t, "write_done" if push else "read_done"))
+        elif st.q_sid and self._pdt_role == "decode":
+            tracer.abandon(st.q_sid, t)  # no KV to receive: D prefills itself (prefill.queue from here)
+            st.q_sid = self._pdt_open(st, "prefill.queue", t, "schedule") if st.queue_open else 0
 
     def _pdt_req_attrs(self, st: SReq) -> dict:
         req = st.req
@@ -197,6 +254,9 @@ class TracedSchedulerMixin:
                 st.last_end = t0
                 st.prefill_done = False
                 st.compute_sid = 0
+                if st.sampled:
+                    self._pdt_drop_open(st, t0)
+                    self._pdt_open_queue(st, t0)
 
         parts = []
         n_p = n_d = n_r = 0
@@ -249,7 +309,10 @@ class TracedSchedulerMixin:
         if st.queue_open:
             q0 = st.last_end or st.t_queued
             tracer.record("prefill.queue", st.x, q0, t0, self._pdt_req_attrs(st) if st.chunks == 0 else
-                          {"request.internal_id": st.req.request_id}, prompt_index=st.pidx, attempt=st.attempt)
+                          {"request.internal_id": st.req.request_id}, prompt_index=st.pidx, attempt=st.attempt,
+                          span_id=st.q_sid or None)
+            tracer.close(st.q_sid)
+            st.q_sid = 0
             st.queue_open = False
         if not st.compute_sid:
             st.compute_sid = tracer.new_id()
@@ -257,6 +320,7 @@ class TracedSchedulerMixin:
 
     def _pdt_promote(self, st: SReq, t0: int) -> None:
         """D: the scheduler picked the request up after its KV arrived: kv.ready ends (per rank)."""
+        self._pdt_drop_open(st, t0)
         ranks = st.ranks or {}
         expected = max(1, len(ranks))
         a = {"request.internal_id": st.req.request_id, "request.mode": self._pdt_mode,
@@ -325,7 +389,9 @@ class TracedSchedulerMixin:
                 tracer.record("prefill.block_hold", st.x, t_ready, t1,
                               {"request.internal_id": rid, "request.mode": self._pdt_mode,
                                "kv.release_cause": "expiry" if rid in expired else "notification"},
-                              prompt_index=st.pidx, attempt=st.attempt)
+                              prompt_index=st.pidx, attempt=st.attempt, span_id=st.h_sid or None)
+                tracer.close(st.h_sid)
+                st.h_sid = 0
 
     def _pdt_close_step(self, ps: PendingStep, t1: int) -> None:
         if ps.sid:
@@ -356,6 +422,7 @@ class TracedSchedulerMixin:
                 st.prefill_done = True
             else:
                 st.queue_open = True
+                self._pdt_open_queue(st, end)  # waits for its next chunk
         for st in ps.promoted:
             if st.failed:
                 continue  # freed (abort, failed KV load) during the step: it sampled no token
@@ -380,6 +447,7 @@ class TracedSchedulerMixin:
         st = self._pdt_reqs.pop(rid, None)
         if st is None:
             return
+        self._pdt_drop_open(st, t)
         from vllm.v1.request import RequestStatus
 
         status = request.status
@@ -401,5 +469,8 @@ class TracedSchedulerMixin:
         if delay:
             st.t_kv_ready = t
             self._pdt_holds[rid] = (t, st)
+            if st.sampled and self._pdt_role == "prefill":
+                st.h_sid = self._pdt_open(st, "prefill.block_hold", t,
+                                          "registration" if self._pdt_mode == "push" else "read_done")
             if len(self._pdt_holds) > 100_000:
                 self._pdt_holds.clear()

@@ -10,6 +10,24 @@ t = ui.trace()
 w = ui.window()
 h = ui.q(t, data.headline, w)
 
+fl = ui.q(t, data.in_flight)
+if not fl.empty:  # what is stuck right now comes first (DESIGN.md §4)
+    st.title("In flight now")
+    x_s = st.number_input("Stuck longer than (s)", min_value=0.0, value=10.0, step=1.0, key="stuck_s")
+    stuck = fl[fl["age_ms"] >= x_s * 1000]
+    c = st.columns(2)
+    c[0].metric("In flight now", f"{len(fl):,}")
+    c[1].metric(f"Stuck longer than {x_s:g} s", f"{len(stuck):,}")
+    ev = st.dataframe(fl.drop(columns=["since_ns"]), hide_index=True, width="stretch", on_select="rerun",
+                      selection_mode="single-row", key="in_flight_table",
+                      column_config={"age_ms": st.column_config.NumberColumn(format="%.0f")})
+    sel = ev.selection.rows if ev is not None else []
+    if sel:
+        ui.open_request(fl.iloc[sel[0]].request_id)
+    st.caption("Requests not finished at the trace end (each process's last flush), oldest stage first: the "
+               "stage each waits in, since how long, for what. Select a row to open its waterfall (open "
+               "stages drawn to now).")
+
 st.title("Where TTFT went")
 if (note := data.engine_source_note(h["engine_source"], h["requests"])):
     st.warning(note + (f" Exposed router.unseen in the window: {data.fmt_ms(h['router_unseen_ms'])}."
