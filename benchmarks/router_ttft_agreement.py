@@ -6,8 +6,9 @@ under the shared lock on a shared machine)::
     flock /tmp/pdtrace-heavy.lock .venv/bin/python benchmarks/router_ttft_agreement.py \
         [--routers vllm-router pdtrace] [--mode pull] [--requests 20] [--out DIR] [--json FILE]
 
-For each router it runs one ``pdtrace lab`` (traced connectors and frontend
-middleware, ``PDTRACE_DIR`` = the run directory; the Azure 2023 conversation
+For each router it runs one ``pdtrace lab`` (the production recipe: engines
+with vLLM's stock serving command plus ``PDTRACE_DIR`` = the run directory,
+traced by pdtrace's vLLM plugin; the Azure 2023 conversation
 trace, lengths x0.25, rate x1, the first N arrivals, one warm-up request), then
 joins the lab client's record of every replayed request
 (``client/requests.parquet``) with pdtrace's ``requests`` row.
@@ -48,8 +49,8 @@ from pdtrace.connector.lab.run import LabOptions, run_lab
 
 
 def lab_run(out: Path, router: str, mode: str = "pull", n: int = 20, echo=print) -> dict:
-    """One traced lab behind ``router`` into ``out`` (must be new); returns run_lab's summary."""
-    o = LabOptions(mode=mode, max_requests=n, out=out, connector="traced", router=router, progress=False,
+    """One lab behind ``router`` into ``out`` (must be new), engines traced by the plugin; returns run_lab's summary."""
+    o = LabOptions(mode=mode, max_requests=n, out=out, connector="stock", router=router, progress=False,
                    report=False)
     return run_lab(o, echo=echo)
 

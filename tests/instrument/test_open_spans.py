@@ -132,7 +132,8 @@ def test_sigkill_while_a_span_is_open_leaves_readable_open_rows(tmp_path):
     d = tmp_path / "t"
     code = """
 import time
-from pdtrace.instrument import tracer
+from pdtrace.instrument import activate, tracer
+activate('explicit')
 sid = tracer.start('kv.ready', 'HUNG', attrs={'wait.for': 'write_done', 'wait.expected': 2, 'wait.received': 1})
 print('ready', flush=True)
 time.sleep(60)

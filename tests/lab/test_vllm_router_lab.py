@@ -1,6 +1,7 @@
-"""``pdtrace lab --router vllm-router``: vLLM's own Rust P/D router in front of traced engines (issue 16, item 3).
+"""``pdtrace lab --router vllm-router``: vLLM's own Rust P/D router in front of engines started with their
+stock serving command plus ``PDTRACE_DIR`` only (traced by the plugin; issue 16, item 3).
 
-One traced pull lab behind ``vllm-router`` 0.1.17 (≈75 s on 2 cores), 20
+One pull lab behind ``vllm-router`` 0.1.17 (≈75 s on 2 cores), 20
 real Azure-conversation requests replayed by the lab's client, then
 ``benchmarks/router_ttft_agreement.py`` joins the client's record of each
 request with pdtrace's ``requests`` row by the response id (``cmpl-<id>``:
@@ -53,6 +54,20 @@ def test_real_pd_behind_vllm_router(behind_vllm_router):
     assert s["client"]["ok"] == N and s["client_failed"] == 0, s["client"]
     src = s["decode_prompt_tokens_by_source"]
     assert src["local_compute"] == 0 and src["external_kv_transfer"] > 0, src
+
+
+def test_engines_traced_by_the_plugin_alone(behind_vllm_router):
+    """The production recipe: stock serving command + PDTRACE_DIR; every engine process's recorder.stats rows say
+    'plugin', and no router process wrote (vllm-router records nothing)."""
+    import duckdb
+
+    rows = duckdb.sql(f"""
+        SELECT role, list(DISTINCT attr_str['pdtrace.activation']) AS a, count(DISTINCT pid) AS n
+        FROM read_parquet('{behind_vllm_router["run_dir"]}/*.parquet', union_by_name = true)
+        WHERE name = 'recorder.stats' GROUP BY role ORDER BY role""").fetchall()
+    by = {r: (sorted(a), n) for r, a, n in rows}
+    assert set(by) == {"prefill", "decode"}, by
+    assert all(a == ["plugin"] and n >= 2 for a, n in by.values()), by
 
 
 def test_every_client_request_joins_by_response_id(behind_vllm_router):
