@@ -44,6 +44,7 @@ from pathlib import Path
 import duckdb
 
 from pdtrace.analysis.db import Trace
+from pdtrace.connector.lab import replay  # its percentile rule (linear interpolation), shared by the benchmarks
 
 
 def engine_only_copy(run_dir: Path, dest: Path) -> list[str]:
@@ -64,16 +65,6 @@ def engine_only_copy(run_dir: Path, dest: Path) -> list[str]:
             continue
         shutil.copy2(f, dest / f.name)
     return skipped
-
-
-def _pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    k = (len(xs) - 1) * q
-    lo = int(k)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
 def compare(run_dir: str | Path) -> dict:
@@ -123,7 +114,7 @@ def compare(run_dir: str | Path) -> dict:
         d = [r["diff_ms"] for r in rs]
         by_mode[mode] = {
             "n": len(rs), "requests": sum(1 for r in rows if r["mode"] == mode),
-            "diff_median_ms": statistics.median(d) if d else None, "diff_p99_ms": _pct(d, 0.99),
+            "diff_median_ms": statistics.median(d) if d else None, "diff_p99_ms": replay._pct(d, 0.99),
             "diff_min_ms": min(d) if d else None, "diff_max_ms": max(d) if d else None,
             "router_ttft_median_ms": statistics.median(r["router_ttft_ms"] for r in rs) if rs else None,
             "engine_ttft_median_ms": statistics.median(r["engine_ttft_ms"] for r in rs) if rs else None,

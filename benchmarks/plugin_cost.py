@@ -41,6 +41,8 @@ import statistics
 import subprocess
 import sys
 
+from pdtrace.connector.lab import replay  # its percentile rule, shared by the benchmarks (this parent is not measured)
+
 CHILD = r"""
 import json, os, sys, threading, time
 import dataclasses, logging, math  # stdlib modules vLLM has imported long before it loads plugins
@@ -66,11 +68,6 @@ print(json.dumps({"load": t1 - t0, "call": t2 - t1, "again": t3 - t2, "mods": mo
 """
 
 
-def _pct(xs, q):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=30, help="fresh interpreters to time (default 30)")
@@ -89,9 +86,9 @@ def main(argv=None) -> int:
     for k, label in (("load", "EntryPoint.load()"), ("call", "register() first call"),
                      ("again", "register() again")):
         xs = [x[k] / 1e3 for x in rows]
-        print(f"  {label:24s} {statistics.median(xs):9.1f} {_pct(xs, 0.9):9.1f}")
+        print(f"  {label:24s} {statistics.median(xs):9.1f} {replay._pct(xs, 0.9):9.1f}")
     tot = [(x["load"] + x["call"]) / 1e3 for x in rows]
-    print(f"  {'total (load + call)':24s} {statistics.median(tot):9.1f} {_pct(tot, 0.9):9.1f}")
+    print(f"  {'total (load + call)':24s} {statistics.median(tot):9.1f} {replay._pct(tot, 0.9):9.1f}")
     last = rows[-1]
     print("per engine step: 0 (nothing of pdtrace is installed on the step path):")
     print(f"  pdtrace modules loaded: {last['mods']}")
