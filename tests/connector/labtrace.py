@@ -100,6 +100,17 @@ def check_activation(run_dir: Path, engines: str, router: str = "explicit") -> d
     return by
 
 
+def check_untraced(untraced_run: dict, log_name: str, connector: str) -> None:
+    """A lab run with ``PDTRACE_DIR`` unset (plugin installed): no ``pdtrace-writer`` thread and no sink in any of
+    its >= 4 engine processes (``untraced_run["in_procs"]`` from :func:`pdtrace_in_processes`), and the engine
+    whose log is ``log_name`` built vLLM's stock ``connector`` class."""
+    p = untraced_run["in_procs"]
+    print(p)
+    assert p["processes"] >= 4 and p["writers"] == [] and p["sinks"] == [], p
+    log = (untraced_run["dir"] / "logs" / log_name).read_text(errors="replace")
+    assert f"Creating v1 connector with name: {connector}" in log
+
+
 def lab_model(profile: str = "default") -> Path:
     """The lab model of ``profile`` (shared cache); skip — or fail under ``PDTRACE_LAB_REQUIRED=1`` — without the lab."""
     labkit.require_lab()
