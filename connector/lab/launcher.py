@@ -102,7 +102,9 @@ class LabConfig:
 
 
 def _engine_env(cfg: LabConfig, eng: EngineConfig, bootstrap: Path) -> dict[str, str]:
-    env = dict(os.environ)
+    # PDTRACE_DIR only from cfg.trace_dir: one in the caller's environment would switch the plugin on
+    # in an untraced lab (--no-trace) and write into the caller's directory.
+    env = {k: v for k, v in os.environ.items() if k != "PDTRACE_DIR"}
     env.update({
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
@@ -307,7 +309,7 @@ class Lab:
             return
         path = self.cfg.run_dir / "router.json"
         path.write_text(json.dumps(self.router_config(), indent=2))
-        env = dict(os.environ)
+        env = {k: v for k, v in os.environ.items() if k != "PDTRACE_DIR"}  # only cfg.trace_dir, as for engines
         if self.cfg.trace_dir:
             env["PDTRACE_DIR"] = str(self.cfg.trace_dir)
         env.update({k: str(v) for k, v in self.cfg.role_env.get("router", {}).items()})

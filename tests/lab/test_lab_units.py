@@ -168,3 +168,17 @@ def test_router_push_dispatch_setting():
         Router(dict(base, push_dispatch="sequential"))
     lab = Lab(LabConfig(model=Path("/nonexistent"), mode="push", push_dispatch="serial"))
     assert lab.router_config()["push_dispatch"] == "serial"
+
+
+def test_untraced_lab_engines_get_no_pdtrace_dir_from_the_callers_environment(tmp_path, monkeypatch):
+    """A PDTRACE_DIR exported by the caller must not reach an untraced lab's engines (the plugin would trace them
+    and write into the caller's directory); a traced lab's engines get the lab's own directory."""
+    from pdtrace.connector.lab.launcher import EngineConfig, LabConfig, _engine_env
+
+    monkeypatch.setenv("PDTRACE_DIR", str(tmp_path / "callers-traces"))
+    eng = EngineConfig(name="prefill-0", role="prefill", core=None)
+    untraced = _engine_env(LabConfig(model=tmp_path, run_dir=tmp_path / "run"), eng, tmp_path / "boot")
+    assert "PDTRACE_DIR" not in untraced
+    traced = _engine_env(LabConfig(model=tmp_path, run_dir=tmp_path / "run", trace_dir=tmp_path / "run"), eng,
+                         tmp_path / "boot")
+    assert traced["PDTRACE_DIR"] == str(tmp_path / "run")
