@@ -192,14 +192,18 @@ def get_trace(directory: str | os.PathLike) -> Trace:
 # ---------------------------------------------------------------------------
 
 def store_health(t: Trace) -> dict:
-    """Files absorbed and skipped: {'files': n ok, 'skipped': [(path, reason)], 'requests': n}."""
+    """Files absorbed and skipped: {'files': n ok, 'skipped': [(path, reason)], 'requests': n, 'in_flight': n}.
+
+    ``in_flight`` counts the rows of view ``in_flight``: a request with only open stages so far is in
+    flight but not yet in ``requests``."""
     if not t.exists:
-        return {"files": 0, "skipped": [], "requests": 0, "missing": True}
+        return {"files": 0, "skipped": [], "requests": 0, "in_flight": 0, "missing": True}
     f = t.query("SELECT path, ok, reason FROM store_files ORDER BY path")
     ok = int(f["ok"].sum()) if len(f) else 0
     skipped = [(r.path, r.reason) for r in f.itertuples() if not r.ok]
     n = int(t.query("SELECT count(*) AS n FROM requests")["n"].iloc[0]) if ok else 0
-    return {"files": ok, "skipped": skipped, "requests": n, "missing": False}
+    fl = int(t.query("SELECT count(*) AS n FROM in_flight")["n"].iloc[0]) if ok else 0
+    return {"files": ok, "skipped": skipped, "requests": n, "in_flight": fl, "missing": False}
 
 
 def time_range(t: Trace) -> tuple[int, int] | None:
@@ -347,6 +351,18 @@ def in_flight(t: Trace, limit: int = 200) -> pd.DataFrame:
     return t.query(f"""
         SELECT request_id, mode, stage, role, engine_id, age_ms, waits_for, since_ns
         FROM in_flight ORDER BY age_ms DESC, request_id LIMIT {int(limit)}""")
+
+
+def in_flight_request(t: Trace, request_id: str) -> dict | None:
+    """The ``in_flight`` row of ``request_id`` (base id X, as :func:`request_row` takes it), or None.
+
+    Keys: rkey, request_id, mode, stage, role, engine_id, age_ms (ms), waits_for, since_ns (ns since
+    the Unix epoch). For a request that has only open stages so far (nothing ended yet, so no
+    ``requests`` row), this is all the trace knows of it.
+    """
+    df = t.query("SELECT rkey, request_id, mode, stage, role, engine_id, age_ms, waits_for, since_ns "
+                 "FROM in_flight WHERE request_id = $1 ORDER BY since_ns LIMIT 1", [request_id])
+    return None if df.empty else df.iloc[0].to_dict()
 
 
 def incomplete_by_cause(t: Trace, w: Window = ALL) -> pd.DataFrame:

@@ -91,7 +91,7 @@ def trace_or_stop() -> data.Trace:
                 "new files are picked up as the directory grows.")
         _follow(t)
         st.stop()
-    if h["requests"] == 0:
+    if h["requests"] == 0 and h.get("in_flight", 0) == 0:
         st.info(f"`{d}` holds {h['files']} span file(s) but no request yet.")
         _follow(t)
         st.stop()

@@ -28,6 +28,10 @@ if not fl.empty:  # what is stuck right now comes first (DESIGN.md §4)
                "stage each waits in, since how long, for what. Select a row to open its waterfall (open "
                "stages drawn to now).")
 
+if ui.q(t, data.store_health)["requests"] == 0:  # only requests with nothing ended yet: in flight is all there is
+    st.info("No request has ended a stage yet: the ones above are all the trace holds.")
+    st.stop()
+
 st.title("Where TTFT went")
 if (note := data.engine_source_note(h["engine_source"], h["requests"])):
     st.warning(note + (f" Exposed router.unseen in the window: {data.fmt_ms(h['router_unseen_ms'])}."

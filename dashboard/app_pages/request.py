@@ -28,6 +28,17 @@ if not rid:
 if rid != qp.get("request"):
     st.query_params["request"] = rid
 row = ui.q(t, data.request_row, rid)
+if row is None and (fl := ui.q(t, data.in_flight_request, rid)) is not None:
+    # nothing of it has ended yet (only open stages): no requests row, but it is stuck right now
+    st.subheader(f"`{rid}` · {fl['mode']} · in flight")
+    st.warning(f"**In flight**: stuck in `{fl['stage']}` on {fl['role']} `{fl['engine_id']}` for "
+               f"{data.fmt_ms(fl['age_ms'])}, waiting for {fl['waits_for'] or 'an unknown input'}. No stage of it "
+               "has ended yet; its open stages are drawn to the trace end (now).", icon=":material/hourglass_top:")
+    fkey = int(fl["rkey"])
+    spans = ui.q(t, data.request_spans, fkey)
+    st.plotly_chart(charts.waterfall(spans, ui.q(t, data.request_segments, fkey), ui.q(t, data.request_events, fkey),
+                                     int(spans["start_ns"].min()), None), width="stretch", key="waterfall")
+    st.stop()
 if row is None:
     near = ui.q(t, data.find_requests, rid)
     st.warning(f"No request `{rid}` in this trace." + (" Did you mean one of these?" if len(near) else ""))
