@@ -77,8 +77,9 @@ ENGINE_SOURCE_NOTE = (
 
 
 def engine_source_note(data: dict[str, Any]) -> str | None:
-    """The 'router hop unseen' sentence for ``collect``'s dict, or None when every window is the router's."""
-    n = sum(r["requests"] for r in data.get("ttft_source", []) if r["ttft_source"] == "engine")
+    """The 'router hop unseen' sentence for ``collect``'s dict, or None when no complete request's TTFT window
+    is the engines' own (every window is the router's, or no engine-source request got a first token)."""
+    n = sum(r["complete"] for r in data.get("ttft_source", []) if r["ttft_source"] == "engine")
     return ENGINE_SOURCE_NOTE.format(n=n) if n else None
 
 

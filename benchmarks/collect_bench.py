@@ -36,6 +36,8 @@ import time
 
 
 def build_spans(n: int):
+    """``n`` finished SDK spans shaped like vLLM's ``llm_request`` (14 attributes, one request id each), made once
+    before timing with the in-memory exporter; returns the list of ReadableSpan."""
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -61,12 +63,18 @@ def build_spans(n: int):
 
 
 def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds used so far by process ``pid`` (``/proc/<pid>/stat`` fields 14-15)."""
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def one_round(spans, batch: int, cpu: int, sdk_encode: bool) -> dict:
+    """One receiver (``pdtrace collect`` pinned to ``cpu``) fed every span in batches of ``batch``, then stopped.
+
+    Returns the round's figures (spans/s end to end, received, per receiver CPU-second; see ``main``).
+    ``sdk_encode``: time the exporter's full ``export()`` (its Python encoding included) instead of posting
+    pre-encoded batches."""
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.trace.export import SpanExportResult
 

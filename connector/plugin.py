@@ -72,11 +72,11 @@ MIDDLEWARE_FN = "init_entrypoints_middleware"
 
 def register() -> None:
     """Entry point of ``vllm.general_plugins`` (see the module doc). Never raises."""
-    from pdtrace.instrument.config import requested
-
-    if not requested():
-        return
     try:
+        from pdtrace.instrument.config import requested
+
+        if not requested():
+            return
         repoint_connectors()
         hook_api_server()
     except Exception as exc:  # noqa: BLE001 - never fail vLLM's start-up

@@ -383,6 +383,12 @@ def _command():
         """
         if run_id is None:
             run_id = config.from_env().run_id
+        import importlib.util
+
+        missing = [m for m in ("aiohttp", "opentelemetry.proto") if importlib.util.find_spec(m.split(".")[0]) is None
+                   or importlib.util.find_spec(m) is None]
+        if missing:
+            raise click.ClickException(f"pdtrace collect needs {', '.join(missing)}: pip install 'pdtrace[otlp]'")
         try:
             serve(directory, host, port, run_id=run_id, flush_interval_s=flush_interval_s, join_wait_s=join_wait_s,
                   keep_pdtrace=keep_pdtrace)

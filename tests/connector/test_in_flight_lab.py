@@ -169,7 +169,9 @@ def test_report_prints_it_first_while_it_hangs(held_run):
     first = cli.stdout.split("\n\n")[1]  # the first section after the report's title line
     assert first.startswith("In flight now ("), cli.stdout[:500]
     assert held_run["held_id"] in first and "prefill.block_hold" in first and "registration" in first
-    assert held_run["new_other_files"] == []  # reading wrote nothing into the directory
+    # the live report left no other file (a cache, a lock) in the directory; that a reader starts no recorder
+    # (no new .parquet of its own) is tests/dashboard/test_reading_never_writes.py
+    assert held_run["new_other_files"] == []
 
 
 def test_after_release_it_leaves_in_flight_and_completes(held_run):
