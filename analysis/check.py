@@ -24,6 +24,9 @@ kind                              when
 ``prefill_without_decode``        live prefill processes but no live decode process
 ``decode_without_prefill``        live decode processes but no live prefill process
 ``version_mismatch``              live processes run different pdtrace or vLLM versions
+``collect_dropped``               a live ``pdtrace collect`` dropped spans (queue full, failed write)
+``collect_write_errors``          a live ``pdtrace collect`` failed to write or merge files
+``collect_bad_bodies``            a live ``pdtrace collect`` refused OTLP bodies (HTTP 400/413/415)
 ================================  ===========================================================
 
 *Live*: a process whose last flush (its last ``recorder.stats`` row; for a
@@ -46,7 +49,8 @@ from . import report as _report
 #: Every kind of problem :func:`collect` reports (see the module doc).
 PROBLEM_KINDS = ("no_process", "none_recent", "dropped", "write_errors", "export_errors", "dropped_attributes",
                  "skipped_file", "clock_bound", "clock_unbounded", "clock_inconsistent",
-                 "prefill_without_decode", "decode_without_prefill", "version_mismatch")
+                 "prefill_without_decode", "decode_without_prefill", "version_mismatch",
+                 "collect_dropped", "collect_write_errors", "collect_bad_bodies")
 
 #: Default of ``recent_s`` (s): 60 flush intervals at the default PDTRACE_FLUSH_INTERVAL_S of 1 s.
 RECENT_S = 60.0
@@ -58,6 +62,11 @@ _COUNTERS = (("dropped", "dropped {n} of {recorded} records (buffer full, sink u
              ("write_errors", "had {n} failed file writes (directory not writable, deleted, disk full?)"),
              ("export_errors", "had {n} failed OTLP exports"),
              ("dropped_attributes", "dropped {n} attributes (key not allowlisted or value of the wrong type)"))
+#: pdtrace collect's counters judged by the check (view ``collect_stats``): (column, problem kind, text).
+_COLLECT_COUNTERS = (("dropped_spans", "collect_dropped", "dropped {n} spans (queue full or a failed write)"),
+                     ("write_errors", "collect_write_errors", "had {n} failed file writes"),
+                     ("bad_bodies", "collect_bad_bodies", "refused {n} OTLP bodies (not decodable, too large or "
+                                                          "another content type: is a sender misconfigured?)"))
 
 
 def _who(p: dict) -> str:
@@ -121,6 +130,13 @@ def collect(con, directory: str = "", recent_s: float = RECENT_S, at_end: bool =
             n = p[col] or 0
             if n > 0:
                 problem(col, f"{_who(p)} " + text.format(n=n, recorded=p["recorded"]))
+    for c in _report._rows(con, "SELECT host, pid, time_ns, dropped_spans, write_errors, bad_bodies "
+                                "FROM collect_stats ORDER BY host, pid"):
+        if c["time_ns"] is None or (ref - c["time_ns"]) / 1e9 > recent_s:
+            continue  # a collector that stopped long ago is not judged, as for processes
+        for col, kind, text in _COLLECT_COUNTERS:
+            if (c[col] or 0) > 0:
+                problem(kind, f"pdtrace collect pid {c['pid']}@{c['host']} " + text.format(n=c[col]))
     for f in files:
         if not f["ok"]:
             problem("skipped_file", f"store file skipped: {f['path']}: {f['reason']}")

@@ -356,3 +356,29 @@ def test_processes_follow_incremental_refresh(tmp_path):
         tr.refresh()
         assert tr.query("SELECT first_flush_ns, last_flush_ns, files FROM processes") == [
             {"first_flush_ns": T0 + 2 * S, "last_flush_ns": T0 + 2 * S, "files": 1}]
+
+
+@pytest.mark.parametrize("counter, kind, text", [
+    ("dropped_spans", "collect_dropped", "dropped 3 spans (queue full or a failed write)"),
+    ("write_errors", "collect_write_errors", "had 3 failed file writes"),
+    ("bad_bodies", "collect_bad_bodies", "refused 3 OTLP bodies (not decodable, too large or another content "
+                                         "type: is a sender misconfigured?)"),
+])
+def test_collector_counter_problems(tmp_path, counter, kind, text):
+    """pdtrace collect's own counters (collect.stats rows) are judged like a recorder's; a stale collector is not."""
+    healthy(tmp_path)
+    base = {f"collect.{k}": 0 for k in ("received_spans", "written_spans", "dropped_spans", "bad_bodies",
+                                       "write_errors")}
+    rows = [{"record": "stats", "name": "collect.stats", "start_ns": T0 + 10 * S,
+             "attrs": base | {f"collect.{counter}": 3}}]
+    store.write_rows(tmp_path, rows, resource={"run_id": "run", "role": "collect", "host": "h", "pid": 400},
+                     name="collect-h-400-s000001.parquet")
+    res = run(str(tmp_path), "--at-end")
+    assert res.exit_code == 1, res.output
+    assert problems(res) == [f"PROBLEM {kind}: pdtrace collect pid 400@h {text}"]
+    stale = tmp_path / "stale"
+    healthy(stale)
+    store.write_rows(stale, [dict(rows[0], start_ns=T0 - 100 * S)],
+                     resource={"run_id": "run", "role": "collect", "host": "h", "pid": 400},
+                     name="collect-h-400-s000001.parquet")
+    assert run(str(stale), "--at-end", "--recent", "30").exit_code == 0
