@@ -88,16 +88,22 @@ def test_waterfall_draws_the_open_stage_to_now(app, tmp_path):
     assert "prefill · p0 · open" in lanes and "router · open" in lanes, lanes
 
 
-def test_a_request_with_only_open_stages_opens_its_waterfall(app, tmp_path):
-    """Behind a router that writes no spans, a request stuck at its first stage has nothing ended yet (no
-    ``requests`` row): its page must still show it in flight with its open stage, not 'No request'."""
-    d = tmp_path / "o"
+def _open_only(d):
+    """A store whose one request e1 has nothing ended yet: P's prefill.queue open since 1 ms (waiting for a batch
+    slot), refreshed at the flushes at 5 s and 10 s."""
     rows = []
     for t in (5_000, 10_000):
         rows.append({"record": "open", "name": "prefill.queue", "span_id": 31, "start_ns": T0 + MS,
                      "end_ns": T0 + t * MS, "request_id": "e1", "attrs": {"open.state": "open", "wait.for": "schedule"}})
         rows.append({"record": "stats", "name": "recorder.stats", "start_ns": T0 + t * MS})
     store.write_rows(d, rows, resource=_res("prefill", "p0"), name="prefill-h-2.parquet")
+
+
+def test_a_request_with_only_open_stages_opens_its_waterfall(app, tmp_path):
+    """Behind a router that writes no spans, a request stuck at its first stage has nothing ended yet (no
+    ``requests`` row): its page must still show it in flight with its open stage, not 'No request'."""
+    d = tmp_path / "o"
+    _open_only(d)
     at = app(d, page="app_pages/request.py", query_params={"request": "e1"})
     _no_errors(at)
     assert not [w.value for w in at.warning if "No request" in w.value]
@@ -111,12 +117,7 @@ def test_a_request_with_only_open_stages_opens_its_waterfall(app, tmp_path):
 def test_overview_of_a_store_whose_only_request_is_in_flight(app, tmp_path):
     """The same open-only store on the overview: in flight first, no exception, not 'no request yet'."""
     d = tmp_path / "o2"
-    rows = []
-    for t in (5_000, 10_000):
-        rows.append({"record": "open", "name": "prefill.queue", "span_id": 31, "start_ns": T0 + MS,
-                     "end_ns": T0 + t * MS, "request_id": "e1", "attrs": {"open.state": "open", "wait.for": "schedule"}})
-        rows.append({"record": "stats", "name": "recorder.stats", "start_ns": T0 + t * MS})
-    store.write_rows(d, rows, resource=_res("prefill", "p0"), name="prefill-h-2.parquet")
+    _open_only(d)
     at = app(d)
     _no_errors(at)
     assert at.title[0].value == "In flight now"
