@@ -50,6 +50,7 @@ from collections import deque
 from contextlib import contextmanager
 from typing import Iterator, Mapping
 
+from . import ACTIVATIONS as _ACTIVATIONS
 from . import config as _config
 from . import ids as _ids
 from .schema import KIND_INTERNAL, STATUS_ERROR, STATUS_UNSET
@@ -134,7 +135,7 @@ class Tracer:
         forked child keeps tracing through the fork hook; a spawned one calls
         this again. ``activation``: 'plugin' or 'explicit'; ValueError otherwise.
         """
-        if activation not in ("plugin", "explicit"):
+        if activation not in _ACTIVATIONS:
             raise ValueError(f"activation must be 'plugin' or 'explicit', not {activation!r}")
         pid = os.getpid()
         if self._activated_pid == pid:

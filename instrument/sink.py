@@ -17,9 +17,7 @@ Messages from the writer (tuples):
 ``("recs", [record tuple, ...])``            records, recorder.py layout
 ``("tick", gen, traced, final)``             write the pending records as one part file now;
                                              ``traced``: the writer's counters (recorded,
-                                             dropped, writer_cpu_ns) and ``activation``
-                                             (written as ``pdtrace.activation`` on the stats
-                                             row); ``final``: merge and end.
+                                             dropped, writer_cpu_ns); ``final``: merge and end.
                                              Answered by ``("ack", gen, counters)``.
 
 Files. Each tick writes one complete *part* file
@@ -124,7 +122,7 @@ class Sink:
 
     def __init__(self, cfg, resource: dict, pid: int, start_tag: str, activation: str = "explicit") -> None:
         self.cfg = cfg
-        self.activation = activation  # until a tick's ``traced`` says otherwise
+        self.activation = activation  # written as pdtrace.activation on every stats row
         self.dir = cfg.trace_dir
         self.resource = resource
         self.pid = pid
@@ -271,7 +269,7 @@ class Sink:
         st["written"] += rows
         t = clock.now_ns()
         attrs = {f"recorder.{k}": v for k, v in st.items()}
-        attrs["pdtrace.activation"] = str(traced.get("activation") or self.activation)
+        attrs["pdtrace.activation"] = self.activation
         # the sampling in force, so that a reader (pdtrace check, view processes) can say what was traced
         attrs["recorder.sample"], attrs["recorder.step_sample"] = float(self.cfg.sample), float(self.cfg.step_sample)
         out.append((R_STATS, next(self._ids), None, None, "recorder.stats", schema.KIND_INTERNAL,

@@ -160,13 +160,12 @@ class Writer(threading.Thread):
         except (AttributeError, OSError, TypeError, OverflowError):
             return 0
 
-    def _traced(self) -> dict:
-        """The traced process's half of the counters (see sink.stats), and how its tracing was
-        switched on (``activation``: 'plugin' | 'explicit', written on the stats row)."""
+    def _traced(self) -> dict[str, int]:
+        """The traced process's half of the counters (see sink.stats)."""
         caller_dropped = self.tracer.dropped_count()
         return {"recorded": caller_dropped + len(self.tracer._buf) + self.drained,
                 "dropped": caller_dropped + self.dropped_in_writer, "writer_cpu_ns": self.cpu_ns(),
-                "base": self._base, "activation": getattr(self.tracer, "activation", "explicit")}
+                "base": self._base}
 
     def stats(self) -> dict[str, int]:
         """All recorder counters (see Tracer.stats), the sink's as of its last answer."""
@@ -364,7 +363,7 @@ class Writer(threading.Thread):
             self._sinks_started += 1
             tag = self._start_tag + (f"r{self._sinks_started}" if self._sinks_started > 1 else "")  # unique names
             self._out.send_bytes(_dumps(("init", self.cfg, self.tracer.resource, os.getpid(), tag,
-                                         getattr(self.tracer, "activation", "explicit"))))
+                                         self.tracer.activation)))
             self._res_sent = self.tracer.resource
             self._attrs_sent = -1
             return True
