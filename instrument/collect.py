@@ -317,16 +317,10 @@ class Collector:
         if len(parts) <= 1:
             return
         try:
-            store.write_tables(self.dir, [t for _, ts in parts for t in ts], self._file_name("s"))
+            store.merge_parts(self.dir, parts, self._file_name("s"))
         except OSError as exc:
             self._count("write_errors")
             log.warning("pdtrace collect: cannot merge part files (%s); parts kept", exc.strerror or exc)
-            return
-        for name, _ in parts:
-            try:
-                os.unlink(os.path.join(self.dir, name))
-            except OSError:
-                pass
 
 
 def _pdtrace_version() -> str | None:

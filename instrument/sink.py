@@ -288,17 +288,11 @@ class Sink:
         if len(parts) <= 1:
             return
         try:
-            store.write_tables(self.dir, [g for _, gs in parts for g in gs], self._file_name("s"))
+            store.merge_parts(self.dir, parts, self._file_name("s"))
         except OSError as exc:
             self.write_errors += 1
             self._warn_once(f"merge-{exc.errno}", "pdtrace: cannot merge trace files in %s (%s); parts kept",
                             self.dir, exc.strerror or exc)
-            return
-        for name, _ in parts:
-            try:
-                os.unlink(os.path.join(self.dir, name))
-            except OSError:
-                pass
 
 
 def _row_groups(tables: list[pa.Table]) -> list[pa.Table]:

@@ -153,6 +153,24 @@ def write_tables(directory: str | os.PathLike, tables: Iterable[pa.Table], name:
     return final
 
 
+def merge_parts(directory: str | os.PathLike, parts: list[tuple[str, list[pa.Table]]], name: str) -> Path:
+    """Replace a writer's part files by one segment file ``name``; return its path.
+
+    ``parts``: ``[(part file name in directory, [its tables, in order])]``, oldest first. The
+    segment is written first (:func:`write_tables`: temporary name, rename), then the parts are
+    removed (one already gone is skipped), so every row is in a complete file at every moment.
+    Raises OSError when the segment cannot be written: the parts are then kept as they are.
+    Used by the recorder's sink and by ``pdtrace collect``.
+    """
+    path = write_tables(directory, [t for _, ts in parts for t in ts], name)
+    for part, _ in parts:
+        try:
+            os.unlink(os.path.join(directory, part))
+        except OSError:
+            pass
+    return path
+
+
 def write_rows(directory: str | os.PathLike, rows: Iterable[Mapping[str, object]],
                resource: Mapping[str, object] | None = None, name: str | None = None) -> Path:
     """Build a table from plain rows (see :func:`rows_to_table`) and write it (see :func:`write_table`).
