@@ -6,10 +6,12 @@ lives here). Nothing here starts an engine.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -28,6 +30,18 @@ def require_lab() -> None:
         if os.environ.get("PDTRACE_LAB_REQUIRED") == "1":
             pytest.fail(msg)
         pytest.skip(msg)
+
+
+def benchmark(name: str):
+    """The shipped benchmark script ``benchmarks/<name>.py`` loaded as a module (the tests drive the same code
+    that prints BENCHMARKS.md's figures). Raises FileNotFoundError for a missing script."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    if not path.is_file():
+        raise FileNotFoundError(path)
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def post(url: str, body: dict, headers: dict | None = None, timeout: float = 300) -> dict:

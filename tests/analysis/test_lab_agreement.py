@@ -10,8 +10,6 @@ printed, not asserted.
 """
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
 import labkit
 import pytest
@@ -19,20 +17,12 @@ import pytest
 pytestmark = [pytest.mark.lab, pytest.mark.timeout(1800)]
 
 N = 20
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_serve_agreement.py"
-
-
-def _bench_module():
-    spec = importlib.util.spec_from_file_location("bench_serve_agreement", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")
 def agreement(tmp_path_factory):
     labkit.require_lab()
-    mod = _bench_module()
+    mod = labkit.benchmark("bench_serve_agreement")
     s = mod.run(tmp_path_factory.mktemp("agree") / "run", n=N, mode="pull", prefix="bench-")
     print(mod.render(s))
     return s

@@ -7,24 +7,17 @@ files (what a router that writes no pdtrace spans leaves), by
 """
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "engine_vs_router_ttft.py"
+import labkit
 
-
-def bench_module():
-    spec = importlib.util.spec_from_file_location("engine_vs_router_ttft", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def check_engine_window(run_dir: Path, ids: list[str]) -> dict:
     """Every request in ``ids``: complete from the engines' clocks alone, ``ttft_source = 'engine'``, its segments
     tiling the window to the ns, and its engine TTFT <= its router TTFT (the router's window contains the engines':
     it receives the request before P and writes the first token after D), up to D's clock-correction bound."""
-    mod = bench_module()
+    mod = labkit.benchmark("engine_vs_router_ttft")
     s = mod.compare(run_dir)
     print(mod.render(s))
     assert s["skipped_router_files"], "the run has no router file to remove"

@@ -16,9 +16,7 @@ request is ``incomplete: no_router_record``.
 """
 from __future__ import annotations
 
-import importlib.util
 import re
-from pathlib import Path
 
 import labkit
 import pytest
@@ -26,22 +24,16 @@ import pytest
 pytestmark = [pytest.mark.lab, pytest.mark.timeout(900)]
 
 N = 20
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "router_ttft_agreement.py"
 #: vllm-router 0.1.17's request id: ___prefill_addr_<P host:port>___decode_addr_<D host:port>_<32 hex>
 GENERATED_ID = re.compile(r"^___prefill_addr_127\.0\.0\.1:\d+___decode_addr_127\.0\.0\.1:\d+_[0-9a-f]{32}$")
 
 
-def _bench_module():
-    spec = importlib.util.spec_from_file_location("router_ttft_agreement", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")
 def behind_vllm_router(tmp_path_factory):
     labkit.require_lab()
-    mod = _bench_module()
+    mod = labkit.benchmark("router_ttft_agreement")
     s = mod.measure(tmp_path_factory.mktemp("vllm-router") / "run", "vllm-router", "pull", N, echo=lambda *_: None)
     print(mod.render(s))
     return s
