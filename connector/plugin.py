@@ -114,11 +114,11 @@ def repoint_connectors() -> list[str]:
     return done
 
 
-def _role(args) -> str | None:
+def _kv_role(args) -> str | None:
+    """``kv_role`` of the API server's parsed ``--kv-transfer-config`` (an object or a dict), or None."""
     kvc = getattr(args, "kv_transfer_config", None)
-    kv_role = getattr(kvc, "kv_role", None) if kvc is not None and not isinstance(kvc, dict) else \
+    return getattr(kvc, "kv_role", None) if kvc is not None and not isinstance(kvc, dict) else \
         (kvc or {}).get("kv_role")
-    return {"kv_producer": "prefill", "kv_consumer": "decode"}.get(kv_role)
 
 
 def _wrap_middleware_fn(orig):
@@ -126,9 +126,9 @@ def _wrap_middleware_fn(orig):
         out = orig(args, app, *rest, **kw)
         try:
             if getattr(args, "kv_transfer_config", None) and MIDDLEWARE not in (getattr(args, "middleware", None) or ()):
-                from pdtrace.connector.traced.middleware import FrontendMiddleware
+                from pdtrace.connector.traced.middleware import FrontendMiddleware, role_of
 
-                app.add_middleware(FrontendMiddleware, role=_role(args), activation="plugin")
+                app.add_middleware(FrontendMiddleware, role=role_of(_kv_role(args)), activation="plugin")
         except Exception as exc:  # noqa: BLE001 - the server runs on, untraced
             log.warning("pdtrace: frontend middleware not added (%s: %s)", type(exc).__name__, exc)
         return out

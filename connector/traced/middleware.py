@@ -76,10 +76,15 @@ def _kv_config_from_argv(argv) -> dict | None:
     return None
 
 
+def role_of(kv_role: str | None) -> str | None:
+    """pdtrace's role of a ``kv_role`` from ``--kv-transfer-config``: 'prefill' (kv_producer), 'decode'
+    (kv_consumer), None for another value or none (no frontend span name can be chosen)."""
+    return {"kv_producer": "prefill", "kv_consumer": "decode"}.get(kv_role)
+
+
 def _role_from_argv(argv) -> str | None:
     cfg = _kv_config_from_argv(argv)
-    r = cfg.get("kv_role") if cfg else None
-    return {"kv_producer": "prefill", "kv_consumer": "decode"}.get(r)
+    return role_of(cfg.get("kv_role") if cfg else None)
 
 
 def _engine_id_from_argv(argv) -> str | None:
