@@ -25,23 +25,30 @@
 -- _compare_delta.sql (over two copies of this view's rows, one per run).
 
 CREATE OR REPLACE VIEW ttft_stage_means AS
+-- one pass over the segments per (mode, bucket); scope 'all' sums the bucket rows (a request is in one bucket)
 WITH req AS (
-    SELECT 'bucket' AS scope, i.rkey, i.mode, i.prompt_bucket, i.ttft_ns
+    SELECT i.rkey, i.mode, i.prompt_bucket, i.ttft_ns
     FROM _summary_input i WHERE i.complete AND i.ttft_ns IS NOT NULL
-    UNION ALL
-    SELECT 'all', i.rkey, i.mode, NULL::BIGINT, i.ttft_ns
-    FROM _summary_input i WHERE i.complete AND i.ttft_ns IS NOT NULL
-), n AS (
-    SELECT scope, mode, prompt_bucket, count(*) AS requests, sum(ttft_ns) AS ttft_ns
-    FROM req GROUP BY ALL
-), seg AS (
-    SELECT r.scope, r.mode, r.prompt_bucket, s.stage, s.stage_group, s.category,
+), nb AS (
+    SELECT mode, prompt_bucket, count(*) AS requests, sum(ttft_ns) AS ttft_ns FROM req GROUP BY ALL
+), sb AS (
+    SELECT r.mode, r.prompt_bucket, s.stage, s.stage_group, s.category,
            sum(s.dur_ns) AS exposed_ns, count(DISTINCT s.rkey) AS requests_with_stage
     FROM req r JOIN ttft_segments s ON s.rkey = r.rkey
     GROUP BY ALL
+), n AS (
+    SELECT 'bucket' AS scope, * FROM nb
+    UNION ALL
+    SELECT 'all', mode, NULL::BIGINT, sum(requests), sum(ttft_ns) FROM nb GROUP BY mode
+), seg AS (
+    SELECT 'bucket' AS scope, * FROM sb
+    UNION ALL
+    SELECT 'all', mode, NULL::BIGINT, stage, stage_group, category, sum(exposed_ns), sum(requests_with_stage)
+    FROM sb GROUP BY mode, stage, stage_group, category
 )
 SELECT n.scope, n.mode, n.prompt_bucket AS prompt_bucket_lo, seg.stage, seg.stage_group, seg.category,
-       n.requests, seg.requests_with_stage, seg.exposed_ns::BIGINT AS exposed_ns,
+       n.requests::BIGINT AS requests, seg.requests_with_stage::BIGINT AS requests_with_stage,
+       seg.exposed_ns::BIGINT AS exposed_ns,
        seg.exposed_ns / n.requests / 1e6 AS mean_exposed_ms,
        n.ttft_ns::BIGINT AS group_ttft_ns, n.ttft_ns / n.requests / 1e6 AS ttft_mean_ms
 FROM n JOIN seg ON seg.scope = n.scope AND seg.mode = n.mode
