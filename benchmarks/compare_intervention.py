@@ -3,10 +3,11 @@
 Usage (from the repo root, lab environment installed)::
 
     .venv/bin/python benchmarks/compare_intervention.py [--requests 20] [--workload mooncake-conv]
-        [--length-scale 0.09] [--budget 512] [--out DIR] [--lock /tmp/pdtrace-heavy.lock]
+        [--length-scale 0.09] [--budget 512 [--budget 8192 ...]] [--control] [--out DIR]
+        [--lock /tmp/pdtrace-heavy.lock]
 
 Runs ``pdtrace lab`` (traced connectors) on one prefill-heavy replay (Mooncake
-conversation trace, long prompts) three times, each under ``--lock`` (an
+conversation trace, long prompts) once per configuration, each under ``--lock`` (an
 exclusive flock held for that run only; other lab users take it between
 runs), and reuses a run directory that already holds a finished run
 (``run.json``):
@@ -14,9 +15,10 @@ runs), and reuses a run directory that already holds a finished run
 1. ``base-pull``: pull, engines as the lab starts them (vLLM's CPU default
    prefill token budget, ``--max-num-batched-tokens`` 2048);
 2. ``base-push``: push, the same;
-3. ``budget-push``: push with P's prefill token budget lowered to
-   ``--budget`` (``--max-num-batched-tokens`` on the prefill engine only,
-   ``LabOptions.engine_args``): P's engine steps get shorter, D is unchanged.
+3. ``budget<N>-push`` for each ``--budget N`` (default 512): push with P's
+   prefill token budget set to N (``--max-num-batched-tokens`` on the prefill
+   engine only, ``LabOptions.engine_args``): P's engine steps carry fewer
+   (N < 2048) or more prompt tokens; D is unchanged.
    ``--control`` adds ``control-push``, a second unchanged push run, to show
    the run-to-run noise of the same figures.
 
@@ -26,18 +28,19 @@ Then prints
   (mean TTFT, push minus pull, split by critical-path stage per prompt
   bucket; ``analysis/report.py`` ``compare_delta`` over the view
   ``ttft_stage_means``);
-* the same for ``base-push --compare budget-push`` (what the intervention
+* the same for ``base-push --compare budget<N>-push`` (what the intervention
   changed, stage by stage);
-* predicted vs observed: P's step length (mean ``prefill.compute`` chunk span:
-  one chunk per P engine step) before and after; for each stage that waits for
-  P's next engine step (``handoff.step_wait``, DESIGN.md §2: push's writer
-  posts the WRITE at P's next step), the prediction scales its mean exposed
-  time with P's step length, ``after = before * step_after / step_before``;
-  the predicted TTFT change is the sum of those stages' predicted changes (the
-  decomposition is exact, so if the explanation is right the other stages do
-  not move and the observed TTFT change is about that sum). Printed beside it:
-  the observed change of each of those stages and of the TTFT, and the stages
-  that moved most without being predicted to (what the explanation missed).
+* predicted vs observed: P's engine steps before and after (from the
+  ``prefill.compute`` chunk spans, grouped by ``step.id``: step length, prompt
+  tokens per step, ms per prompt token). The prediction scales each blamed
+  P-side stage by what drives it (``PREDICTED``): ``handoff.step_wait`` (push's
+  writer waits for P's next engine step, DESIGN.md §2) by P's step length,
+  ``prefill.queue`` and ``prefill.compute`` by P's ms per prompt token;
+  ``after = before * measure_after / measure_before``. The predicted TTFT
+  change is the sum of those stages' predicted changes (the decomposition is
+  exact, so if the explanation is complete the other stages do not move).
+  Printed beside it: the observed changes, and the stages that moved most
+  without being predicted to (what the explanation missed).
 
 One round on a shared 2-core machine with 20 requests: other processes' load
 moves every number by tens of percent (BENCHMARKS.md, pull vs push); read the
@@ -56,9 +59,10 @@ from pathlib import Path
 from pdtrace.analysis import db, report
 from pdtrace.connector.lab.run import LabOptions, run_lab
 
-#: Stages that are, by definition (DESIGN.md §2), a wait for P's next engine step in push.
-P_STEP_BOUND = ("handoff.step_wait",)
-
+#: Stages whose exposed time the prediction scales, and by what (DESIGN.md §2): a wait for P's next engine step
+#: scales with P's step length; P's queue and prompt compute with P's time per prefill token (a fixed number of
+#: prompt tokens to get through at that rate; first order, ignoring the nonlinearity of queueing).
+PREDICTED = {"handoff.step_wait": "step_ms", "prefill.queue": "ms_per_token", "prefill.compute": "ms_per_token"}
 
 @contextlib.contextmanager
 def _locked(path: str | None):
@@ -89,12 +93,18 @@ def run(name: str, base: Path, a, mode: str, engine_args: dict | None = None) ->
     return out
 
 
-def collect(run_dir: Path) -> tuple[dict, float | None]:
-    """``report.collect`` of a run, and P's mean step length (ms; mean prefill.compute chunk span)."""
+def collect(run_dir: Path) -> tuple[dict, dict]:
+    """``report.collect`` of a run, and P's engine steps: mean step length (ms: first chunk start to last chunk
+    end of the prefill.compute chunks with one step.id on one engine), mean prompt tokens per step, ms per token."""
     with db.open_trace(run_dir, cache=run_dir.parent / (run_dir.name + ".duckdb")) as tr:
+        step = tr.query("""
+            WITH s AS (SELECT engine_id, attr_int['step.id'] AS sid, (max(end_ns) - min(start_ns)) / 1e6 AS ms,
+                              sum(attr_int['step.tokens']) AS tokens
+                       FROM spans WHERE stage = 'prefill.compute' AND role = 'prefill'
+                         AND attr_int['step.chunk_index'] IS NOT NULL GROUP BY ALL)
+            SELECT count(*) AS steps, avg(ms) AS step_ms, avg(tokens) AS tokens_per_step,
+                   sum(ms) / sum(tokens) AS ms_per_token FROM s""")[0]
         data = report.collect(tr.readonly())
-        step = tr.query("SELECT avg((end_ns - start_ns) / 1e6) AS m FROM spans WHERE stage = 'prefill.compute' "
-                        "AND role = 'prefill'")[0]["m"]
     return data, step
 
 
@@ -102,26 +112,50 @@ def _all(delta: dict) -> list[dict]:
     return [r for r in delta["by_stage"] if r["scope"] == "all"]
 
 
-def predict(before: dict, after: dict, step_before: float, step_after: float) -> dict:
-    """Predicted vs observed change (ms per request, scope 'all') of the P-step-bound stages and of TTFT."""
-    rows = {r["stage"]: r for r in _all(report.compare_delta(before, after))}
-    ratio = step_after / step_before
-    out = {"p_step_before_ms": step_before, "p_step_after_ms": step_after, "ratio": ratio, "stages": []}
-    pred_total = 0.0
-    for s in P_STEP_BOUND:
-        r = rows.get(s, {"mean_a_ms": 0.0, "mean_b_ms": 0.0, "delta_ms": 0.0})
-        p = r["mean_a_ms"] * (ratio - 1)
-        pred_total += p
-        out["stages"].append({"stage": s, "before_ms": r["mean_a_ms"], "after_ms": r["mean_b_ms"],
-                              "predicted_delta_ms": p, "observed_delta_ms": r["delta_ms"]})
+def predict(before: dict, after: dict, step_before: dict, step_after: dict) -> dict:
+    """Predicted vs observed change (ms per request, scope 'all') of the stages in PREDICTED and of mean TTFT.
+
+    Prediction: after = before * (P's measure after / before), the measure named in PREDICTED; the TTFT is
+    predicted to move by the sum of those stages' predicted changes (the other stages unchanged)."""
+    rows = {(r["stage"], r["category"]): r for r in _all(report.compare_delta(before, after))}
+    out = {"p_steps_before": step_before, "p_steps_after": step_after, "stages": []}
+    pred_total = obs_total = 0.0
+    for s, measure in PREDICTED.items():
+        ratio = step_after[measure] / step_before[measure]
+        for (stage, cat), r in rows.items():
+            if stage != s:
+                continue
+            p = r["mean_a_ms"] * (ratio - 1)
+            pred_total += p
+            obs_total += r["delta_ms"]
+            out["stages"].append({"stage": stage, "category": cat, "scaled_by": f"{measure} x{ratio:.2f}",
+                                  "before_ms": r["mean_a_ms"], "after_ms": r["mean_b_ms"],
+                                  "predicted_delta_ms": p, "observed_delta_ms": r["delta_ms"]})
     any_row = next(iter(rows.values()))
     out["ttft_before_ms"], out["ttft_after_ms"] = any_row["ttft_mean_a_ms"], any_row["ttft_mean_b_ms"]
     out["predicted_ttft_delta_ms"] = pred_total
+    out["observed_predicted_stages_delta_ms"] = obs_total
     out["observed_ttft_delta_ms"] = any_row["ttft_delta_ms"]
-    out["unpredicted"] = sorted(({"stage": k, "category": v["category"], "delta_ms": v["delta_ms"]}
-                                 for k, v in rows.items() if k not in P_STEP_BOUND),
+    out["unpredicted"] = sorted(({"stage": k[0], "category": k[1], "delta_ms": v["delta_ms"]}
+                                 for k, v in rows.items() if k[0] not in PREDICTED),
                                 key=lambda x: -abs(x["delta_ms"]))[:5]
     return out
+
+
+def print_prediction(p: dict, label: str) -> None:
+    b, a = p["p_steps_before"], p["p_steps_after"]
+    print(f"Predicted vs observed, {label} (all prompts, ms per request): P's steps {b['steps']} -> {a['steps']}, "
+          f"step {b['step_ms']:.1f} -> {a['step_ms']:.1f} ms, prompt tokens per step {b['tokens_per_step']:.0f} -> "
+          f"{a['tokens_per_step']:.0f}, ms per prompt token {b['ms_per_token']:.4f} -> {a['ms_per_token']:.4f}")
+    print(report.table([{k: s[k] for k in ("stage", "scaled_by", "before_ms", "after_ms", "predicted_delta_ms",
+                                           "observed_delta_ms")} for s in p["stages"]]
+                       + [{"stage": "sum of these", "predicted_delta_ms": p["predicted_ttft_delta_ms"],
+                           "observed_delta_ms": p["observed_predicted_stages_delta_ms"]},
+                          {"stage": "TTFT (mean)", "before_ms": p["ttft_before_ms"], "after_ms": p["ttft_after_ms"],
+                           "predicted_delta_ms": p["predicted_ttft_delta_ms"],
+                           "observed_delta_ms": p["observed_ttft_delta_ms"]}]))
+    print("largest changes not predicted: " + ", ".join(f"{u['stage']} {u['delta_ms']:+.1f}" for u in p["unpredicted"]))
+    print()
 
 
 def main(argv=None) -> int:
@@ -130,15 +164,18 @@ def main(argv=None) -> int:
     ap.add_argument("--workload", default="mooncake-conv", choices=["azure-conv", "mooncake-conv"])
     ap.add_argument("--length-scale", type=float, default=0.09)
     ap.add_argument("--rate-scale", type=float, default=1.0)
-    ap.add_argument("--budget", type=int, default=512, help="P's --max-num-batched-tokens in the intervention run")
+    ap.add_argument("--budget", type=int, action="append", default=None,
+                    help="P's --max-num-batched-tokens in an intervention run (repeat for several; default 512)")
     ap.add_argument("--control", action="store_true", help="also a second unchanged push run (noise)")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--lock", default="/tmp/pdtrace-heavy.lock", help="flock file held during each lab run ('' none)")
     a = ap.parse_args(argv)
     base = a.out or Path("runs") / time.strftime("%Y%m%dT%H%M%SZ-compare", time.gmtime())
-    budget_args = {"prefill": ["--max-num-batched-tokens", str(a.budget)]}
-    dirs = {"base-pull": run("base-pull", base, a, "pull"), "base-push": run("base-push", base, a, "push"),
-            "budget-push": run("budget-push", base, a, "push", budget_args)}
+    budgets = a.budget or [512]
+    dirs = {"base-pull": run("base-pull", base, a, "pull"), "base-push": run("base-push", base, a, "push")}
+    for n in budgets:
+        dirs[f"budget{n}-push"] = run(f"budget{n}-push", base, a, "push",
+                                      {"prefill": ["--max-num-batched-tokens", str(n)]})
     if a.control:
         dirs["control-push"] = run("control-push", base, a, "push")
     got = {k: collect(d) for k, d in dirs.items()}
@@ -147,30 +184,18 @@ def main(argv=None) -> int:
     print(f"\n{a.workload}, {a.requests} requests, lengths x{a.length_scale}, rate x{a.rate_scale}; ms per request\n")
     d1 = report.compare_delta(data["base-pull"], data["base-push"])
     print("\n".join(report.render_delta(d1, "pull", "push")))
-    d2 = report.compare_delta(data["base-push"], data["budget-push"])
-    print(f"Intervention: P's prefill token budget 2048 (vLLM CPU default) -> {a.budget}")
-    print("\n".join(report.render_delta(d2, "push", f"push, P budget {a.budget}")))
-    res = {"dirs": {k: str(v) for k, v in dirs.items()}, "p_step_ms": step,
-           "push_minus_pull": d1, "budget_minus_base": d2,
-           "prediction": predict(data["base-push"], data["budget-push"], step["base-push"], step["budget-push"])}
-    if a.control:
-        res["control_minus_base"] = report.compare_delta(data["base-push"], data["control-push"])
-        res["control_prediction"] = predict(data["base-push"], data["control-push"], step["base-push"],
-                                            step["control-push"])
-    for key, label in (("prediction", f"P budget {a.budget}"), ("control_prediction", "control (no change)")):
-        if key not in res:
-            continue
-        p = res[key]
-        print(f"Predicted vs observed, {label} (scope all): P step {p['p_step_before_ms']:.1f} -> "
-              f"{p['p_step_after_ms']:.1f} ms (x{p['ratio']:.2f})")
-        print(report.table([{"stage": s["stage"], "before_ms": s["before_ms"], "after_ms": s["after_ms"],
-                             "predicted_delta_ms": s["predicted_delta_ms"], "observed_delta_ms": s["observed_delta_ms"]}
-                            for s in p["stages"]]
-                           + [{"stage": "TTFT (mean)", "before_ms": p["ttft_before_ms"], "after_ms": p["ttft_after_ms"],
-                               "predicted_delta_ms": p["predicted_ttft_delta_ms"],
-                               "observed_delta_ms": p["observed_ttft_delta_ms"]}]))
-        print("largest unpredicted changes: " + ", ".join(f"{u['stage']} {u['delta_ms']:+.1f}" for u in p["unpredicted"]))
-        print()
+    res = {"dirs": {k: str(v) for k, v in dirs.items()}, "p_steps": step, "push_minus_pull": d1, "interventions": {}}
+    for name in [k for k in dirs if k.startswith("budget")] + (["control-push"] if a.control else []):
+        label = "control: push unchanged" if name == "control-push" else \
+            f"P's prefill token budget 2048 (vLLM CPU default) -> {name[len('budget'):-len('-push')]}"
+        d = report.compare_delta(data["base-push"], data[name])
+        print(f"Intervention {name}: {label}")
+        print("\n".join(report.render_delta(d, "push", name)))
+        res["interventions"][name] = {"label": label, "delta": d,
+                                      "prediction": predict(data["base-push"], data[name], step["base-push"],
+                                                            step[name])}
+    for name, r in res["interventions"].items():
+        print_prediction(r["prediction"], f"{name} ({r['label']})")
     (base / "compare_intervention.json").write_text(json.dumps(res, indent=1, default=str))
     return 0
 
