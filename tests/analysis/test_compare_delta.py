@@ -173,3 +173,67 @@ def test_compare_report_text_and_json(runs, tmp_path):
     top = [x for x in d["ttft_delta"]["by_stage"] if x["scope"] == "bucket" and x["prompt_bucket_lo"] == 1024][0]
     assert top["stage"] == "prefill.queue" and top["rank"] == 1
     assert d[a]["ttft_stage_means"] and d[b]["ttft_stage_means"]
+
+
+# ---------------------------------------------------------------------------
+# Public reports: a P/D TTFT gap that the components "don't add up to", explained by the decomposition.
+#
+# sgl-project/sglang#22853: PD mode had ~200 ms higher TTFT than non-PD (rps 2, 12000-token prompts) although the
+# KV transfer took ~6 ms and D's first forward ~10 ms. Cause: the router dispatches P and D concurrently and waits
+# for BOTH HTTP responses before streaming D's; P's response can only go out between P's run_batch calls, so it
+# waits for P's next (busy) engine step. In pdtrace's words: the difference is router.wait (the router's join on
+# P's late response, bug case D), not kv.transfer or decode.first_step.
+# sgl-project/sglang#13926: P sent the KV only in the next event-loop iteration after the batch that computed it,
+# so TTFT carried one extra P iteration: push's wait for P's next engine step, handoff.step_wait.
+#
+# Run A: the fixed system (router streams D's first token; KV posted when ready). Run B: the report's system.
+#   router |disp 2|.......................... router.wait ..........................|* first token
+#   P       |---- prefill.compute 700 ----|prep [step_wait it]+1|xfer 6|   P's response written at +late
+#   D       |dest.register 2-20| (hidden)                       |ready 1|first_step 10|
+def _sglang_push(c, rid, base, it=0.0, late=None):
+    """`it`: P iteration the WRITE waits for (#13926); `late`: P's response this long after D's first token, and
+    the router streams only after it (#22853); None: the router streams D's first token at once."""
+    t_ready = base + 702
+    t_tok = t_ready + it + 1 + 6 + 1 + 10
+    first = t_tok + 1 if late is None else t_tok + late + 1
+    root = c.router_request(rid, base, first + 50, "push", first_token_ms=first, prompt_tokens=12000)
+    for leg in ("prefill", "decode"):
+        c.span("router", "router.dispatch", base, base + 2, rid=rid, parent=root, attrs={"router.leg": leg})
+    p_resp = t_tok if late is None else t_tok + late
+    c.span("router", "router.wait", base + 2, p_resp, rid=rid, parent=root, attrs={"router.leg": "prefill"})
+    c.span("router", "router.wait", p_resp, first, rid=rid, parent=root, attrs={"router.leg": "decode"})
+    c.span("decode", "dest.register", base + 2, base + 20, rid=rid, engine="d0")
+    c.span("prefill", "prefill.compute", base + 2, t_ready, rid=rid, engine="p0")
+    hp = c.span("prefill", "handoff.prep", t_ready, t_ready + it + 1, rid=rid, engine="p0", rank=0)
+    if it:
+        c.span("prefill", "handoff.step_wait", t_ready, t_ready + it, rid=rid, engine="p0", rank=0, parent=hp)
+    t = t_ready + it + 1
+    c.span("prefill", "kv.transfer", t, t + 6, rid=rid, engine="p0", rank=0,
+           attrs={"kv.op": "WRITE", "kv.bytes": 1 << 24, "peer.engine_id": "d0"})
+    c.span("decode", "kv.ready", t + 6, t + 7, rid=rid, engine="d0")
+    c.span("decode", "decode.first_step", t + 7, t + 17, rid=rid, engine="d0")
+
+
+@pytest.mark.parametrize("report_id, kw, stage, expected", [
+    ("sglang#22853", [{"late": 190}, {"late": 150}, {"late": 260}], "router.wait", 200.0),
+    ("sglang#13926", [{"it": 120}, {"it": 80}, {"it": 100}], "handoff.step_wait", 100.0),
+])
+def test_public_pd_gap_is_named(analyse, tmp_path, report_id, kw, stage, expected):
+    """The TTFT gap between the fixed and the reported system is one stage's term: router.wait (the router's
+    join on P's late response, sglang#22853: 'the raw component latencies don't add up') or handoff.step_wait
+    (the KV sent one P iteration late, sglang#13926). kv.transfer (6 ms) and decode.first_step (10 ms) are the
+    same in both runs: their terms are 0, which is the report's point."""
+    a, b = Case(), Case()
+    for i, k in enumerate(kw):
+        _sglang_push(a, f"a{i}", i * 5000)
+        _sglang_push(b, f"b{i}", i * 5000, **k)
+    ta, tb = analyse(a, tmp_path / "A"), analyse(b, tmp_path / "B")
+    delta = report.compare_delta(report.collect(ta.readonly()), report.collect(tb.readonly()))
+    rows = _bucket(delta, 8192)
+    assert rows[0]["ttft_delta_ms"] == pytest.approx(expected, abs=1e-9)
+    assert sum(r["delta_ms"] for r in rows) == pytest.approx(expected, abs=1e-9)
+    assert rows[0]["stage"] == stage and rows[0]["delta_ms"] == pytest.approx(expected, abs=1e-9)
+    by = {r["stage"]: r for r in rows}
+    for s in ("kv.transfer", "decode.first_step", "prefill.compute"):
+        assert by[s]["delta_ms"] == pytest.approx(0, abs=1e-9)
+    assert by["kv.transfer"]["mean_b_ms"] == pytest.approx(6) and by["decode.first_step"]["mean_b_ms"] == pytest.approx(10)
