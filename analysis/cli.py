@@ -78,7 +78,8 @@ def _with_cache(f):
 @click.command("report")
 @click.argument("directory", type=click.Path(exists=True, file_okay=False))
 @click.option("--compare", "compare_dir", type=click.Path(exists=True, file_okay=False), default=None,
-              help="A second trace directory (e.g. push vs pull on the same workload), shown side by side.")
+              help="A second trace directory (e.g. push vs pull on the same workload), shown side by side, with the "
+                   "difference in mean TTFT (second minus first) split by critical-path stage per prompt bucket.")
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
 @_with_cache
 def report(directory, compare_dir, fmt, cache, no_cache):
@@ -92,10 +93,12 @@ def report(directory, compare_dir, fmt, cache, no_cache):
     con2 = _open(compare_dir, None, no_cache)
     data2 = _report.collect(con2)
     con2.close()
+    delta = _report.compare_delta(data, data2)
     if fmt == "json":
-        click.echo(json.dumps({directory: data, compare_dir: data2}, default=str, indent=1))
+        click.echo(json.dumps({directory: data, compare_dir: data2,
+                               "ttft_delta": {"a": directory, "b": compare_dir, **delta}}, default=str, indent=1))
     else:
-        click.echo(_report.render_compare(data, data2, directory, compare_dir))
+        click.echo(_report.render_compare(data, data2, directory, compare_dir, delta))
 
 
 _HELP = """Enter SQL ending with ';'. Commands: .views (public views), .schema VIEW (its columns and units), .quit"""

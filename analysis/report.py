@@ -16,6 +16,15 @@ _BUCKET_COLS = ["mode", "prompt_bucket_lo", "requests", "ttft_mean_ms", "ttft_p9
                 "compute_share", "coordination_share"]
 
 
+#: Columns of view ttft_stage_means that ``collect`` keeps (and :func:`compare_delta` reads), with their SQL types.
+STAGE_MEAN_COLS = {"scope": "VARCHAR", "mode": "VARCHAR", "prompt_bucket_lo": "BIGINT", "stage": "VARCHAR",
+                   "stage_group": "VARCHAR", "category": "VARCHAR", "requests": "BIGINT",
+                   "requests_with_stage": "BIGINT", "exposed_ns": "BIGINT", "group_ttft_ns": "BIGINT"}
+
+#: Stages listed per bucket in the text of the delta decomposition (largest |delta| first); the rest are summed
+#: on one line, so the printed parts still add up to the difference.
+DELTA_TOP = 6
+
 #: In-flight requests the report lists (the oldest); the total is printed beside them.
 IN_FLIGHT_ROWS = 20
 
@@ -40,7 +49,9 @@ def collect(con) -> dict[str, Any]:
     a pdtrace breakdown}),
     ``in_flight`` (requests not finished at the trace end, oldest first, at most
     :data:`IN_FLIGHT_ROWS`: [{request_id, mode, stage, role, engine_id, age_ms, waits_for}]) and
-    ``in_flight_total`` (all of them, count).
+    ``in_flight_total`` (all of them, count),
+    ``ttft_stage_means`` (the rows of view ``ttft_stage_means``: per scope, mode, prompt bucket and critical-path
+    (stage, category), exposed ns and mean ms per complete request; the terms :func:`compare_delta` subtracts).
     """
     return {
         "in_flight": _rows(con, "SELECT request_id, mode, stage, role, engine_id, round(age_ms, 3) AS age_ms, "
@@ -65,6 +76,8 @@ def collect(con) -> dict[str, Any]:
                                   "AS router_unseen_mean_ms FROM requests q LEFT JOIN ttft_breakdown b "
                                   "ON b.rkey = q.rkey GROUP BY q.ttft_source ORDER BY q.ttft_source DESC"),
         "coarse": _coarse(con),
+        "ttft_stage_means": _rows(con, f"SELECT {', '.join(STAGE_MEAN_COLS)} FROM ttft_stage_means "
+                                       "ORDER BY scope, mode, prompt_bucket_lo, stage, category"),
     }
 
 
@@ -156,8 +169,93 @@ def render(data: dict[str, Any], title: str = "") -> str:
     return "\n".join(out)
 
 
-def render_compare(a: dict[str, Any], b: dict[str, Any], label_a: str, label_b: str) -> str:
-    """Two traces side by side: the by-mode and by-bucket summaries, rows labelled by trace."""
+def _delta_sql() -> str:
+    from importlib import resources
+    return (resources.files("pdtrace.analysis.sql") / "_compare_delta.sql").read_text()
+
+
+def compare_delta(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """The delta decomposition of mean TTFT, run B minus run A (``collect``'s dicts), per prompt bucket.
+
+    Runs the macro ``ttft_stage_delta`` of ``analysis/sql/_compare_delta.sql`` in a private in-memory DuckDB
+    over both runs' ``ttft_stage_means`` rows. Returns ``by_stage`` (per scope, bucket and (stage, category):
+    mean exposed ms in A and B, ``delta_ms``, ``share_of_delta``, ``rank`` by |delta|; the deltas of a bucket add
+    up to its ``ttft_delta_ms``), ``by_category`` (the same summed per category) and ``only_a`` / ``only_b``
+    (prompt buckets with complete requests in one run only: no difference to split).
+    """
+    import duckdb
+    con = duckdb.connect()
+    try:
+        cols = ", ".join(f"{c} {t}" for c, t in STAGE_MEAN_COLS.items())
+        for name, data in (("compare_a", a), ("compare_b", b)):
+            con.execute(f"CREATE TABLE {name} ({cols})")
+            rows = [[r.get(c) for c in STAGE_MEAN_COLS] for r in data.get("ttft_stage_means", [])]
+            if rows:
+                con.executemany(f"INSERT INTO {name} VALUES ({', '.join('?' * len(STAGE_MEAN_COLS))})", rows)
+        con.execute(_delta_sql())
+        by_stage = _rows(con, "SELECT * FROM ttft_stage_delta()")
+        by_category = _rows(con, "SELECT scope, prompt_bucket_lo, category, sum(mean_a_ms) AS mean_a_ms, "
+                                 "sum(mean_b_ms) AS mean_b_ms, sum(delta_ms) AS delta_ms, "
+                                 "any_value(ttft_delta_ms) AS ttft_delta_ms FROM ttft_stage_delta() "
+                                 "GROUP BY scope, prompt_bucket_lo, category "
+                                 "ORDER BY scope = 'bucket', prompt_bucket_lo NULLS FIRST, abs(sum(delta_ms)) DESC")
+        only = {}
+        for side, x, y in (("only_a", "compare_a", "compare_b"), ("only_b", "compare_b", "compare_a")):
+            only[side] = [r["prompt_bucket_lo"] for r in _rows(
+                con, f"SELECT DISTINCT x.prompt_bucket_lo FROM {x} x WHERE x.scope = 'bucket' AND NOT EXISTS "
+                     f"(SELECT 1 FROM {y} y WHERE y.scope = 'bucket' AND y.prompt_bucket_lo IS NOT DISTINCT FROM "
+                     "x.prompt_bucket_lo) ORDER BY x.prompt_bucket_lo NULLS FIRST")]
+    finally:
+        con.close()
+    return {"by_stage": by_stage, "by_category": by_category, **only}
+
+
+def _bucket_name(scope: str, lo) -> str:
+    if scope == "all":
+        return "all prompts"
+    return "prompt tokens unknown" if lo is None else f"prompt tokens [{lo}, {2 * lo})"
+
+
+def render_delta(delta: dict[str, Any], label_a: str, label_b: str, top: int = DELTA_TOP) -> list[str]:
+    """Text lines of :func:`compare_delta`'s result: per bucket the difference and its largest stage terms."""
+    out = [f"Why mean TTFT differs: {label_b} minus {label_a}, split by critical-path stage (ms per request; "
+           "the parts add up to the difference; view ttft_stage_means, largest |delta| first)"]
+    if not delta["by_stage"]:
+        return out + ["(no prompt bucket has complete requests in both runs)", ""]
+    groups: dict[tuple, list[dict]] = {}
+    for r in delta["by_stage"]:
+        groups.setdefault((r["scope"], r["prompt_bucket_lo"]), []).append(r)
+    cats: dict[tuple, list[dict]] = {}
+    for r in delta["by_category"]:
+        cats.setdefault((r["scope"], r["prompt_bucket_lo"]), []).append(r)
+    for key, rows in groups.items():
+        r0 = rows[0]
+        out.append(f"{_bucket_name(*key)}: n {r0['n_a']} / {r0['n_b']}; TTFT mean {fmt_value(r0['ttft_mean_a_ms'])} -> "
+                   f"{fmt_value(r0['ttft_mean_b_ms'])} ms, delta {r0['ttft_delta_ms']:+.3f} ms; by category: "
+                   + ", ".join(f"{c['category']} {c['delta_ms']:+.3f}" for c in cats.get(key, [])))
+        shown = [{"stage": r["stage"], "category": r["category"], f"mean[{label_a}]": r["mean_a_ms"],
+                  f"mean[{label_b}]": r["mean_b_ms"], "delta_ms": r["delta_ms"], "share_of_delta": r["share_of_delta"]}
+                 for r in rows[:top]]
+        rest = rows[top:]
+        if rest:
+            shown.append({"stage": f"({len(rest)} other stages)", "category": "",
+                          f"mean[{label_a}]": sum(r["mean_a_ms"] for r in rest),
+                          f"mean[{label_b}]": sum(r["mean_b_ms"] for r in rest),
+                          "delta_ms": sum(r["delta_ms"] for r in rest),
+                          "share_of_delta": (sum(r["delta_ms"] for r in rest) / r0["ttft_delta_ms"]
+                                             if r0["ttft_delta_ms"] else None)})
+        out += [table(shown), ""]
+    for side, label in (("only_a", label_a), ("only_b", label_b)):
+        if delta.get(side):
+            out.append(f"Buckets with complete requests only in {label}: "
+                       + ", ".join(_bucket_name("bucket", lo) for lo in delta[side]))
+    return out + [""]
+
+
+def render_compare(a: dict[str, Any], b: dict[str, Any], label_a: str, label_b: str,
+                   delta: dict[str, Any] | None = None) -> str:
+    """Two traces side by side: the by-mode and by-bucket summaries, rows labelled by trace, then the delta
+    decomposition of mean TTFT (``delta``: :func:`compare_delta`'s result, computed when None)."""
     def tag(rows, label):
         return [{"trace": label, **r} for r in rows]
     out = [f"# {label_a} vs {label_b}", ""]
@@ -171,5 +269,6 @@ def render_compare(a: dict[str, Any], b: dict[str, Any], label_a: str, label_b: 
             for k in ("ttft_mean_ms", "ttft_p99_ms", "tpot_mean_ms", "tpot_p99_ms"):
                 row[f"{k}[{label}]"] = r[k]
     out += ["By prompt-length bucket (both traces)", table([keyed[k] for k in sorted(keyed)]), ""]
+    out += render_delta(delta if delta is not None else compare_delta(a, b), label_a, label_b)
     out += [f"Incomplete: {label_a}", table(a["incomplete"]), "", f"Incomplete: {label_b}", table(b["incomplete"]), ""]
     return "\n".join(out)

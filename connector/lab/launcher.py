@@ -95,6 +95,9 @@ class LabConfig:
     # test clock skew on D only ({"decode": {"PDTRACE_TEST_WALL_OFFSET_NS": "250000000"}})
     role_env: dict = dataclasses.field(default_factory=dict)
     extra_args: list = dataclasses.field(default_factory=list)  # appended to P/D engine command lines
+    # per-role engine arguments after extra_args: {"prefill"|"decode": [arg, ...]}, e.g. P's prefill token
+    # budget ({"prefill": ["--max-num-batched-tokens", "512"]}; benchmarks/compare_intervention.py)
+    role_args: dict = dataclasses.field(default_factory=dict)
     cores: tuple[int, ...] | None = None        # default: 0..ncpu-1, round-robin
 
     def connector(self) -> str:
@@ -149,6 +152,7 @@ def engine_command(cfg: LabConfig, eng: EngineConfig) -> list[str]:
         if cfg.connector_extra:
             kv["kv_connector_extra_config"] = cfg.connector_extra
         cmd += ["--kv-transfer-config", json.dumps(kv)] + [str(a) for a in cfg.extra_args]
+        cmd += [str(a) for a in cfg.role_args.get(eng.role, [])]
     return cmd
 
 

@@ -78,6 +78,7 @@ class LabOptions:
     model_cache: Path | None = None
     check_env: bool = True
     role_env: dict = dataclasses.field(default_factory=dict)  # LabConfig.role_env: {role: {VAR: value}}
+    engine_args: dict = dataclasses.field(default_factory=dict)  # LabConfig.role_args: {role: [engine arg, ...]}
     report: bool = True                     # print `pdtrace report` of the run directory at the end
     router: str = "pdtrace"                 # pdtrace (traced) | vllm-router (vLLM's, untraced; .vllm_router)
 
@@ -181,7 +182,8 @@ def run_lab(o: LabOptions, echo=print) -> dict:
          f"(KV {info['kv_bytes_per_token']} B/token) connector={o.connector} router={o.router} out={out}")
     cfg = LabConfig(model=model_dir, mode=o.mode, run_dir=out, profile=o.profile,
                     max_model_len=o.max_model_len, trace_dir=(out.resolve() if o.trace else None),
-                    router_timeout_s=o.request_timeout_s, role_env=dict(o.role_env), router_kind=o.router)
+                    router_timeout_s=o.request_timeout_s, role_env=dict(o.role_env), router_kind=o.router,
+                    role_args={k: list(v) for k, v in o.engine_args.items()})
     if o.connector == "traced":
         cfg.connector_class, cfg.connector_module = TRACED[o.mode], "pdtrace.connector.traced"
         cfg.extra_args = ["--middleware", "pdtrace.connector.traced.middleware.FrontendMiddleware"]
@@ -189,7 +191,7 @@ def run_lab(o: LabOptions, echo=print) -> dict:
                      "activation": activation(o),
                      "connector_module": cfg.connector_module, "model": str(model_dir), "model_info": info,
                      "workload": wl.summary(), "vllm_build": f"{lab_env.VLLM_DIST}=={lab_env.VLLM_VERSION}",
-                     "nixl_progress_thread": cfg.prog_thread, "router": o.router}
+                     "nixl_progress_thread": cfg.prog_thread, "router": o.router, "engine_args": cfg.role_args}
     if o.router == "vllm-router":
         import importlib.metadata
 

@@ -182,3 +182,16 @@ def test_untraced_lab_engines_get_no_pdtrace_dir_from_the_callers_environment(tm
     traced = _engine_env(LabConfig(model=tmp_path, run_dir=tmp_path / "run", trace_dir=tmp_path / "run"), eng,
                          tmp_path / "boot")
     assert traced["PDTRACE_DIR"] == str(tmp_path / "run")
+
+
+def test_role_args_reach_only_their_engine(tmp_path):
+    """LabConfig.role_args (LabOptions.engine_args): P's prefill token budget goes on P's command line only
+    (benchmarks/compare_intervention.py changes P's step length and must leave D as it was)."""
+    from pdtrace.connector.lab.launcher import EngineConfig, LabConfig, engine_command
+
+    cfg = LabConfig(model=tmp_path, run_dir=tmp_path / "run", mode="push",
+                    role_args={"prefill": ["--max-num-batched-tokens", 512]})
+    p = engine_command(cfg, EngineConfig(name="prefill-0", role="prefill", core=None, engine_id="p"))
+    d = engine_command(cfg, EngineConfig(name="decode-0", role="decode", core=None, engine_id="d"))
+    assert p[-2:] == ["--max-num-batched-tokens", "512"]
+    assert "--max-num-batched-tokens" not in d
