@@ -38,7 +38,8 @@ STAGES: dict[str, Stage] = {
     "handoff.agent_load": Stage("decode", COORDINATION, "child of handoff.prep: remote agent metadata load"),
     "handoff.descriptors": Stage("decode", COORDINATION, "child of handoff.prep: descriptor list build"),
     "handoff.writer_queue": Stage("prefill", COORDINATION, "child of handoff.prep (push): wait in the nixl-push-writer queue"),
-    "kv.transfer": Stage("decode", TRANSFER, "post -> post + NIXL's own transfer duration (per NIXL handle)"),
+    "kv.transfer": Stage("decode", TRANSFER, "post -> post + NIXL's own transfer duration (per NIXL handle); "
+                         "counts as coordination when it failed or moved 0 bytes (DESIGN.md §2)"),
     "kv.ready": Stage("decode", COORDINATION, "transfer finished -> seen by the poll on every expected rank -> promoted by the scheduler"),
     "decode.queue": Stage("decode", QUEUE, "D: queued -> blocks allocated"),
     "decode.first_step": Stage("decode", COMPUTE, "D: promoted -> first token sampled"),

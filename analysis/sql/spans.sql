@@ -25,15 +25,34 @@ LEFT JOIN (SELECT * FROM _domain_offsets WHERE window_idx IS NULL) a
 CREATE OR REPLACE VIEW _timed AS
 SELECT * FROM _clock_corrected('_records') WHERE record IN ('span', 'event');
 
+-- kv.transfer spans a failure event marks (rule _outcome_category, module
+-- stages): a kv.transfer_failed / kv.post_failed event on the span (span_id),
+-- or on the request (no span_id) at the span's rank within [start, end] on
+-- corrected times. Failure events are rare: the join is on rkey, per request.
+CREATE OR REPLACE VIEW _kv_failed_spans AS
+WITH ev AS (
+    SELECT rkey, span_id, tp_rank, c_start_ns AS t FROM _timed
+    WHERE record = 'event' AND name IN ('kv.transfer_failed', 'kv.post_failed') AND rkey IS NOT NULL
+)
+SELECT DISTINCT x.rkey, x.span_id
+FROM _timed x JOIN ev ON ev.rkey = x.rkey
+WHERE x.record = 'span' AND x.name = 'kv.transfer'
+  AND (ev.span_id = x.span_id
+       OR (ev.span_id IS NULL AND ev.tp_rank IS NOT DISTINCT FROM x.tp_rank
+           AND ev.t BETWEEN x.c_start_ns AND x.c_end_ns));
+
 CREATE OR REPLACE VIEW spans AS
 SELECT t.record_id, t.trace_id, t.span_id, t.parent_span_id, t.run_id, t.request_id, t.prompt_index, t.attempt,
-       t.role, t.engine_id, t.tp_rank, t.thread, t.name AS stage, s.category,
+       t.role, t.engine_id, t.tp_rank, t.thread, t.name AS stage,
+       _outcome_category(s.category, t.status_code, t.attr_int['kv.bytes'], t.attr_str['error.type'],
+                         f.span_id IS NOT NULL) AS category,
        t.c_start_ns AS start_ns, t.c_end_ns AS end_ns, t.end_ns - t.start_ns AS dur_ns,
        t.start_ns AS raw_start_ns, t.end_ns AS raw_end_ns,
        t.domain AS clock_domain, t.clock_offset_ns, t.clock_bound_ns,
        t.status_code, t.status_message, t.attr_int, t.attr_float, t.attr_str,
        t.host, t.pid, t.connector, t.rkey
 FROM _timed t LEFT JOIN stages s ON s.stage = t.name
+LEFT JOIN _kv_failed_spans f ON f.rkey = t.rkey AND f.span_id = t.span_id
 WHERE t.record = 'span';
 
 CREATE OR REPLACE VIEW events AS
@@ -59,7 +78,7 @@ COMMENT ON COLUMN spans.engine_id IS 'recording engine id (NULL for the router)'
 COMMENT ON COLUMN spans.tp_rank IS 'tensor-parallel rank of a per-rank stage (NULL: scheduler/API/router)';
 COMMENT ON COLUMN spans.thread IS 'recording thread name';
 COMMENT ON COLUMN spans.stage IS 'stage name (see view stages)';
-COMMENT ON COLUMN spans.category IS 'category of the stage: queue | compute | transfer | coordination; NULL for parents and unknown names';
+COMMENT ON COLUMN spans.category IS 'category of the stage: queue | compute | transfer | coordination; NULL for parents and unknown names; by outcome: a kv.transfer that failed (status error, error.type, a kv.transfer_failed / kv.post_failed event on it) or moved 0 bytes is coordination (DESIGN.md §2)';
 COMMENT ON COLUMN spans.start_ns IS 'start corrected to the router clock (no router evidence: the reference prefill engine''s, view clock_domains) (ns since the Unix epoch)';
 COMMENT ON COLUMN spans.end_ns IS 'end corrected to the router clock (or the reference engine''s) (ns since the Unix epoch)';
 COMMENT ON COLUMN spans.dur_ns IS 'end - start (duration ns; the same raw or corrected)';

@@ -34,6 +34,23 @@ SELECT v.stage,
        v.doc
 FROM _stage_vocab v LEFT JOIN _stage_flags f USING (stage);
 
+-- Category by outcome (DESIGN.md §2: "a kv.transfer that failed or moved no
+-- bytes was waiting, not moving data, and counts as coordination"). The one
+-- place the rule lives; spans.category and the TTFT candidates (module
+-- ttft_segments) both call it. A transfer-category stage is a wait when
+--   status_code = 2 (OTLP error), or kv_bytes = 0 (kv.bytes: nothing moved,
+--   e.g. a full prefix hit's empty READ + notification: vllm#18632,
+--   vllm-ascend#13897), or error_type is set (error.type: the recorder's
+--   failure attribute), or failed_event (a kv.transfer_failed / kv.post_failed
+--   event on the span, or on the request at the span's rank during it: view
+--   _kv_failed_spans; vllm-ascend#7846: a Mooncake READ that timed out after 33 s).
+-- Nested CASE: the attribute lookups run for transfer rows only.
+CREATE OR REPLACE MACRO _outcome_category(category, status_code, kv_bytes, error_type, failed_event) AS
+    CASE WHEN category IS DISTINCT FROM 'transfer' THEN category
+         WHEN coalesce(status_code = 2, false) OR coalesce(kv_bytes = 0, false) OR error_type IS NOT NULL
+              OR coalesce(failed_event, false) THEN 'coordination'
+         ELSE category END;
+
 -- Stage names as an ENUM (stored as a small integer): the critical path
 -- (module ttft_segments) sorts and joins millions of candidate rows, and in
 -- DuckDB's window sort a row carrying long strings costs ~3x one carrying

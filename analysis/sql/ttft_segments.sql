@@ -66,6 +66,23 @@
 --     earlier) and the cut part (clip_ns) counts as hidden. After D's chain
 --     it is the router's other join input: latest end wins, as in 4.
 --
+--  8. Branches include the router's dispatch of each leg (router.dispatch
+--     with router.leg = prefill | decode): a D leg dispatched together with
+--     P's (push routers, SGLang-style dual dispatch) is D's input to the join
+--     and races in 3; it no longer owns P's queue through "latest end wins".
+--  9. Category by outcome (DESIGN.md §2): a candidate's category comes from
+--     macro _outcome_category (module stages): a kv.transfer that failed or
+--     moved 0 bytes is coordination.
+-- 10. Causality (DESIGN.md §3 "Causality"): a consumer stage cannot be on the
+--     path before its last input existed. The handoff's input instant I =
+--     the later of P's KV ready (latest end of P's prefill.compute, kept
+--     rank) and, push, the registration matched (latest end of
+--     dest.register). Every post-join stage (and its children) starts no
+--     earlier than I; the cut part (clip_ns) is hidden behind the producer's
+--     chain, which owns those instants. J (step 3) is no earlier than I.
+--     Before: D's READ or load posted while P still queued or computed was
+--     charged in full (transfer / coordination) and P's time was hidden.
+--
 --   arrival                                                        first token
 --   |dispatch|----- prefill.compute -----|                                  |
 --   |dispatch|--------------- dest.register ---------------|prep|xfer|first_step|
@@ -84,18 +101,26 @@ CREATE TABLE IF NOT EXISTS _mat_tt_req AS SELECT * FROM _calc_tt_req LIMIT 0;
 CREATE OR REPLACE VIEW _tt_req AS SELECT * FROM _mat_tt_req;
 
 CREATE OR REPLACE VIEW _tt_all AS
-SELECT t.rkey, t.span_id, t.parent_span_id, t.name::_stage_name AS stage, s.category,
+SELECT t.rkey, t.span_id, t.parent_span_id, t.name::_stage_name AS stage,
+       -- rule 9: category by outcome (macro _outcome_category, module stages)
+       _outcome_category(s.category, t.status_code, t.attr_int['kv.bytes'], t.attr_str['error.type'],
+                         f.span_id IS NOT NULL) AS category,
        s.stage_group::_stage_name AS stage_group, s.is_filler,
        t.role, t.engine_id, t.tp_rank, t.attempt, t.c_end_ns AS end_c,
-       -- the branch of a pre-join stage: its engine's role, but dest.register
-       -- is D's branch whoever records it (its end is the match on P)
-       CASE WHEN t.name = 'dest.register' THEN 'decode' ELSE t.role END AS branch,
+       -- the branch of a pre-join stage: its engine's role, but dest.register whoever records it (its end is the match on P)
+       -- is D's branch whoever records it (its end is the match on P); a
+       -- router.dispatch belongs to the branch of its leg (rule 8)
+       CASE WHEN t.name = 'dest.register' THEN 'decode'
+            WHEN t.name = 'router.dispatch' AND t.attr_str['router.leg'] IN ('prefill', 'decode')
+                 THEN t.attr_str['router.leg']
+            ELSE t.role END AS branch,
        greatest(t.c_start_ns, q.arrival_ns) AS s0,
        least(t.c_end_ns, q.first_token_ns, CASE WHEN t.role = 'prefill' THEN q.prefill_response_ns END) AS e0,
        q.arrival_ns, q.first_token_ns
 FROM _timed t
 JOIN _tt_req q ON q.rkey = t.rkey
 JOIN stages s ON s.stage = t.name
+LEFT JOIN _kv_failed_spans f ON f.rkey = t.rkey AND f.span_id = t.span_id
 WHERE t.record = 'span' AND s.owns_ttft
   AND t.c_start_ns <= q.first_token_ns AND t.c_end_ns >= q.arrival_ns
   AND (t.role <> 'prefill' OR q.prefill_response_ns IS NULL OR t.c_start_ns <= q.prefill_response_ns)
@@ -122,15 +147,29 @@ WITH allc AS MATERIALIZED (
 ), ranked AS MATERIALIZED (
     SELECT a.* FROM allc a LEFT JOIN ranks r ON r.rkey = a.rkey AND r.engine_id IS NOT DISTINCT FROM a.engine_id
     WHERE a.tp_rank IS NULL OR a.tp_rank = r.crit_rank
+), j0 AS (
+    SELECT rkey, min(s0) FILTER (WHERE _post_join_stage(stage_group)) AS post_start_ns,
+           max(e0) FILTER (WHERE _post_join_stage(stage_group)) AS chain_end_ns,
+           max(e0) FILTER (WHERE stage = 'kv.transfer') AS xfer_end_ns,
+           -- rule 10: the handoff's last input (greatest ignores NULL: pull has no dest.register)
+           greatest(max(e0) FILTER (WHERE branch = 'prefill' AND stage_group = 'prefill.compute'),
+                    max(e0) FILTER (WHERE stage = 'dest.register')) AS input_ns
+    FROM ranked GROUP BY rkey
 ), j AS (
-    SELECT rkey, min(s0) AS join_ns, max(e0) AS chain_end_ns,
-           max(e0) FILTER (WHERE stage = 'kv.transfer') AS xfer_end_ns
-    FROM ranked WHERE _post_join_stage(stage_group) GROUP BY rkey
+    SELECT rkey, greatest(post_start_ns, input_ns) AS join_ns, chain_end_ns, xfer_end_ns, input_ns
+    FROM j0 WHERE post_start_ns IS NOT NULL
 ), pre0 AS (
     SELECT ranked.* REPLACE (
-               -- rule 6: kv.ready runs from the transfer's end
-               CASE WHEN ranked.stage = 'kv.ready' AND j.xfer_end_ns < ranked.s0
-                    THEN greatest(j.xfer_end_ns, ranked.arrival_ns) ELSE ranked.s0 END AS s0),
+               -- rule 6: kv.ready runs from the transfer's end; then rule 10: a
+               -- post-join stage starts no earlier than its last input existed
+               CASE WHEN _post_join_stage(ranked.stage_group)
+                    THEN least(greatest(CASE WHEN ranked.stage = 'kv.ready' AND j.xfer_end_ns < ranked.s0
+                                             THEN greatest(j.xfer_end_ns, ranked.arrival_ns) ELSE ranked.s0 END,
+                                        j.input_ns), ranked.e0)
+                    ELSE ranked.s0 END AS s0),
+           -- rule 10's cut (hidden behind the producer's chain)
+           CASE WHEN _post_join_stage(ranked.stage_group) AND j.input_ns > ranked.s0
+                THEN least(j.input_ns, ranked.e0) - ranked.s0 ELSE 0 END AS causal_clip_ns,
            j.join_ns,
            -- rule 7: P's work after the handoff started that is not the handoff
            coalesce(ranked.branch = 'prefill' AND NOT _post_join_stage(ranked.stage_group)
@@ -138,9 +177,9 @@ WITH allc AS MATERIALIZED (
            j.chain_end_ns
     FROM ranked LEFT JOIN j ON j.rkey = ranked.rkey
 ), pre AS MATERIALIZED (
-    SELECT pre0.* EXCLUDE (p_late, chain_end_ns) REPLACE (
+    SELECT pre0.* EXCLUDE (p_late, chain_end_ns, causal_clip_ns) REPLACE (
                CASE WHEN p_late THEN least(chain_end_ns, e0) ELSE s0 END AS s0),
-           CASE WHEN p_late THEN least(chain_end_ns, e0) - s0 ELSE 0 END AS clip_ns,
+           CASE WHEN p_late THEN least(chain_end_ns, e0) - s0 ELSE causal_clip_ns END AS clip_ns,
            coalesce(pre0.branch IN ('prefill', 'decode') AND NOT _post_join_stage(pre0.stage_group)
                     AND pre0.e0 <= pre0.join_ns, false) AS is_pre
     FROM pre0
