@@ -66,6 +66,14 @@
 --     earlier) and the cut part (clip_ns) counts as hidden. After D's chain
 --     it is the router's other join input: latest end wins, as in 4.
 --
+--  Attempts (DESIGN.md §3 "Attempt"): after a router retry
+--  (request_base.attempt_start_ns) the join J, the chain end and the branches
+--  of step 3 are those of the attempt that delivered the first token (its
+--  stages starting at or after the retry's dispatch); earlier attempts'
+--  stages stay candidates like any other (latest end wins), so their queue
+--  and compute are on the path as what they were and the router's wait
+--  between attempts is router.wait or unattributed (coordination).
+--
 --   arrival                                                        first token
 --   |dispatch|----- prefill.compute -----|                                  |
 --   |dispatch|--------------- dest.register ---------------|prep|xfer|first_step|
@@ -77,7 +85,7 @@ CREATE OR REPLACE MACRO _post_join_stage(g) AS g IN ('handoff.prep', 'kv.transfe
 -- The refreshed complete requests (small; every later step joins it on rkey alone).
 CREATE OR REPLACE VIEW _calc_tt_req AS
 SELECT rkey, arrival_ns, first_token_ns, prefill_response_ns, run_id, request_id, prompt_index,
-       ttft_source, mode, decode_arrival_ns FROM _req_base
+       ttft_source, mode, decode_arrival_ns, attempt_start_ns FROM _req_base
 WHERE first_token_ns IS NOT NULL AND arrival_ns IS NOT NULL AND first_token_ns >= arrival_ns
   AND rkey IN (SELECT rkey FROM _scope_keys);
 CREATE TABLE IF NOT EXISTS _mat_tt_req AS SELECT * FROM _calc_tt_req LIMIT 0;
@@ -123,9 +131,11 @@ WITH allc AS MATERIALIZED (
     SELECT a.* FROM allc a LEFT JOIN ranks r ON r.rkey = a.rkey AND r.engine_id IS NOT DISTINCT FROM a.engine_id
     WHERE a.tp_rank IS NULL OR a.tp_rank = r.crit_rank
 ), j AS (
-    SELECT rkey, min(s0) AS join_ns, max(e0) AS chain_end_ns,
-           max(e0) FILTER (WHERE stage = 'kv.transfer') AS xfer_end_ns
-    FROM ranked WHERE _post_join_stage(stage_group) GROUP BY rkey
+    -- the handoff of the attempt that delivered the first token (request_base.attempt_start_ns: a retry)
+    SELECT r.rkey, min(r.s0) AS join_ns, max(r.e0) AS chain_end_ns,
+           max(r.e0) FILTER (WHERE r.stage = 'kv.transfer') AS xfer_end_ns, any_value(q.attempt_start_ns) AS att_ns
+    FROM ranked r JOIN _tt_req q ON q.rkey = r.rkey
+    WHERE _post_join_stage(r.stage_group) AND r.s0 >= coalesce(q.attempt_start_ns, r.s0) GROUP BY r.rkey
 ), pre0 AS (
     SELECT ranked.* REPLACE (
                -- rule 6: kv.ready runs from the transfer's end
@@ -135,14 +145,14 @@ WITH allc AS MATERIALIZED (
            -- rule 7: P's work after the handoff started that is not the handoff
            coalesce(ranked.branch = 'prefill' AND NOT _post_join_stage(ranked.stage_group)
                     AND ranked.e0 > j.join_ns AND ranked.s0 < j.chain_end_ns, false) AS p_late,
-           j.chain_end_ns
+           j.chain_end_ns, j.att_ns
     FROM ranked LEFT JOIN j ON j.rkey = ranked.rkey
 ), pre AS MATERIALIZED (
     SELECT pre0.* EXCLUDE (p_late, chain_end_ns) REPLACE (
                CASE WHEN p_late THEN least(chain_end_ns, e0) ELSE s0 END AS s0),
            CASE WHEN p_late THEN least(chain_end_ns, e0) - s0 ELSE 0 END AS clip_ns,
            coalesce(pre0.branch IN ('prefill', 'decode') AND NOT _post_join_stage(pre0.stage_group)
-                    AND pre0.e0 <= pre0.join_ns, false) AS is_pre
+                    AND pre0.e0 <= pre0.join_ns AND pre0.s0 >= coalesce(pre0.att_ns, pre0.s0), false) AS is_pre
     FROM pre0
 ), br AS (
     SELECT rkey, arg_max(branch, (e0, branch = 'prefill')) AS crit_role FROM pre WHERE is_pre GROUP BY rkey
