@@ -67,21 +67,30 @@ CREATE OR REPLACE MACRO _clock_point_usable(point, point_width, lo, hi, plain_lo
 -- files gives the same values twice), plus the single-row evidence with its
 -- record_id (duplicate copies are skipped where it is used). A refresh reads
 -- only the new files; everything below merges the parts.
+-- Router and engine marks are kept per attempt (spans.attempt): a message pairs
+-- a send and a receive of the same attempt only (see _clock_request_msgs).
+-- disp_*_id_lo/hi: the smallest and largest record id of the attempt's
+-- dispatches of a leg (equal: exactly one dispatch; merges across files, and a
+-- duplicated record counts once).
 CREATE OR REPLACE VIEW _calc_clock_router_part AS
-SELECT _file, rkey,
-       max(end_ns) FILTER (WHERE name = 'router.dispatch' AND attr_str['router.leg'] = 'prefill') AS disp_p_end,
-       max(end_ns) FILTER (WHERE name = 'router.dispatch' AND attr_str['router.leg'] = 'decode') AS disp_d_end,
+SELECT _file, rkey, attempt,
+       min(end_ns) FILTER (WHERE name = 'router.dispatch' AND attr_str['router.leg'] = 'prefill') AS disp_p_end,
+       min(end_ns) FILTER (WHERE name = 'router.dispatch' AND attr_str['router.leg'] = 'decode') AS disp_d_end,
        min(start_ns) FILTER (WHERE name = 'router.dispatch' AND attr_str['router.leg'] = 'decode') AS disp_d_start,
+       min(record_id) FILTER (WHERE name = 'router.dispatch' AND attr_str['router.leg'] = 'prefill') AS disp_p_id_lo,
+       max(record_id) FILTER (WHERE name = 'router.dispatch' AND attr_str['router.leg'] = 'prefill') AS disp_p_id_hi,
+       min(record_id) FILTER (WHERE name = 'router.dispatch' AND attr_str['router.leg'] = 'decode') AS disp_d_id_lo,
+       max(record_id) FILTER (WHERE name = 'router.dispatch' AND attr_str['router.leg'] = 'decode') AS disp_d_id_hi,
        min(start_ns) FILTER (WHERE name = 'router.first_token') AS first_token_ns,
        any_value(attr_str['request.mode']) FILTER (WHERE name = 'router.request') AS mode,
        any_value(domain) AS router_domain
 FROM _file_rows
 WHERE role = 'router' AND rkey IS NOT NULL AND record IN ('span', 'event')
-GROUP BY _file, rkey;
+GROUP BY _file, rkey, attempt;
 CREATE TABLE IF NOT EXISTS _mat_clock_router_part AS SELECT * FROM _calc_clock_router_part LIMIT 0;
 
 CREATE OR REPLACE VIEW _calc_clock_engine_part AS
-SELECT _file, rkey, domain, role,
+SELECT _file, rkey, domain, role, attempt,
        min(start_ns) FILTER (WHERE record = 'span') AS first_start,
        max(end_ns) FILTER (WHERE record = 'span' AND name = 'prefill.compute') AS compute_end,
        max(end_ns) FILTER (WHERE record = 'span' AND name = 'decode.first_step') AS first_step_end,
@@ -100,7 +109,7 @@ SELECT _file, rkey, domain, role,
        bool_or(connector ILIKE '%nixl%') AS nixl_seen
 FROM _file_rows
 WHERE record IN ('span', 'event') AND role IN ('prefill', 'decode') AND rkey IS NOT NULL
-GROUP BY _file, rkey, domain, role;
+GROUP BY _file, rkey, domain, role, attempt;
 CREATE TABLE IF NOT EXISTS _mat_clock_engine_part AS SELECT * FROM _calc_clock_engine_part LIMIT 0;
 
 -- registration/notification receipts, clock samples and (wall, monotonic) anchors
@@ -165,6 +174,19 @@ GROUP BY domain;
 -- received on dst's (raw ns), from the router and engine marks merged over the
 -- request's files. An API-server domain is merged into its engine's
 -- (_clock_domain_map); other domains are unchanged by the map.
+-- Attempts (DESIGN.md §3 "Attempt"): a message pairs a send and a receive of
+-- the same attempt and the same engine pair only. Marks are taken per
+-- dispatch attempt: the router's attempts (without router rows, the prefill
+-- engines'); an engine attempt the router never dispatched (D's or P's local
+-- recompute after a preemption or failed load) continues the latest dispatch
+-- attempt at or below it. Within a dispatch attempt a leg's messages are used
+-- only when exactly one engine of that role has rows (else the send's
+-- receiver is unknown: a retry to another engine that the engines did not
+-- number) and, for the router's send, exactly one dispatch of the leg; the
+-- first token is paired with the router's latest attempt only (the one that
+-- delivered it). Pairing an attempt-0 receive with an attempt-1 send, or one
+-- engine's receive with the send to another, gave multi-second fake offsets
+-- (tests/analysis/test_attempt_cases.py).
 -- A request without any router row (engine-clock window) gives P<->D
 -- messages instead, each a causal order the handoff itself imposes:
 --   frontend_hop (pull) P's API server handed its response to the server
@@ -183,13 +205,22 @@ GROUP BY domain;
 -- messages bound both engines already).
 CREATE OR REPLACE MACRO _clock_request_msgs(keys) AS TABLE
 WITH r AS (
-    SELECT rkey, max(disp_p_end) AS disp_p_end, max(disp_d_end) AS disp_d_end, min(disp_d_start) AS disp_d_start,
+    -- the router's marks per attempt; one_p / one_d: exactly one dispatch of the leg in the attempt
+    SELECT rkey, attempt, min(disp_p_end) AS disp_p_end, min(disp_d_end) AS disp_d_end,
+           min(disp_d_start) AS disp_d_start,
+           min(disp_p_id_lo) = max(disp_p_id_hi) AS one_p, min(disp_d_id_lo) = max(disp_d_id_hi) AS one_d,
+           min(disp_p_id_lo) IS NOT NULL AS has_p, min(disp_d_id_lo) IS NOT NULL AS has_d,
            min(first_token_ns) AS first_token_ns, any_value(mode) AS mode, any_value(router_domain) AS router_domain
     FROM _mat_clock_router_part
     WHERE rkey IN (SELECT rkey FROM query_table(keys))
-    GROUP BY rkey
-), e AS (
-    SELECT p.rkey, coalesce(m.clock_domain, p.domain) AS domain, p.role,
+    GROUP BY rkey, attempt
+), rq AS (
+    -- per request: the first token belongs to the router's latest attempt (the one that delivered it)
+    SELECT rkey, max(attempt) AS last_attempt, min(first_token_ns) AS first_token_ns,
+           any_value(mode) AS mode, any_value(router_domain) AS router_domain
+    FROM r GROUP BY rkey
+), e0 AS (
+    SELECT p.rkey, p.attempt, coalesce(m.clock_domain, p.domain) AS domain, p.role,
            min(p.first_start) AS first_start, max(p.compute_end) AS compute_end,
            max(p.first_step_end) AS first_step_end,
            min(p.fe_in_start) AS fe_in_start, max(p.fe_out_end) AS fe_out_end, min(p.post_start) AS post_start,
@@ -197,19 +228,56 @@ WITH r AS (
            bool_or(p.push_seen) AS push_seen, bool_or(p.nixl_seen) AS nixl_seen
     FROM _mat_clock_engine_part p LEFT JOIN _clock_domain_map m ON m.domain = p.domain
     WHERE p.rkey IN (SELECT rkey FROM query_table(keys))
-    GROUP BY p.rkey, coalesce(m.clock_domain, p.domain), p.role
+    GROUP BY p.rkey, p.attempt, coalesce(m.clock_domain, p.domain), p.role
+), da AS (
+    -- dispatch attempts: the router's; without router rows, the prefill engines'
+    SELECT DISTINCT rkey, attempt FROM r
+    UNION
+    SELECT DISTINCT rkey, attempt FROM e0 WHERE role = 'prefill' AND rkey NOT IN (SELECT rkey FROM rq)
+), e1 AS (
+    -- an engine attempt the router never dispatched (a local recompute) continues the latest dispatch attempt before it
+    -- (attempt 0 maps to 0 whatever the dispatch attempts: only the few later attempts are joined)
+    SELECT *, 0 AS ra FROM e0 WHERE attempt = 0
+    UNION ALL
+    SELECT e0.*, coalesce(da.attempt, e0.attempt) AS ra
+    FROM (SELECT * FROM e0 WHERE attempt <> 0) e0 ASOF LEFT JOIN da ON da.rkey = e0.rkey AND e0.attempt >= da.attempt
+), e AS (
+    -- n_dom: engines of the role in the dispatch attempt (more than one: the receiver of a send is unknown)
+    SELECT rkey, ra, domain, role,
+           min(first_start) AS first_start, max(compute_end) AS compute_end, max(first_step_end) AS first_step_end,
+           min(fe_in_start) AS fe_in_start, max(fe_out_end) AS fe_out_end, min(post_start) AS post_start,
+           max(ready_end) AS ready_end, min(notif_recv) AS notif_recv,
+           bool_or(push_seen) AS push_seen, bool_or(nixl_seen) AS nixl_seen,
+           count(*) OVER (PARTITION BY rkey, ra, role) AS n_dom
+    FROM e1 GROUP BY rkey, ra, domain, role
+), leg_ok AS (
+    -- every router attempt that dispatched a leg has exactly one engine of that role: else the
+    -- engines did not number the router's attempts (a retry merged into their attempt 0) and
+    -- none of the request's messages of that role is used
+    SELECT a.rkey, a.role, bool_and(coalesce(e.n_dom, 0) = 1) AS ok
+    FROM (SELECT rkey, attempt, 'prefill' AS role FROM r WHERE has_p
+          UNION ALL SELECT rkey, attempt, 'decode' FROM r WHERE has_d) a
+    LEFT JOIN e ON e.rkey = a.rkey AND e.ra = a.attempt AND e.role = a.role
+    GROUP BY a.rkey, a.role
 ), pairs AS MATERIALIZED (
-    SELECT * FROM r JOIN e USING (rkey)
+    SELECT e.*, rq.mode, rq.router_domain,
+           CASE WHEN e.ra = rq.last_attempt THEN rq.first_token_ns END AS first_token_ns,
+           CASE WHEN r.one_p THEN r.disp_p_end END AS disp_p_end,
+           CASE WHEN r.one_d THEN r.disp_d_end END AS disp_d_end,
+           CASE WHEN coalesce(r.one_p, true) THEN r.disp_d_start END AS disp_d_start
+    FROM e JOIN rq ON rq.rkey = e.rkey
+    LEFT JOIN r ON r.rkey = e.rkey AND r.attempt = e.ra
+    LEFT JOIN leg_ok o ON o.rkey = e.rkey AND o.role = e.role
+    WHERE e.n_dom = 1 AND coalesce(o.ok, true)
 ), eo AS MATERIALIZED (
-    -- engine-only requests: one P and one D domain each (a request seen by
-    -- several engines of a role gives a message per pair)
+    -- engine-only requests: the P and the D engine of one dispatch attempt (one of each)
     SELECT p.rkey, p.domain AS p_dom, d.domain AS d_dom,
            NOT coalesce(p.push_seen OR d.push_seen, false) AND coalesce(p.nixl_seen OR d.nixl_seen, false) AS pull,
            coalesce(p.push_seen OR d.push_seen, false) AS push,
            p.fe_out_end AS p_fe_out_end, d.fe_in_start AS d_fe_in_start, d.post_start AS d_post_start,
            p.notif_recv AS p_notif_recv, p.post_start AS p_post_start, d.ready_end AS d_ready_end
-    FROM e p JOIN e d ON d.rkey = p.rkey AND p.role = 'prefill' AND d.role = 'decode'
-    WHERE p.rkey NOT IN (SELECT rkey FROM r)
+    FROM e p JOIN e d ON d.rkey = p.rkey AND d.ra = p.ra AND p.role = 'prefill' AND d.role = 'decode'
+    WHERE p.rkey NOT IN (SELECT rkey FROM rq) AND p.n_dom = 1 AND d.n_dom = 1
 )
 -- router -> engine: an engine cannot start a request before the router sent it
 SELECT rkey, router_domain AS src, domain AS dst,

@@ -27,7 +27,29 @@
 -- prefill_response_ns (pull only): P's answer, after which P's leg is over for
 -- the critical path. Router: the router's receipt of P's response, the end of
 -- its prefill-leg router.wait (unless that wait ended in error: cut short, it
--- is not P's answer), else the start of its decode-leg router.dispatch.
+-- is not P's answer), else the start of its decode-leg router.dispatch -- both
+-- of the attempt that delivered the first token (DESIGN.md §3 "Attempt": the
+-- router's latest attempt, and in it the latest such span): an earlier,
+-- aborted attempt's answer would drop the retry's prefill from the path.
+-- attempt_start_ns: the router re-dispatched a leg (a retry: more than one
+-- router.dispatch of the leg): the start of the latest prefill-leg dispatch,
+-- else of the latest decode-leg one; NULL without a retry. Module
+-- ttft_segments takes the handoff (join) from that attempt; TTFT still runs
+-- from the original arrival through every attempt.
+-- wasted_compute_ns (DESIGN.md §3 "Attempt"): compute whose output did not
+-- feed the delivered first token. A reset discards the KV computed before it:
+-- the router's re-dispatch of P's leg (attempt_start_ns: every side), of D's
+-- leg only (D's side), and the engines' kv.load_failed (P's KV unused, D
+-- recomputes) and request.preempted (the request's blocks freed). With R = the
+-- latest reset at or before the first token (any reset when there is none)
+-- for the span's side (P: every-side resets; D: all resets):
+--     wasted_compute_ns = sum over engines of the slowest rank's
+--         sum(dur) of leaf compute spans (stages.category 'compute':
+--         prefill.compute chunks or whole, decode.first_step; D's local
+--         recompute is prefill.compute on D) with corrected start < R
+-- So an aborted or retried attempt's prefill, P's prefill whose KV D failed to
+-- load, and a recompute preempted again count; the work after the last reset
+-- (what produced the token) does not. 0 without a reset.
 -- Engine: P's API server handing its response to the server, its `token`
 -- event on prefill.frontend (the first body chunk; a pull prefill response is
 -- one JSON body), else the latest end of prefill.frontend (part 'out' or
@@ -68,10 +90,23 @@ WITH rt AS (
            list(DISTINCT attr_str['router.linked_request_id'])
                FILTER (WHERE attr_str['router.linked_request_id'] IS NOT NULL) AS linked_ids,
            max(attempt) AS router_attempt,
-           coalesce(max(c_end_ns) FILTER (WHERE record = 'span' AND name = 'router.wait'
-                                           AND attr_str['router.leg'] = 'prefill' AND status_code <> 2),
-                    min(c_start_ns) FILTER (WHERE record = 'span' AND name = 'router.dispatch'
-                                             AND attr_str['router.leg'] = 'decode')) AS p_response_ns,
+           -- P's answer in the attempt that delivered the first token (the router's latest; struct
+           -- max compares the attempt first, then the time: the latest D leg dispatched)
+           coalesce((max({'a': attempt, 't': c_end_ns}) FILTER (WHERE record = 'span' AND name = 'router.wait'
+                                           AND attr_str['router.leg'] = 'prefill' AND status_code <> 2)).t,
+                    (max({'a': attempt, 't': c_start_ns}) FILTER (WHERE record = 'span' AND name = 'router.dispatch'
+                                             AND attr_str['router.leg'] = 'decode')).t) AS p_response_ns,
+           -- the router re-dispatched a leg (a retry): the latest dispatch's start (see the header)
+           CASE WHEN count(*) FILTER (WHERE record = 'span' AND name = 'router.dispatch'
+                                      AND attr_str['router.leg'] = 'prefill') > 1
+                THEN (max({'a': attempt, 't': c_start_ns}) FILTER (WHERE record = 'span' AND name = 'router.dispatch'
+                                                                    AND attr_str['router.leg'] = 'prefill')).t
+           END AS p_redispatch_ns,
+           CASE WHEN count(*) FILTER (WHERE record = 'span' AND name = 'router.dispatch'
+                                      AND attr_str['router.leg'] = 'decode') > 1
+                THEN (max({'a': attempt, 't': c_start_ns}) FILTER (WHERE record = 'span' AND name = 'router.dispatch'
+                                                                    AND attr_str['router.leg'] = 'decode')).t
+           END AS d_redispatch_ns,
            count(*) FILTER (WHERE record = 'span' AND name = 'router.request') > 0 AS has_root
     FROM _timed
     WHERE role = 'router' AND rkey IN (SELECT rkey FROM _scope_keys)
@@ -87,6 +122,13 @@ WITH rt AS (
            max(attempt) AS attempt,
            bool_or(name = 'handoff.handshake' OR attr_int['kv.first_contact'] = 1) AS first_contact,
            bool_or(name IN ('kv.load_failed', 'request.preempted')) AS recomputed,
+           -- for wasted_compute_ns (see the header): resets, and the compute spans (the compute stages of
+           -- pdtrace.instrument.stages) with start (corrected), duration, side, engine, rank, ids
+           list(c_start_ns) FILTER (WHERE record = 'event' AND name IN ('kv.load_failed', 'request.preempted'))
+               AS reset_events,
+           list({'s': c_start_ns, 'd': end_ns - start_ns, 'dec': role = 'decode', 'eng': engine_id,
+                 'rank': tp_rank, 'sid': span_id, 'par': parent_span_id})
+               FILTER (WHERE record = 'span' AND name IN ('prefill.compute', 'decode.first_step')) AS compute_spans,
            CASE WHEN bool_or(connector ILIKE '%push%') THEN 'push'
                 WHEN bool_or(connector ILIKE '%nixl%') THEN 'pull' END AS connector_mode,
            bool_or(name = 'dest.register') AS saw_registration,
@@ -114,6 +156,42 @@ WITH rt AS (
     GROUP BY rkey
 ), linked AS (
     SELECT rkey FROM _req_links
+), w_ft AS (
+    -- wasted compute (see the header): each request's first token (as in the final SELECT) and resets
+    SELECT coalesce(rt.rkey, en.rkey) AS rkey,
+           CASE WHEN rt.rkey IS NOT NULL THEN rt.first_token_ns
+                WHEN en.p_fe_in_ns IS NOT NULL THEN en.d_token_ns END AS ft,
+           rt.p_redispatch_ns, rt.d_redispatch_ns, en.reset_events, en.compute_spans
+    FROM rt FULL OUTER JOIN en ON rt.rkey = en.rkey
+    WHERE rt.p_redispatch_ns IS NOT NULL OR rt.d_redispatch_ns IS NOT NULL OR len(en.reset_events) > 0
+), w_reset AS (
+    SELECT rkey, p_redispatch_ns AS t, true AS all_sides FROM w_ft WHERE p_redispatch_ns IS NOT NULL
+    UNION ALL
+    SELECT rkey, d_redispatch_ns, false FROM w_ft WHERE d_redispatch_ns IS NOT NULL
+    UNION ALL
+    SELECT rkey, unnest(reset_events), true FROM w_ft WHERE len(reset_events) > 0
+), w_last AS (
+    -- the latest reset before the first token: for every side, and for D's side
+    SELECT f.rkey, max(r.t) FILTER (WHERE r.all_sides) AS reset_all_ns, max(r.t) AS reset_decode_ns
+    FROM w_ft f JOIN w_reset r ON r.rkey = f.rkey AND (f.ft IS NULL OR r.t <= f.ft)
+    GROUP BY f.rkey
+), w_spans AS (
+    SELECT f.rkey, unnest(f.compute_spans) AS c, l.reset_all_ns, l.reset_decode_ns
+    FROM w_ft f JOIN w_last l ON l.rkey = f.rkey
+), w_comp AS (
+    -- leaf compute spans (a prefill.compute parent's chunks stand for it) started before the reset on their side
+    SELECT c.rkey, c.c.eng AS engine_id, c.c.rank AS tp_rank, sum(c.c.d) AS dur_ns
+    FROM w_spans c
+    LEFT JOIN (SELECT DISTINCT rkey, c.par AS par FROM w_spans WHERE c.par IS NOT NULL) k
+           ON k.rkey = c.rkey AND k.par = c.c.sid
+    WHERE k.rkey IS NULL
+      AND c.c.s < CASE WHEN c.c.dec THEN c.reset_decode_ns ELSE c.reset_all_ns END
+    GROUP BY ALL
+), w AS (
+    -- per engine the slowest rank's (ranks run together), summed over engines
+    SELECT rkey, sum(dur_ns)::BIGINT AS wasted_compute_ns
+    FROM (SELECT rkey, engine_id, max(dur_ns) AS dur_ns FROM w_comp GROUP BY rkey, engine_id)
+    GROUP BY rkey
 )
 SELECT coalesce(rt.rkey, en.rkey) AS rkey,
        coalesce(rt.run_id, en.run_id) AS run_id,
@@ -145,8 +223,11 @@ SELECT coalesce(rt.rkey, en.rkey) AS rkey,
        CASE WHEN rt.rkey IS NOT NULL THEN 'router' ELSE 'engine' END AS ttft_source,
        en.d_fe_in_ns AS decode_arrival_ns,
        coalesce(en.has_prefill, false) AS has_prefill, coalesce(en.has_decode, false) AS has_decode,
-       en.p_fe_in_ns IS NOT NULL AS has_prefill_frontend, en.d_token_ns IS NOT NULL AS has_decode_token
+       en.p_fe_in_ns IS NOT NULL AS has_prefill_frontend, en.d_token_ns IS NOT NULL AS has_decode_token,
+       coalesce(rt.p_redispatch_ns, rt.d_redispatch_ns) AS attempt_start_ns,
+       coalesce(w.wasted_compute_ns, 0) AS wasted_compute_ns
 FROM rt FULL OUTER JOIN en ON rt.rkey = en.rkey
+LEFT JOIN w ON w.rkey = coalesce(rt.rkey, en.rkey)
 WHERE NOT (rt.rkey IS NULL AND en.rkey IN (SELECT rkey FROM linked));
 
 CREATE TABLE IF NOT EXISTS _mat_req_base AS SELECT * FROM _calc_req_base LIMIT 0;

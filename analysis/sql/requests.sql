@@ -14,6 +14,8 @@
 -- request with a first token but no last token is `hung`: it keeps its TTFT,
 -- has no TPOT, and its hang (time since the first token until the router's
 -- root ended or the last record) is reported in hang_ms.
+-- wasted_compute_ms (DESIGN.md §3 Attempt): compute whose output did not feed
+-- the delivered first token, the formula beside request_base.wasted_compute_ns.
 
 CREATE OR REPLACE VIEW requests AS
 SELECT q.run_id, q.request_id, q.prompt_index, q.mode,
@@ -28,7 +30,8 @@ SELECT q.run_id, q.request_id, q.prompt_index, q.mode,
        CASE WHEN q.first_token_ns IS NOT NULL AND q.last_token_ns IS NULL
             THEN (greatest(coalesce(q.root_end_ns, q.first_token_ns), coalesce(q.engine_last_ns, q.first_token_ns))
                   - q.first_token_ns) / 1e6 END AS hang_ms,
-       q.attempts, q.prefill_engine, q.decode_engine, q.first_contact, q.recomputed, q.ttft_source, q.rkey
+       q.attempts, q.prefill_engine, q.decode_engine, q.first_contact, q.recomputed, q.ttft_source, q.rkey,
+       q.wasted_compute_ns / 1e6 AS wasted_compute_ms
 FROM _req_base q LEFT JOIN incomplete_requests i ON i.rkey = q.rkey;
 
 COMMENT ON VIEW requests IS 'One row per request: mode, tokens, TTFT/TPOT, complete or incomplete with a cause.';
@@ -57,3 +60,4 @@ COMMENT ON COLUMN requests.first_contact IS 'true if the handoff paid the first-
 COMMENT ON COLUMN requests.recomputed IS 'true if the prompt was recomputed after a load failure or preemption';
 COMMENT ON COLUMN requests.ttft_source IS 'whose clocks give the TTFT window (DESIGN.md §3): router (the router recorded the request) | engine (no router record: P''s API server received -> D''s API server wrote the first token chunk; router hops unseen)';
 COMMENT ON COLUMN requests.rkey IS 'request join key';
+COMMENT ON COLUMN requests.wasted_compute_ms IS 'compute whose output did not feed the delivered first token (ms; DESIGN.md §3 Attempt): sum of the leaf compute spans (prefill.compute, D''s local recompute, decode.first_step; per engine the slowest rank) that started before the latest reset at or before the first token on their side -- a router re-dispatch of P''s leg (both sides) or of D''s leg (D''s side), kv.load_failed, request.preempted; 0 without a reset (module request_base)';

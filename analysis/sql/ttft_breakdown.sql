@@ -85,7 +85,8 @@ SELECT q.run_id, q.request_id, q.prompt_index, q.mode,
        q.first_contact, q.recomputed,
        q.prompt_tokens, q.cached_tokens, q.uncached_tokens, q.output_tokens,
        q.arrival_ns, q.first_token_ns, q.prefill_engine, q.decode_engine, seg.segments::BIGINT AS segments, q.kv_descriptors,
-       q.ttft_source, q.rkey
+       q.ttft_source, q.rkey,
+       q.wasted_compute_ns / 1e6 AS wasted_compute_ms
 FROM _req_base q
 JOIN seg ON seg.rkey = q.rkey
 LEFT JOIN hid ON hid.rkey = q.rkey;  -- seg holds only the refreshed requests
@@ -132,3 +133,4 @@ COMMENT ON COLUMN ttft_breakdown.segments IS 'number of ttft_segments rows (coun
 COMMENT ON COLUMN ttft_breakdown.kv_descriptors IS 'NIXL descriptors of the request''s kv.transfer spans, all ranks (count; NULL: no transfer)';
 COMMENT ON COLUMN ttft_breakdown.ttft_source IS 'router | engine: whose clocks give the window (requests.ttft_source); engine: P''s API server received -> D''s API server wrote the first token chunk, router hops unseen';
 COMMENT ON COLUMN ttft_breakdown.rkey IS 'request join key';
+COMMENT ON COLUMN ttft_breakdown.wasted_compute_ms IS 'compute whose output did not feed the delivered first token: aborted/retried attempts'' prefill, P''s prefill whose KV D failed to load, a recompute preempted again (ms; requests.wasted_compute_ms). Such compute on the path is also in compute_ms';

@@ -80,8 +80,16 @@
 --     dest.register). Every post-join stage (and its children) starts no
 --     earlier than I; the cut part (clip_ns) is hidden behind the producer's
 --     chain, which owns those instants. J (step 3) is no earlier than I.
---     Before: D's READ or load posted while P still queued or computed was
---     charged in full (transfer / coordination) and P's time was hidden.
+--     So D's READ or load posted while P still queued or computed is not
+--     charged as transfer / coordination over P's time.
+-- 11. Attempts (DESIGN.md §3 "Attempt"): after a router retry
+--     (request_base.attempt_start_ns) the join J, the input instant I, the
+--     chain end and the branches of step 3 are those of the attempt that
+--     delivered the first token (its stages starting at or after the retry's
+--     dispatch); earlier attempts' stages stay candidates like any other
+--     (latest end wins), so their queue and compute are on the path as what
+--     they were and the router's wait between attempts is router.wait or
+--     unattributed (coordination).
 --
 --   arrival                                                        first token
 --   |dispatch|----- prefill.compute -----|                                  |
@@ -94,7 +102,7 @@ CREATE OR REPLACE MACRO _post_join_stage(g) AS g IN ('handoff.prep', 'kv.transfe
 -- The refreshed complete requests (small; every later step joins it on rkey alone).
 CREATE OR REPLACE VIEW _calc_tt_req AS
 SELECT rkey, arrival_ns, first_token_ns, prefill_response_ns, run_id, request_id, prompt_index,
-       ttft_source, mode, decode_arrival_ns FROM _req_base
+       ttft_source, mode, decode_arrival_ns, attempt_start_ns FROM _req_base
 WHERE first_token_ns IS NOT NULL AND arrival_ns IS NOT NULL AND first_token_ns >= arrival_ns
   AND rkey IN (SELECT rkey FROM _scope_keys);
 CREATE TABLE IF NOT EXISTS _mat_tt_req AS SELECT * FROM _calc_tt_req LIMIT 0;
@@ -148,15 +156,20 @@ WITH allc AS MATERIALIZED (
     SELECT a.* FROM allc a LEFT JOIN ranks r ON r.rkey = a.rkey AND r.engine_id IS NOT DISTINCT FROM a.engine_id
     WHERE a.tp_rank IS NULL OR a.tp_rank = r.crit_rank
 ), j0 AS (
-    SELECT rkey, min(s0) FILTER (WHERE _post_join_stage(stage_group)) AS post_start_ns,
-           max(e0) FILTER (WHERE _post_join_stage(stage_group)) AS chain_end_ns,
-           max(e0) FILTER (WHERE stage = 'kv.transfer') AS xfer_end_ns,
+    -- the handoff of the attempt that delivered the first token (request_base.attempt_start_ns:
+    -- a retry): only stages starting at or after the retry's dispatch
+    SELECT r.rkey,
+           min(r.s0) FILTER (WHERE _post_join_stage(r.stage_group) AND r.s0 >= coalesce(q.attempt_start_ns, r.s0)) AS post_start_ns,
+           max(r.e0) FILTER (WHERE _post_join_stage(r.stage_group) AND r.s0 >= coalesce(q.attempt_start_ns, r.s0)) AS chain_end_ns,
+           max(r.e0) FILTER (WHERE r.stage = 'kv.transfer' AND r.s0 >= coalesce(q.attempt_start_ns, r.s0)) AS xfer_end_ns,
            -- rule 10: the handoff's last input (greatest ignores NULL: pull has no dest.register)
-           greatest(max(e0) FILTER (WHERE branch = 'prefill' AND stage_group = 'prefill.compute'),
-                    max(e0) FILTER (WHERE stage = 'dest.register')) AS input_ns
-    FROM ranked GROUP BY rkey
+           greatest(max(r.e0) FILTER (WHERE r.branch = 'prefill' AND r.stage_group = 'prefill.compute'
+                                            AND r.s0 >= coalesce(q.attempt_start_ns, r.s0)),
+                    max(r.e0) FILTER (WHERE r.stage = 'dest.register' AND r.s0 >= coalesce(q.attempt_start_ns, r.s0))) AS input_ns,
+           any_value(q.attempt_start_ns) AS att_ns
+    FROM ranked r JOIN _tt_req q ON q.rkey = r.rkey GROUP BY r.rkey
 ), j AS (
-    SELECT rkey, greatest(post_start_ns, input_ns) AS join_ns, chain_end_ns, xfer_end_ns, input_ns
+    SELECT rkey, greatest(post_start_ns, input_ns) AS join_ns, chain_end_ns, xfer_end_ns, input_ns, att_ns
     FROM j0 WHERE post_start_ns IS NOT NULL
 ), pre0 AS (
     SELECT ranked.* REPLACE (
@@ -174,14 +187,14 @@ WITH allc AS MATERIALIZED (
            -- rule 7: P's work after the handoff started that is not the handoff
            coalesce(ranked.branch = 'prefill' AND NOT _post_join_stage(ranked.stage_group)
                     AND ranked.e0 > j.join_ns AND ranked.s0 < j.chain_end_ns, false) AS p_late,
-           j.chain_end_ns
+           j.chain_end_ns, j.att_ns
     FROM ranked LEFT JOIN j ON j.rkey = ranked.rkey
 ), pre AS MATERIALIZED (
     SELECT pre0.* EXCLUDE (p_late, chain_end_ns, causal_clip_ns) REPLACE (
                CASE WHEN p_late THEN least(chain_end_ns, e0) ELSE s0 END AS s0),
            CASE WHEN p_late THEN least(chain_end_ns, e0) - s0 ELSE causal_clip_ns END AS clip_ns,
            coalesce(pre0.branch IN ('prefill', 'decode') AND NOT _post_join_stage(pre0.stage_group)
-                    AND pre0.e0 <= pre0.join_ns, false) AS is_pre
+                    AND pre0.e0 <= pre0.join_ns AND pre0.s0 >= coalesce(pre0.att_ns, pre0.s0), false) AS is_pre
     FROM pre0
 ), br AS (
     SELECT rkey, arg_max(branch, (e0, branch = 'prefill')) AS crit_role FROM pre WHERE is_pre GROUP BY rkey
