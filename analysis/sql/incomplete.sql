@@ -40,6 +40,9 @@
 --                      before the router failed it; an abort after the router's
 --                      failure is its consequence (the client gave up or the router
 --                      timed out and cancelled the legs), not the cause
+--   leg_failed         (early) the router's first failure is no deadline (a client
+--                      cancel, an upstream error) and precedes every engine failure
+--                      event: the engines' later give-ups are its consequence
 --   load_not_reported  D had allocated its blocks (decode.queue ended, or a D
 --                      handoff stage exists), P's KV was ready, and then nothing:
 --                      no transfer, no notification, no kv.ready, and no failure
@@ -49,7 +52,7 @@
 --   ttl_expired / lease_expired / registration_timeout
 --   timeout            request.timeout, an abort naming a timeout, or a router
 --                      leg failure of error.type 'timeout'
---   leg_failed         a router leg failed (router.leg_failed)
+--   leg_failed         a router leg failed (router.leg_failed), after an engine's failure
 --   no_decode_record   engine-clock request (no router row): P saw it, D did not
 --   no_prefill_record  engine-clock request: D saw it, P did not
 --   no_prefill_frontend engine-clock request: P's API server recorded no
@@ -150,9 +153,11 @@ FROM _inc_keys k JOIN _timed t ON t.rkey = k.rkey;
 CREATE TABLE IF NOT EXISTS _mat_inc_rows AS SELECT * FROM _calc_inc_rows LIMIT 0;
 CREATE OR REPLACE VIEW _inc_rows AS SELECT * FROM _mat_inc_rows;
 
--- the earliest deadline check of each request (for false_timeout)
+-- the earliest deadline check of each request by an engine (for false_timeout; the router's
+-- own deadline after the KV arrived is a real timeout of the request, not a false one)
 CREATE OR REPLACE VIEW _inc_deadline AS
-SELECT rkey, min(c_start_ns) AS deadline_ns FROM _inc_rows WHERE is_deadline GROUP BY rkey;
+SELECT rkey, min(c_start_ns) AS deadline_ns FROM _inc_rows WHERE is_deadline AND role IN ('prefill', 'decode')
+GROUP BY rkey;
 
 -- completion evidence per producer rank: notification received (peer.tp_rank), or
 -- sent by the producer (its tp_rank), or a kv.transfer that ended with bytes
@@ -184,6 +189,8 @@ SELECT t.rkey,
        min(t.c_start_ns) FILTER (WHERE t.is_failure) AS first_failure_ns,
        arg_min(t.role, t.c_start_ns) FILTER (WHERE t.is_failure) AS first_failure_role,
        min(t.c_start_ns) FILTER (WHERE t.is_failure AND t.role = 'router') AS router_failure_ns,
+       arg_min(t.is_deadline, t.c_start_ns) FILTER (WHERE t.is_failure AND t.role = 'router') AS router_failure_is_deadline,
+       min(t.c_start_ns) FILTER (WHERE t.is_failure AND t.role IN ('prefill', 'decode')) AS engine_failure_ns,
        bool_or(t.is_notif_failure) AS has_notif_failure,
        bool_or(t.name = 'kv.transfer_failed' AND NOT t.is_notif_failure AND NOT t.is_release_failure) AS has_transfer_failure,
        bool_or(t.name = 'kv.post_failed' AND NOT t.is_notif_failure) AS has_post_failure,
@@ -275,6 +282,8 @@ WITH e AS (
             WHEN has_transfer_failure THEN 'transfer_failure'
             WHEN list_contains(events, 'handshake.failed') THEN 'handshake_failure'
             WHEN abort_ns < coalesce(router_failure_ns, abort_ns + 1) THEN 'abort'
+            WHEN router_failure_ns IS NOT NULL AND NOT router_failure_is_deadline
+                 AND router_failure_ns < coalesce(engine_failure_ns, router_failure_ns + 1) THEN 'leg_failed'
             WHEN d_alloc_ns IS NOT NULL AND p_ready_ns IS NOT NULL AND NOT d_has_completion
                  AND NOT coalesce(has_engine_failure, false) THEN 'load_not_reported'
             WHEN list_contains(events, 'kv.ttl_expired') THEN 'ttl_expired'

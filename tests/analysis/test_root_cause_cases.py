@@ -147,6 +147,42 @@ def test_sglang_27162_without_thread_event_first_of_the_run_is_root(analyse):
         assert "run of 3 requests on p0->d0, first: w1" in rows[rid]["detail"]
 
 
+def test_sglang_omni_1773_cancel_kills_the_stage_loop_in_flight_requests_wait(analyse):
+    """sgl-project/sglang-omni#1773 (review): cancelling one request during its KV transfer made the
+    prefill Stage's background callback treat the cleanup exception as fatal, stop its loop and close
+    the control plane: "a single request cancellation can therefore fail unrelated in-flight requests
+    and leave the pipeline unable to serve subsequent requests". x1 is cancelled by its client (499 at
+    500); P's loop exits at 501 (engine.thread_exited on p0); x2 was already in flight (P computed, D
+    waiting for its writes) and x3 arrives after the exit. Right answer: x1's root is itself (the
+    client's cancel, leg_failed: a router failure that is no deadline and precedes every engine's
+    failure is the cause; the thread exited after it), and D kept waiting from the cancel to its own
+    timeout (29500 ms); x2 and x3: thread_exited, root engine p0."""
+    c = Case()
+    def push(rid, t0, d_timeout):
+        root = c.router_request(rid, t0, t0 + d_timeout + 10, "push")
+        c.span("router", "router.dispatch", t0, t0 + 1, rid=rid, parent=root, attrs={"router.leg": "decode"})
+        c.span("prefill", "prefill.compute", t0 + 1, t0 + 200, rid=rid, engine="p0")
+        c.span("decode", "decode.queue", t0 + 1, t0 + 3, rid=rid, engine="d0")
+        c.span("decode", "dest.register", t0 + 3, t0 + 10, rid=rid, engine="d0")
+        return root
+    push("x1", 0, 30000)
+    c.event("router", "router.leg_failed", 500, rid="x1", attrs={"http.response.status_code": 499, "router.leg": "decode"})
+    c.event("decode", "request.timeout", 30000, rid="x1", engine="d0", attrs={"lifecycle.cause": "waiting_timeout"})
+    c.event("prefill", "engine.thread_exited", 501, engine="p0", attrs={"lifecycle.cause": "fatal_callback_error"})
+    c.rows[("prefill", "p0")][-1]["thread"] = "stage-loop"
+    push("x2", 300, 30000)
+    c.event("decode", "request.timeout", 30300, rid="x2", engine="d0", attrs={"lifecycle.cause": "waiting_timeout"})
+    push("x3", 2000, 30000)
+    c.event("decode", "request.timeout", 32000, rid="x3", engine="d0", attrs={"lifecycle.cause": "waiting_timeout"})
+    tr = analyse(c)
+    rows = {r["request_id"]: r for r in tr.query("SELECT * FROM incomplete_requests")}
+    assert (rows["x1"]["cause"], rows["x1"]["root_request_id"]) == ("leg_failed", "x1")
+    assert (rows["x1"]["orphan_wait_ms"], rows["x1"]["orphan_side"]) == (29500, "decode")
+    for rid in ("x2", "x3"):
+        assert (rows[rid]["cause"], rows[rid]["root_request_id"], rows[rid]["root_engine_id"]) == ("thread_exited", None, "p0")
+        assert "stage-loop exited" in rows[rid]["detail"]
+
+
 def test_llm_d_187_run_broken_by_a_complete_request(analyse):
     """llm-d/llm-d#187: the prefill worker crashed (KeyError in NixlConnector) under load and every
     decode request on it afterwards failed. Two failures on the same pair separated by a request that
@@ -185,8 +221,8 @@ def test_vllm_46283_aborted_load_holds_decode_blocks_later_request_waits(analyse
     the blocks are never reclaimed and later requests cannot be admitted. o1 is aborted on D at 2000
     (aborted_waiting_for_kv) after the router gave up (leg failed at 1990) and holds d0's blocks to D's
     trace end; q2 arrives at 3000 and stays in decode.queue (never allocated) until the router's timeout.
-    Right answer: q2's root is o1 (slot_held_by_orphan on d0); o1 is its own root: its load was never
-    reported (load_not_reported; D's abort follows the client's 499 and is its consequence); o1's P was
+    Right answer: q2's root is o1 (slot_held_by_orphan on d0); o1 is its own root: its client went away
+    (leg_failed, 499, before any engine failure; D's abort follows it and is its consequence); o1's P was
     still holding its KV at the failure and released it when its lease expired (31000): orphan_wait
     29010 ms on the prefill side (the longer of P's hold and D's hold to its trace end at 9000)."""
     c = Case()
@@ -213,7 +249,7 @@ def test_vllm_46283_aborted_load_holds_decode_blocks_later_request_waits(analyse
     assert q2["symptom"] == "timeout"           # the router's own deadline (error.type timeout)
     assert q2["time_to_failure_ms"] == 5005
     o1 = _inc(tr, "o1")
-    assert (o1["cause"], o1["root_request_id"]) == ("load_not_reported", "o1")
+    assert (o1["cause"], o1["root_request_id"]) == ("leg_failed", "o1")
     assert (o1["orphan_wait_ms"], o1["orphan_side"]) == (29010, "prefill")
     assert o1["time_to_failure_ms"] == 1990
 
