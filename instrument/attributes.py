@@ -95,6 +95,7 @@ _ALLOWED: dict[str, Attr] = {
     "error.type": _A(str, "exception class name (no message: messages can echo prompts)"),
     "error.code": _A(str, "errno, HTTP status or NIXL status code, as text"),
     "lifecycle.cause": _A(str, "cause of a failure/lifecycle event (e.g. 'post_failure', 'ttl_expired')"),
+    "lifecycle.phase": _A(str, "handoff phase a failure/lifecycle event happened in: 'handshake', 'registration', 'post', 'transfer', 'notification', 'release', 'load'"),
     "lifecycle.expected": _A(int, "expected count (ranks, notifications) for a lifecycle event"),
     "lifecycle.received": _A(int, "received count for a lifecycle event"),
     # --- foreign spans received by `pdtrace collect` (pdtrace.instrument.collect) ----

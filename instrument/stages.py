@@ -76,7 +76,21 @@ EVENTS: dict[str, str] = {
     "registration.timeout": "push: no registration matched before the timeout",
     "handshake.failed": "the NIXL handshake with a peer failed",
     "router.leg_failed": "a router leg failed (attrs http.response.status_code, error.*)",
+    "engine.thread_exited": "engine-level (no request id): a connector background thread (nixl-push-writer, handshake "
+                            "executor, a transfer worker) exited; recorded from the exiting thread, so the record's "
+                            "thread names it; attrs lifecycle.cause, error.type. Every later request that needs the "
+                            "thread on that engine waits (incomplete_requests.cause thread_exited)",
 }
+
+#: Attributes of the failure and lifecycle events above that the analysis reads
+#: (module incomplete; the allowlist with types is pdtrace.instrument.attributes):
+#: ``lifecycle.cause`` -- the reason (e.g. ``aborted_waiting_for_kv``, ``notification_failed``,
+#: ``release_failed``, a timeout's kind: an abort whose cause names a timeout, expiry or deadline
+#: is a deadline check); ``lifecycle.phase`` -- the handoff phase the failure happened in
+#: (``handshake`` | ``registration`` | ``post`` | ``transfer`` | ``notification`` | ``release`` |
+#: ``load``); ``lifecycle.expected`` / ``lifecycle.received`` -- rank counts; ``error.type`` on
+#: ``router.leg_failed`` (``timeout``: the router's own deadline).
+FAILURE_ATTRIBUTES = ("lifecycle.cause", "lifecycle.phase", "lifecycle.expected", "lifecycle.received", "error.type")
 
 
 def category(stage: str) -> str | None:

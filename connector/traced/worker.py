@@ -37,17 +37,17 @@ from .safety import safe
 from .wmeta import StepReport
 
 _FAILURES = {
-    # vLLM failure_type -> (pdtrace event, lifecycle.cause)
-    "handshake_setup_failed": ("handshake.failed", "handshake_setup_failed"),
-    "handshake_failed": ("handshake.failed", "handshake_failed"),
-    "push_reg_handshake_failed": ("handshake.failed", "push_reg_handshake_failed"),
-    "push_handshake_failed": ("handshake.failed", "push_handshake_failed"),
-    "transfer_setup_failed": ("kv.post_failed", "post_failure"),
-    "transfer_failed": ("kv.transfer_failed", "transfer_failed"),
-    "transfer_exception": ("kv.transfer_failed", "transfer_exception"),
-    "transfer_release_failed": ("kv.transfer_failed", "release_failed"),
-    "notification_failed": ("kv.post_failed", "notification_failed"),
-    "push_reg_notif_failed": ("kv.post_failed", "registration_send_failed"),
+    # vLLM failure_type -> (pdtrace event, lifecycle.cause, lifecycle.phase)
+    "handshake_setup_failed": ("handshake.failed", "handshake_setup_failed", "handshake"),
+    "handshake_failed": ("handshake.failed", "handshake_failed", "handshake"),
+    "push_reg_handshake_failed": ("handshake.failed", "push_reg_handshake_failed", "handshake"),
+    "push_handshake_failed": ("handshake.failed", "push_handshake_failed", "handshake"),
+    "transfer_setup_failed": ("kv.post_failed", "post_failure", "post"),
+    "transfer_failed": ("kv.transfer_failed", "transfer_failed", "transfer"),
+    "transfer_exception": ("kv.transfer_failed", "transfer_exception", "transfer"),
+    "transfer_release_failed": ("kv.transfer_failed", "release_failed", "release"),
+    "notification_failed": ("kv.post_failed", "notification_failed", "notification"),
+    "push_reg_notif_failed": ("kv.post_failed", "registration_send_failed", "registration"),
 }
 
 
@@ -203,9 +203,11 @@ class TracedWorkerMixin:
         return super()._log_failure(failure_type, req_id, *args, **kwargs)
 
     def _pdt_failure(self, failure_type, req_id, error) -> None:
-        name, cause = _FAILURES.get(str(failure_type), ("kv.transfer_failed", str(failure_type)[:64]))
+        name, cause, phase = _FAILURES.get(str(failure_type), ("kv.transfer_failed", str(failure_type)[:64], None))
         x, pidx = split_id(req_id) if req_id else (None, 0)
         attrs = {"lifecycle.cause": cause, "request.internal_id": req_id or "", "request.mode": self._pdt_mode}
+        if phase:
+            attrs["lifecycle.phase"] = phase
         if error is not None:
             attrs.update(_attrs.error_attrs(error))
         tracer.event(name, x, prompt_index=pidx, tp_rank=self._pdt_rank, attrs=attrs)

@@ -52,7 +52,12 @@ def test_e_missing_rank_notification(analyse):
     assert (e["ranks_expected"], e["ranks_received"], e["ranks_missing"]) == (4, 3, "2")
     assert e["waited_after_last_notification_ms"] == 29988
     assert "3/4 rank notifications, missing rank 2" in e["detail"]
-    assert e["time_to_failure_ms"] == 30400
+    # the client saw the failure when the router's root ended (30500, no token written), not at
+    # D's TTL expiry (30400): time_to_failure runs to the failure the client saw (DESIGN.md §4)
+    assert e["time_to_failure_ms"] == 30500
+    # P's post failure (401) reached P only: D kept waiting until its TTL expired (30400)
+    assert e["root_request_id"] == "e1" and e["root_engine_id"] is None
+    assert (e["orphan_wait_ms"], e["orphan_side"]) == (29999, "decode")
     req = {r["request_id"]: r for r in tr.query("SELECT * FROM requests")}
     assert req["e1"]["status"] == "incomplete" and req["e1"]["ttft_ms"] is None
     assert req["e2"]["status"] == "complete" and req["e2"]["ttft_ms"] == 470
