@@ -312,7 +312,8 @@ SELECT s.span_id, s.engine_id, s.domain, s.host, s.pid, s.run_id, s.start_ns, s.
        'no_end' AS evidence
 FROM (SELECT r.*, f.host, f.pid, f.run_id FROM _step_span_rows r
       LEFT JOIN (SELECT DISTINCT _file, host, pid, run_id FROM _mat_flush_part) f USING (_file)) s
-WHERE s.name = 'decode.step' AND (s.end_ns IS NULL OR s.end_ns < s.start_ns);
+WHERE s.name = 'decode.step' AND (s.end_ns IS NULL OR s.end_ns < s.start_ns)
+  AND s.span_id NOT IN (SELECT span_id FROM o);
 
 CREATE OR REPLACE VIEW _open_steps AS
 SELECT o.span_id, o.engine_id, o.step_id, o.batch, o.evidence, o.c_start_ns AS start_ns, o.c_end_ns AS as_of_ns,
