@@ -43,9 +43,11 @@
 --     'load_recent'  median of the last _stall_baseline_steps() clean steps of
 --                    the same load before the step
 --     'load'         median of all clean steps of the same load
---     'fit'          the linear step-time model of the engine's last
+--     'fit'          (only for a step no clean step of its load prices) the
+--                    linear step-time model of the engine's last
 --                    _stall_fit_steps() clean steps before the step (all its
---                    clean steps when none precede), evaluated at the load:
+--                    clean steps when none precede; moments from running
+--                    integer sums, so no per-step window of the fit), at the load:
 --                      t(n, T) = a + b_n * n + b_T * T
 --                    least squares over those steps (n = batch_reqs, T =
 --                    load_tokens); with n and T collinear (plain decode: T = n)
@@ -163,58 +165,86 @@ WITH clean AS (
     FROM clean
 ), by_load_all AS (
     SELECT engine_id, batch_reqs, load_tokens, median(dur_ns) AS m FROM clean GROUP BY ALL
-), fit_run AS (
-    -- moments of the last _stall_fit_steps() clean steps of the engine, at each clean step
-    SELECT engine_id, start_ns,
-           avg(batch_reqs) OVER w AS mn, avg(load_tokens) OVER w AS mk, avg(dur_ns) OVER w AS md,
-           var_pop(batch_reqs) OVER w AS vn, var_pop(load_tokens) OVER w AS vk,
-           covar_pop(batch_reqs, load_tokens) OVER w AS cnk,
-           covar_pop(dur_ns, batch_reqs) OVER w AS cdn, covar_pop(dur_ns, load_tokens) OVER w AS cdk
-    FROM clean
-    WINDOW w AS (PARTITION BY engine_id ORDER BY start_ns
-                 ROWS BETWEEN _stall_fit_steps() - 1 PRECEDING AND CURRENT ROW)
-), fit_all AS (
-    SELECT engine_id, avg(batch_reqs) AS mn, avg(load_tokens) AS mk, avg(dur_ns) AS md,
-           var_pop(batch_reqs) AS vn, var_pop(load_tokens) AS vk, covar_pop(batch_reqs, load_tokens) AS cnk,
-           covar_pop(dur_ns, batch_reqs) AS cdn, covar_pop(dur_ns, load_tokens) AS cdk
-    FROM clean GROUP BY engine_id
-), joined AS (
-    SELECT s.*, l.run_median AS load_recent, la.m AS load_all, sh.run_median AS shape_recent, sa.m AS shape_all,
-           CASE WHEN f.engine_id IS NOT NULL THEN {'mn': f.mn, 'mk': f.mk, 'md': f.md, 'vn': f.vn, 'vk': f.vk,
-                                                  'cnk': f.cnk, 'cdn': f.cdn, 'cdk': f.cdk}
-                ELSE {'mn': fa.mn, 'mk': fa.mk, 'md': fa.md, 'vn': fa.vn, 'vk': fa.vk,
-                      'cnk': fa.cnk, 'cdn': fa.cdn, 'cdk': fa.cdk} END AS m
+), base AS (
+    SELECT s.*, l.run_median AS load_recent, la.m AS load_all
     FROM _step_stats s
     ASOF LEFT JOIN by_load l ON l.engine_id = s.engine_id AND l.batch_reqs = s.batch_reqs
                              AND l.load_tokens = s.load_tokens AND s.start_ns > l.start_ns
     LEFT JOIN by_load_all la ON la.engine_id = s.engine_id AND la.batch_reqs = s.batch_reqs
                              AND la.load_tokens = s.load_tokens
-    ASOF LEFT JOIN by_load sh ON sh.engine_id = s.engine_id AND sh.batch_reqs = s.shape
-                              AND sh.load_tokens = s.decode_tokens AND s.start_ns > sh.start_ns
-    LEFT JOIN by_load_all sa ON sa.engine_id = s.engine_id AND sa.batch_reqs = s.shape
-                             AND sa.load_tokens = s.decode_tokens
-    ASOF LEFT JOIN fit_run f ON f.engine_id = s.engine_id AND s.start_ns > f.start_ns
-    LEFT JOIN fit_all fa ON fa.engine_id = s.engine_id
+), need AS (
+    -- steps no clean step of the same load prices: the fit, else the decode-only shape
+    SELECT span_id, engine_id, start_ns, batch_reqs, load_tokens, shape, decode_tokens
+    FROM base WHERE load_recent IS NULL AND load_all IS NULL
+), cum AS (
+    -- running sums over the engine's clean steps (exact integers); a window's sums are differences
+    SELECT engine_id, start_ns, row_number() OVER w AS rn,
+           sum(batch_reqs) OVER w AS sn, sum(load_tokens) OVER w AS sk, sum(dur_ns) OVER w AS sd,
+           sum(batch_reqs * batch_reqs) OVER w AS snn, sum(load_tokens * load_tokens) OVER w AS skk,
+           sum(batch_reqs * load_tokens) OVER w AS snk,
+           sum(dur_ns * batch_reqs) OVER w AS sdn, sum(dur_ns * load_tokens) OVER w AS sdk
+    FROM clean
+    WINDOW w AS (PARTITION BY engine_id ORDER BY start_ns ROWS UNBOUNDED PRECEDING)
+), tot AS (
+    SELECT engine_id, count(*) AS rn, sum(batch_reqs) AS sn, sum(load_tokens) AS sk, sum(dur_ns) AS sd,
+           sum(batch_reqs * batch_reqs) AS snn, sum(load_tokens * load_tokens) AS skk,
+           sum(batch_reqs * load_tokens) AS snk, sum(dur_ns * batch_reqs) AS sdn, sum(dur_ns * load_tokens) AS sdk
+    FROM clean GROUP BY engine_id
+), win AS (
+    -- the sums over the last _stall_fit_steps() clean steps before the step (all the engine's when none precede)
+    SELECT n.span_id, n.batch_reqs, n.load_tokens,
+           CASE WHEN c1.rn IS NULL THEN t.rn ELSE c1.rn - coalesce(c0.rn, 0) END AS k,
+           CASE WHEN c1.rn IS NULL THEN t.sn ELSE c1.sn - coalesce(c0.sn, 0) END AS sn,
+           CASE WHEN c1.rn IS NULL THEN t.sk ELSE c1.sk - coalesce(c0.sk, 0) END AS sk,
+           CASE WHEN c1.rn IS NULL THEN t.sd ELSE c1.sd - coalesce(c0.sd, 0) END AS sd,
+           CASE WHEN c1.rn IS NULL THEN t.snn ELSE c1.snn - coalesce(c0.snn, 0) END AS snn,
+           CASE WHEN c1.rn IS NULL THEN t.skk ELSE c1.skk - coalesce(c0.skk, 0) END AS skk,
+           CASE WHEN c1.rn IS NULL THEN t.snk ELSE c1.snk - coalesce(c0.snk, 0) END AS snk,
+           CASE WHEN c1.rn IS NULL THEN t.sdn ELSE c1.sdn - coalesce(c0.sdn, 0) END AS sdn,
+           CASE WHEN c1.rn IS NULL THEN t.sdk ELSE c1.sdk - coalesce(c0.sdk, 0) END AS sdk
+    FROM need n
+    ASOF LEFT JOIN cum c1 ON c1.engine_id = n.engine_id AND n.start_ns > c1.start_ns
+    LEFT JOIN cum c0 ON c0.engine_id = n.engine_id AND c0.rn = c1.rn - _stall_fit_steps()
+    LEFT JOIN tot t ON t.engine_id = n.engine_id
+), mom AS (
+    -- moments (population): means, variances, covariances of n = batch_reqs, T = load_tokens, t = duration
+    SELECT span_id, batch_reqs, load_tokens, sn / k AS mn, sk / k AS mk, sd / k AS md,
+           (snn - sn * sn / k) / k AS vn, (skk - sk * sk / k) / k AS vk, (snk - sn * sk / k) / k AS cnk,
+           (sdn - sd * sn / k) / k AS cdn, (sdk - sd * sk / k) / k AS cdk
+    FROM (SELECT span_id, batch_reqs, load_tokens, k::DOUBLE AS k, sn::DOUBLE AS sn, sk::DOUBLE AS sk,
+                 sd::DOUBLE AS sd, snn::DOUBLE AS snn, skk::DOUBLE AS skk, snk::DOUBLE AS snk,
+                 sdn::DOUBLE AS sdn, sdk::DOUBLE AS sdk
+          FROM win WHERE k > 0)
 ), coef AS (
-    -- least squares t = a + b_n n + b_T T from the moments (Cramer's rule); collinear or constant
-    -- regressors: the one that varies alone; neither varies: no fit
-    SELECT *,
-           m.vn * m.vk - m.cnk * m.cnk AS det,
-           CASE WHEN m.vn > 0 AND m.vk > 0 AND m.vn * m.vk - m.cnk * m.cnk > 1e-9 * m.vn * m.vk
-                     THEN (m.vk * m.cdn - m.cnk * m.cdk) / (m.vn * m.vk - m.cnk * m.cnk)
-                WHEN m.vn > 0 THEN m.cdn / m.vn
-                WHEN m.vk > 0 THEN 0.0 END AS b_n,
-           CASE WHEN m.vn > 0 AND m.vk > 0 AND m.vn * m.vk - m.cnk * m.cnk > 1e-9 * m.vn * m.vk
-                     THEN (m.vn * m.cdk - m.cnk * m.cdn) / (m.vn * m.vk - m.cnk * m.cnk)
-                WHEN m.vn > 0 THEN 0.0
-                WHEN m.vk > 0 THEN m.cdk / m.vk END AS b_T
-    FROM joined
-), pred AS (
-    SELECT *, CASE WHEN b_n IS NOT NULL
-                   THEN greatest(m.md + b_n * (batch_reqs - m.mn) + b_T * (load_tokens - m.mk), 0) END AS fit_ns
+    -- least squares t = a + b_n n + b_T T (Cramer's rule); collinear or constant regressors: the one
+    -- that varies alone; neither varies (or a variance below rounding): no fit
+    SELECT *, vn * vk - cnk * cnk AS det,
+           CASE WHEN vn > 1e-9 AND vk > 1e-9 AND vn * vk - cnk * cnk > 1e-9 * vn * vk
+                     THEN (vk * cdn - cnk * cdk) / (vn * vk - cnk * cnk)
+                WHEN vn > 1e-9 THEN cdn / vn
+                WHEN vk > 1e-9 THEN 0.0 END AS b_n,
+           CASE WHEN vn > 1e-9 AND vk > 1e-9 AND vn * vk - cnk * cnk > 1e-9 * vn * vk
+                     THEN (vn * cdk - cnk * cdn) / (vn * vk - cnk * cnk)
+                WHEN vn > 1e-9 THEN 0.0
+                WHEN vk > 1e-9 THEN cdk / vk END AS b_T
+    FROM mom
+), fit AS (
+    SELECT span_id, b_n, b_T,
+           CASE WHEN b_n IS NOT NULL
+                THEN greatest(md + b_n * (batch_reqs - mn) + b_T * (load_tokens - mk), 0) END AS fit_ns
     FROM coef
+), shp AS (
+    SELECT n.span_id, sh.run_median AS shape_recent, sa.m AS shape_all
+    FROM need n
+    ASOF LEFT JOIN by_load sh ON sh.engine_id = n.engine_id AND sh.batch_reqs = n.shape
+                              AND sh.load_tokens = n.decode_tokens AND n.start_ns > sh.start_ns
+    LEFT JOIN by_load_all sa ON sa.engine_id = n.engine_id AND sa.batch_reqs = n.shape
+                             AND sa.load_tokens = n.decode_tokens
+), pred AS (
+    SELECT b.*, f.fit_ns, f.b_n, f.b_T, sh.shape_recent, sh.shape_all
+    FROM base b LEFT JOIN fit f ON f.span_id = b.span_id LEFT JOIN shp sh ON sh.span_id = b.span_id
 )
-SELECT * EXCLUDE (load_recent, load_all, shape_recent, shape_all, m, det, b_n, b_T, fit_ns),
+SELECT * EXCLUDE (load_recent, load_all, shape_recent, shape_all, b_n, b_T, fit_ns),
        round(coalesce(load_recent, load_all, fit_ns, shape_recent, shape_all))::BIGINT AS baseline_ns,
        CASE WHEN load_recent IS NOT NULL THEN 'load_recent' WHEN load_all IS NOT NULL THEN 'load'
             WHEN fit_ns IS NOT NULL THEN 'fit' WHEN shape_recent IS NOT NULL THEN 'shape_recent'
