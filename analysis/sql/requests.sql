@@ -1,5 +1,5 @@
 -- module: requests
--- requires: request_base, incomplete
+-- requires: request_base, incomplete, stalls
 --
 -- One row per request. TTFT only for complete requests (first token
 -- written); TPOT = (last token - first token) / (output tokens - 1), both
@@ -12,8 +12,12 @@
 -- gen_ai.usage.output_tokens when it recorded one, else D's count from its
 -- request.finished event (latest attempt; module request_base). A
 -- request with a first token but no last token is `hung`: it keeps its TTFT,
--- has no TPOT, and its hang (time since the first token until the router's
--- root ended or the last record) is reported in hang_ms.
+-- has no last token, and its hang (time since the first token until the router's
+-- root ended or the last record) is reported in hang_ms. Its TPOT counts the
+-- tokens it emitted (DESIGN.md §4): with no finish record, 1 + the ended
+-- decode.step spans whose step.batch gave it decode tokens (emitted_tokens),
+-- over the time from the first token to the end of the last of them; the rest
+-- of the hang is request_stalls.open_stall_ms (module stalls).
 -- wasted_compute_ms (DESIGN.md §3 Attempt): compute whose output did not feed
 -- the delivered first token, the formula beside request_base.wasted_compute_ns.
 
@@ -23,7 +27,9 @@ SELECT q.run_id, q.request_id, q.prompt_index, q.mode,
        q.arrival_ns, q.first_token_ns, q.last_token_ns,
        (q.first_token_ns - q.arrival_ns) / 1e6 AS ttft_ms,
        CASE WHEN q.output_tokens > 1 AND q.last_token_ns IS NOT NULL
-            THEN (q.last_token_ns - q.first_token_ns) / 1e6 / (q.output_tokens - 1) END AS tpot_ms,
+            THEN (q.last_token_ns - q.first_token_ns) / 1e6 / (q.output_tokens - 1)
+            WHEN q.first_token_ns IS NOT NULL AND q.last_token_ns IS NULL AND ds.decode_steps > 0
+            THEN (ds.last_decode_end_ns - q.first_token_ns) / 1e6 / ds.decode_steps END AS tpot_ms,
        CASE WHEN q.first_token_ns IS NOT NULL THEN 'complete' ELSE 'incomplete' END AS status,
        i.cause, i.detail,
        q.first_token_ns IS NOT NULL AND q.last_token_ns IS NULL AS hung,
@@ -31,8 +37,11 @@ SELECT q.run_id, q.request_id, q.prompt_index, q.mode,
             THEN (greatest(coalesce(q.root_end_ns, q.first_token_ns), coalesce(q.engine_last_ns, q.first_token_ns))
                   - q.first_token_ns) / 1e6 END AS hang_ms,
        q.attempts, q.prefill_engine, q.decode_engine, q.first_contact, q.recomputed, q.ttft_source, q.rkey,
+       CASE WHEN q.first_token_ns IS NOT NULL AND q.last_token_ns IS NULL THEN 1 + coalesce(ds.decode_steps, 0)
+            ELSE q.output_tokens END AS emitted_tokens,
        q.wasted_compute_ns / 1e6 AS wasted_compute_ms
-FROM _req_base q LEFT JOIN incomplete_requests i ON i.rkey = q.rkey;
+FROM _req_base q LEFT JOIN incomplete_requests i ON i.rkey = q.rkey
+LEFT JOIN _mat_req_decode_steps ds ON ds.request_id = q.request_id;
 
 COMMENT ON VIEW requests IS 'One row per request: mode, tokens, TTFT/TPOT, complete or incomplete with a cause.';
 COMMENT ON COLUMN requests.run_id IS 'deployment run id';
@@ -47,7 +56,8 @@ COMMENT ON COLUMN requests.arrival_ns IS 'request received: by the router (ttft_
 COMMENT ON COLUMN requests.first_token_ns IS 'first token chunk written: by the router (ttft_source router), by D''s API server (engine) (ns since the Unix epoch); NULL if none';
 COMMENT ON COLUMN requests.last_token_ns IS 'last token chunk written: by the router, or (engine) D''s API server''s last chunk (ns since the Unix epoch)';
 COMMENT ON COLUMN requests.ttft_ms IS 'first_token - arrival (ms; router clock, or engine: P''s clock with D corrected to it); NULL for incomplete requests';
-COMMENT ON COLUMN requests.tpot_ms IS '(last token - first token) / (output_tokens - 1), tokens as last_token_ns/first_token_ns (ms per token); NULL without output_tokens > 1 or a last token';
+COMMENT ON COLUMN requests.tpot_ms IS '(last token - first token) / (output_tokens - 1), tokens as last_token_ns/first_token_ns (ms per token); hung: (end of its last decode step - first token) / its decode steps; NULL without output_tokens > 1 or a last token (hung: without decode steps)';
+COMMENT ON COLUMN requests.emitted_tokens IS 'tokens the TPOT counts: output_tokens; for a hung request 1 + its ended decode steps (decode.step batches with decode tokens for it) (tokens)';
 COMMENT ON COLUMN requests.status IS 'complete (first token written) | incomplete';
 COMMENT ON COLUMN requests.cause IS 'cause of an incomplete request (see incomplete_requests.cause)';
 COMMENT ON COLUMN requests.detail IS 'evidence for the cause';

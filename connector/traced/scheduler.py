@@ -28,7 +28,11 @@ hook (vLLM contract)            records
 ==============================  ==============================================================
 
 Step spans are kept for every step (``PDTRACE_STEP_SAMPLE``), request spans
-only for sampled requests (``PDTRACE_SAMPLE``).
+only for sampled requests (``PDTRACE_SAMPLE``). A kept step span is open from
+``build_connector_meta`` to ``update_connector_output`` (``tracer.start``), so a
+step that never returns is written as ``open`` rows at each flush (schema 1.1)
+and the analysis reports it as an engine stall (view ``engine_stalls``); an
+idle or never-paired step is abandoned.
 
 Stages that can hang are *open* while they wait (``tracer.start``; the
 recorder writes them as ``open`` rows while they last, view ``in_flight``),
@@ -301,9 +305,12 @@ class TracedSchedulerMixin:
             ps.batch = ";".join(parts)
             ps.attrs = {"step.id": step, "step.num_reqs": len(parts), "step.prefill_tokens": n_p,
                         "step.decode_tokens": n_d, "step.recompute_tokens": n_r}
+            # open while it runs: a step that never returns (a hung forward, a stuck collective) is
+            # written as `open` rows at each flush and read as an engine stall (analysis engine_stalls)
+            tracer.start(self._pdt_step_name, None, t0, attrs={**ps.attrs, "step.batch": ps.batch}, span_id=sid)
         self._pdt_pending.append(ps)
         if len(self._pdt_pending) > 64:  # a step never paired: do not grow without bound
-            self._pdt_pending.popleft()
+            tracer.abandon(self._pdt_pending.popleft().sid)
 
     def _pdt_chunk_start(self, st: SReq, t0: int) -> None:
         if st.queue_open:
@@ -352,6 +359,7 @@ class TracedSchedulerMixin:
                 if cand.step == step:
                     ps = cand
                     break
+                tracer.abandon(cand.sid, t1)  # never paired: no span row will come
         elif self._pdt_pending:
             ps = self._pdt_pending.popleft()
         if ps is not None:
@@ -359,6 +367,7 @@ class TracedSchedulerMixin:
                     and not out.finished_sending:
                 # an idle step (nothing scheduled, no connector work): counted, not recorded
                 self._pdt_idle += 1
+                tracer.abandon(ps.sid, t1)
             else:
                 self._pdt_close_step(ps, t1)
         # per-rank completion times of receives (D)
@@ -395,6 +404,7 @@ class TracedSchedulerMixin:
 
     def _pdt_close_step(self, ps: PendingStep, t1: int) -> None:
         if ps.sid:
+            tracer.close(ps.sid)
             a = dict(ps.attrs or {})
             a["step.batch"] = ps.batch or ""
             a["step.idle_before"] = self._pdt_idle
