@@ -85,7 +85,7 @@ WITH rt AS (
            max(attr_int['gen_ai.usage.input_tokens']) AS prompt_tokens,
            max(attr_int['request.num_cached_tokens']) AS cached_tokens,
            max(attempt) AS attempt,
-           bool_or(name = 'handoff.handshake' OR attr_int['kv.first_contact'] = 1) AS first_contact,
+           bool_or(name IN ('handoff.handshake', 'handoff.agent_load') OR attr_int['kv.first_contact'] = 1) AS first_contact,
            bool_or(name IN ('kv.load_failed', 'request.preempted')) AS recomputed,
            CASE WHEN bool_or(connector ILIKE '%push%') THEN 'push'
                 WHEN bool_or(connector ILIKE '%nixl%') THEN 'pull' END AS connector_mode,

@@ -1,5 +1,5 @@
 -- module: requests
--- requires: request_base, incomplete
+-- requires: request_base, incomplete, request_flags
 --
 -- One row per request. TTFT only for complete requests (first token
 -- written); TPOT = (last token - first token) / (output tokens - 1), both
@@ -14,6 +14,7 @@
 -- request with a first token but no last token is `hung`: it keeps its TTFT,
 -- has no TPOT, and its hang (time since the first token until the router's
 -- root ended or the last record) is reported in hang_ms.
+-- flags: the notable facts of the request (module request_flags: one line per flag, its rule there).
 
 CREATE OR REPLACE VIEW requests AS
 SELECT q.run_id, q.request_id, q.prompt_index, q.mode,
@@ -28,8 +29,10 @@ SELECT q.run_id, q.request_id, q.prompt_index, q.mode,
        CASE WHEN q.first_token_ns IS NOT NULL AND q.last_token_ns IS NULL
             THEN (greatest(coalesce(q.root_end_ns, q.first_token_ns), coalesce(q.engine_last_ns, q.first_token_ns))
                   - q.first_token_ns) / 1e6 END AS hang_ms,
-       q.attempts, q.prefill_engine, q.decode_engine, q.first_contact, q.recomputed, q.ttft_source, q.rkey
-FROM _req_base q LEFT JOIN incomplete_requests i ON i.rkey = q.rkey;
+       q.attempts, q.prefill_engine, q.decode_engine, q.first_contact, q.recomputed, q.ttft_source, q.rkey,
+       coalesce(fl.flags, []::VARCHAR[]) AS flags
+FROM _req_base q LEFT JOIN incomplete_requests i ON i.rkey = q.rkey
+LEFT JOIN _request_flags fl ON fl.rkey = q.rkey;
 
 COMMENT ON VIEW requests IS 'One row per request: mode, tokens, TTFT/TPOT, complete or incomplete with a cause.';
 COMMENT ON COLUMN requests.run_id IS 'deployment run id';
@@ -57,3 +60,4 @@ COMMENT ON COLUMN requests.first_contact IS 'true if the handoff paid the first-
 COMMENT ON COLUMN requests.recomputed IS 'true if the prompt was recomputed after a load failure or preemption';
 COMMENT ON COLUMN requests.ttft_source IS 'whose clocks give the TTFT window (DESIGN.md §3): router (the router recorded the request) | engine (no router record: P''s API server received -> D''s API server wrote the first token chunk; router hops unseen)';
 COMMENT ON COLUMN requests.rkey IS 'request join key';
+COMMENT ON COLUMN requests.flags IS 'notable facts (LIST of VARCHAR, sorted; [] for none; rules in module request_flags): read_after_release (a READ ended after P freed the blocks by expiry/abort), write_after_release (a WRITE ended after D freed its blocks), blocks_never_released (a hold on either side still open at the trace end), missed_prefix_hit (D held the prompt''s blocks, a transfer moved them again), transport_fallback (a transfer on TCP / host staging instead of RDMA / CUDA IPC), descriptor_bound (posting descriptors took most of a transfer), first_contact (paid the first-contact handshake), recomputed (prompt recomputed after a load failure or preemption), hung_after_first_token (first token, no last token: requests.hung)';
