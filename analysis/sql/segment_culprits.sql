@@ -61,18 +61,25 @@ WITH r AS MATERIALIZED (
     SELECT 'handoff.writer_queue', engine_id, tp_rank, rkey, request_id, end_ns, 'writer', 1, NULL
     FROM r WHERE record = 'span' AND role = 'prefill'
       AND name IN ('handoff.descriptors', 'handoff.handshake', 'handoff.agent_load')
+), wb AS (
+    -- each wait once per 100 ms bucket it covers; an event sits in one bucket: the range join is a
+    -- hash join on (stage, engine, rank, bucket), never a cross product of an engine's waits and events
+    SELECT w.*, unnest(range(w.start_ns // 100000000, w.end_ns // 100000000 + 1)) AS bucket FROM w
+), eb AS (
+    SELECT e.*, e.t_ns // 100000000 AS bucket FROM e
 )
 SELECT rkey, span_id, c.r AS culprit_request_id, c.k AS culprit_kind, c.t AS culprit_ns FROM (
     SELECT w.rkey, w.span_id,
            -- one row: latest event, then kind order, then request id (deterministic)
            arg_max({'r': e.request_id, 'k': e.kind, 't': e.t_ns}, {'t': e.t_ns, 'p': -e.prio, 'r': e.request_id}) AS c
-    FROM w JOIN e
-      ON e.wait_stage = w.stage AND e.engine_id IS NOT DISTINCT FROM w.engine_id
-     AND (w.stage <> 'handoff.writer_queue' OR e.tp_rank IS NOT DISTINCT FROM w.tp_rank)
-     AND e.t_ns > w.start_ns AND e.t_ns <= w.end_ns AND e.rkey <> w.rkey
-     AND (e.kind <> 'head_of_line' OR e.since_ns < w.start_ns)
+    FROM wb w JOIN eb e
+      ON e.bucket = w.bucket AND e.wait_stage = w.stage AND e.engine_id IS NOT DISTINCT FROM w.engine_id
+     AND e.tp_rank IS NOT DISTINCT FROM CASE WHEN w.stage = 'handoff.writer_queue' THEN w.tp_rank END
+    WHERE e.t_ns > w.start_ns AND e.t_ns <= w.end_ns AND e.rkey <> w.rkey
+      AND (e.kind <> 'head_of_line' OR e.since_ns < w.start_ns)
     GROUP BY w.rkey, w.span_id
 );
+
 CREATE TABLE IF NOT EXISTS _mat_segment_culprits AS SELECT * FROM _calc_segment_culprits LIMIT 0;
 CREATE OR REPLACE VIEW _segment_culprits AS SELECT * FROM _mat_segment_culprits;
 
