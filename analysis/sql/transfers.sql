@@ -36,28 +36,26 @@ CREATE OR REPLACE MACRO _descriptor_bound(post_ns, dur_ns) AS
     coalesce(post_ns > _descriptor_bound_share() * dur_ns, false);
 
 CREATE OR REPLACE VIEW transfers AS
-WITH t AS (
+WITH hs AS (
+    -- the handshakes: (request, attempt, engine, rank) that paid first contact, with their peers
+    -- ('' = peer not recorded); raw rows, only keys are read
+    SELECT rkey, attempt, engine_id, tp_rank, list(DISTINCT coalesce(attr_str['peer.engine_id'], '')) AS peers
+    FROM _records
+    WHERE record = 'span' AND (name IN ('handoff.handshake', 'handoff.agent_load')
+                               OR (name = 'handoff.prep' AND attr_int['kv.first_contact'] = 1))
+    GROUP BY ALL
+), t AS (
     SELECT s.*, coalesce(s.attr_str['kv.op'], CASE s.role WHEN 'decode' THEN 'READ' ELSE 'WRITE' END) AS op
     FROM spans s WHERE s.stage = 'kv.transfer'
 ), x AS (
     SELECT t.*,
            CASE WHEN op = 'READ' THEN t.attr_str['peer.engine_id'] ELSE t.engine_id END AS src_engine,
-           CASE WHEN op = 'READ' THEN t.engine_id ELSE t.attr_str['peer.engine_id'] END AS dst_engine
-    FROM t
-), hs AS (
-    -- the handshakes: (request, attempt, engine, rank, peer) that paid first contact
-    SELECT DISTINCT rkey, attempt, engine_id, tp_rank, attr_str['peer.engine_id'] AS peer
-    FROM spans
-    WHERE stage IN ('handoff.handshake', 'handoff.agent_load')
-       OR (stage = 'handoff.prep' AND attr_int['kv.first_contact'] = 1)
-), fc AS (
-    SELECT DISTINCT span_id, rkey, true AS paid FROM (
-    SELECT x.span_id, x.rkey
-    FROM x JOIN hs ON hs.rkey = x.rkey AND hs.attempt = x.attempt AND hs.engine_id IS NOT DISTINCT FROM x.engine_id
-                  AND hs.tp_rank IS NOT DISTINCT FROM x.tp_rank
-                  AND (hs.peer IS NULL OR x.attr_str['peer.engine_id'] IS NULL OR hs.peer = x.attr_str['peer.engine_id'])
-    QUALIFY row_number() OVER (PARTITION BY x.rkey, x.attempt, x.engine_id, x.tp_rank, hs.peer
-                               ORDER BY x.start_ns, x.span_id) = 1)
+           CASE WHEN op = 'READ' THEN t.engine_id ELSE t.attr_str['peer.engine_id'] END AS dst_engine,
+           coalesce(hs.rkey IS NOT NULL AND (t.attr_str['peer.engine_id'] IS NULL OR list_contains(hs.peers, '')
+                                             OR list_contains(hs.peers, t.attr_str['peer.engine_id'])), false)
+               AS hs_match
+    FROM t LEFT JOIN hs ON hs.rkey = t.rkey AND hs.attempt = t.attempt
+                       AND hs.engine_id IS NOT DISTINCT FROM t.engine_id AND hs.tp_rank IS NOT DISTINCT FROM t.tp_rank
 )
 SELECT run_id, request_id, prompt_index, op, engine_id, tp_rank, src_engine, dst_engine,
        attr_str['kv.backend'] AS backend,
@@ -70,11 +68,12 @@ SELECT run_id, request_id, prompt_index, op, engine_id, tp_rank, src_engine, dst
        attr_int['kv.bytes'] / nullif(dur_ns, 0) AS bandwidth_gbps,
        (start_ns - lag(end_ns) OVER (PARTITION BY src_engine, dst_engine, tp_rank ORDER BY start_ns)) / 1e6 AS idle_before_ms,
        coalesce(attr_int['kv.first_contact'] = 1, false)
-           OR coalesce(fc.paid, false) AS first_contact,
+           OR (hs_match AND row_number() OVER (PARTITION BY rkey, attempt, engine_id, tp_rank, hs_match
+                                               ORDER BY start_ns, span_id) = 1) AS first_contact,
        attr_str['kv.transport'] AS transport,
        _transport_fallback(attr_int, attr_str) AS transport_fallback,
-       x.rkey, x.span_id
-FROM x LEFT JOIN fc ON fc.span_id = x.span_id AND fc.rkey = x.rkey;
+       rkey, span_id
+FROM x;
 
 COMMENT ON VIEW transfers IS 'Per NIXL transfer: bytes, descriptors, post and transfer time, bandwidth, descriptor-bound flag, idle time on the engine pair before it.';
 COMMENT ON COLUMN transfers.run_id IS 'deployment run id';
