@@ -67,6 +67,8 @@ _ALLOWED: dict[str, Attr] = {
     # --- KV transfer --------------------------------------------------------------
     "kv.op": _A(str, "NIXL operation: 'READ' (pull) or 'WRITE' (push)"),
     "kv.backend": _A(str, "NIXL backend (e.g. 'UCX')"),
+    "kv.transport": _A(str, "transport the NIXL backend used for the transfer, when known (e.g. 'rc_mlx5', 'cuda_ipc', 'tcp')"),
+    "kv.transport_fallback": _A(int, "1 if the backend fell back to a slower transport than configured (e.g. UCX TCP instead of RDMA)"),
     "kv.bytes": _A(int, "bytes moved by the transfer (bytes)"),
     "kv.descriptors": _A(int, "descriptor count of the transfer"),
     "kv.descriptors_requested": _A(int, "descriptor ids vLLM passed to make_prepped_xfer (before NIXL merging)"),

@@ -120,7 +120,7 @@ WITH rt AS (
            max(attr_int['gen_ai.usage.input_tokens']) AS prompt_tokens,
            max(attr_int['request.num_cached_tokens']) AS cached_tokens,
            max(attempt) AS attempt,
-           bool_or(name = 'handoff.handshake' OR attr_int['kv.first_contact'] = 1) AS first_contact,
+           bool_or(name IN ('handoff.handshake', 'handoff.agent_load') OR attr_int['kv.first_contact'] = 1) AS first_contact,
            bool_or(name IN ('kv.load_failed', 'request.preempted')) AS recomputed,
            -- for wasted_compute_ns (see the header): resets, and the compute spans (the compute stages of
            -- pdtrace.instrument.stages) with start (corrected), duration, side, engine, rank, ids

@@ -1,5 +1,5 @@
 -- module: requests
--- requires: request_base, incomplete, stalls
+-- requires: request_base, incomplete, stalls, request_flags
 --
 -- One row per request. TTFT only for complete requests (first token
 -- written); TPOT = (last token - first token) / (output tokens - 1), both
@@ -20,6 +20,7 @@
 -- of the hang is request_stalls.open_stall_ms (module stalls).
 -- wasted_compute_ms (DESIGN.md §3 Attempt): compute whose output did not feed
 -- the delivered first token, the formula beside request_base.wasted_compute_ns.
+-- flags: the notable facts of the request (module request_flags: one line per flag, its rule there).
 
 CREATE OR REPLACE VIEW requests AS
 SELECT q.run_id, q.request_id, q.prompt_index, q.mode,
@@ -39,9 +40,11 @@ SELECT q.run_id, q.request_id, q.prompt_index, q.mode,
        q.attempts, q.prefill_engine, q.decode_engine, q.first_contact, q.recomputed, q.ttft_source, q.rkey,
        CASE WHEN q.first_token_ns IS NOT NULL AND q.last_token_ns IS NULL THEN 1 + coalesce(ds.decode_steps, 0)
             ELSE q.output_tokens END AS emitted_tokens,
-       q.wasted_compute_ns / 1e6 AS wasted_compute_ms
+       q.wasted_compute_ns / 1e6 AS wasted_compute_ms,
+       coalesce(fl.flags, []::VARCHAR[]) AS flags
 FROM _req_base q LEFT JOIN incomplete_requests i ON i.rkey = q.rkey
-LEFT JOIN _mat_req_decode_steps ds ON ds.request_id = q.request_id;
+LEFT JOIN _mat_req_decode_steps ds ON ds.request_id = q.request_id
+LEFT JOIN _request_flags fl ON fl.rkey = q.rkey;
 
 COMMENT ON VIEW requests IS 'One row per request: mode, tokens, TTFT/TPOT, complete or incomplete with a cause.';
 COMMENT ON COLUMN requests.run_id IS 'deployment run id';
@@ -71,3 +74,4 @@ COMMENT ON COLUMN requests.recomputed IS 'true if the prompt was recomputed afte
 COMMENT ON COLUMN requests.ttft_source IS 'whose clocks give the TTFT window (DESIGN.md §3): router (the router recorded the request) | engine (no router record: P''s API server received -> D''s API server wrote the first token chunk; router hops unseen)';
 COMMENT ON COLUMN requests.rkey IS 'request join key';
 COMMENT ON COLUMN requests.wasted_compute_ms IS 'compute whose output did not feed the delivered first token (ms; DESIGN.md §3 Attempt): sum of the leaf compute spans (prefill.compute, D''s local recompute, decode.first_step; per engine the slowest rank) that started before the latest reset at or before the first token on their side -- a router re-dispatch of P''s leg (both sides) or of D''s leg (D''s side), kv.load_failed, request.preempted; 0 without a reset (module request_base)';
+COMMENT ON COLUMN requests.flags IS 'notable facts (LIST of VARCHAR, sorted; [] for none; rules in module request_flags): read_after_release (a READ ended after P freed the blocks by expiry/abort), write_after_release (a WRITE ended after D freed its blocks), blocks_never_released (a hold on either side still open at the trace end), missed_prefix_hit (D held the prompt''s blocks, a transfer moved them again), transport_fallback (a transfer on TCP / host staging instead of RDMA / CUDA IPC), descriptor_bound (posting descriptors took most of a transfer), first_contact (paid the first-contact handshake), recomputed (prompt recomputed after a load failure or preemption), hung_after_first_token (first token, no last token: requests.hung)';

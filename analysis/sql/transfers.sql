@@ -7,16 +7,55 @@
 -- than _descriptor_bound_share() of it. Source and destination follow the
 -- operation: READ (pull) is recorded by D and reads from peer.engine_id;
 -- WRITE (push) is recorded by P and writes to peer.engine_id.
+-- first_contact: the transfer paid the first-contact handshake on its engine
+-- pair. The traced connectors record the handshake as the request's
+-- handoff.handshake (and handoff.agent_load) child of handoff.prep, and
+-- kv.first_contact = 1 on handoff.prep / handoff.handshake, never on the
+-- kv.transfer itself (pdtrace.connector.traced.pull / push). So a transfer
+-- is first_contact when its own kv.first_contact = 1, or else when it is the
+-- first transfer (earliest start) of the same request and attempt recorded by
+-- the same engine and rank that recorded such a handshake stage (the handshake
+-- runs where the NIXL handle is owned: D's worker in pull, P's writer in push)
+-- with the same peer engine (when both name one). Works on existing stores.
+-- Transport fallback (vLLM/NIXL over UCX silently using TCP or host staging
+-- instead of RDMA / CUDA IPC: ai-dynamo/dynamo#1314, ai-dynamo/nixl#909,
+-- ai-dynamo/nixl#57): `transport` is attr kv.transport (the transport the
+-- backend used, e.g. 'rc_mlx5', 'cuda_ipc', 'tcp'; recorded when the
+-- connector knows it); transport_fallback is true when kv.transport_fallback
+-- = 1 or the transport is a slow one (_is_slow_transport: tcp, sockets,
+-- cuda_copy / host staging, posix / sysv shared memory).
+
+-- A transport name that means the backend fell back from RDMA / CUDA IPC / NVLink.
+CREATE OR REPLACE MACRO _is_slow_transport(tr) AS
+    regexp_matches(lower(coalesce(tr, '')), '(^|[^a-z])(tcp|sockets?|cuda_copy|posix|sysv|self)([^a-z]|$)');
+-- The rules of transfers.transport_fallback and .descriptor_bound on a kv.transfer row's
+-- attributes (shared with module request_flags).
+CREATE OR REPLACE MACRO _transport_fallback(ai, a_s) AS
+    coalesce(ai['kv.transport_fallback'] = 1, false) OR _is_slow_transport(a_s['kv.transport']);
+CREATE OR REPLACE MACRO _descriptor_bound(post_ns, dur_ns) AS
+    coalesce(post_ns > _descriptor_bound_share() * dur_ns, false);
 
 CREATE OR REPLACE VIEW transfers AS
-WITH t AS (
+WITH hs AS (
+    -- the handshakes: (request, attempt, engine, rank) that paid first contact, with their peers
+    -- ('' = peer not recorded); raw rows, only keys are read
+    SELECT rkey, attempt, engine_id, tp_rank, list(DISTINCT coalesce(attr_str['peer.engine_id'], '')) AS peers
+    FROM _records
+    WHERE record = 'span' AND (name IN ('handoff.handshake', 'handoff.agent_load')
+                               OR (name = 'handoff.prep' AND attr_int['kv.first_contact'] = 1))
+    GROUP BY ALL
+), t AS (
     SELECT s.*, coalesce(s.attr_str['kv.op'], CASE s.role WHEN 'decode' THEN 'READ' ELSE 'WRITE' END) AS op
     FROM spans s WHERE s.stage = 'kv.transfer'
 ), x AS (
     SELECT t.*,
            CASE WHEN op = 'READ' THEN t.attr_str['peer.engine_id'] ELSE t.engine_id END AS src_engine,
-           CASE WHEN op = 'READ' THEN t.engine_id ELSE t.attr_str['peer.engine_id'] END AS dst_engine
-    FROM t
+           CASE WHEN op = 'READ' THEN t.engine_id ELSE t.attr_str['peer.engine_id'] END AS dst_engine,
+           coalesce(hs.rkey IS NOT NULL AND (t.attr_str['peer.engine_id'] IS NULL OR list_contains(hs.peers, '')
+                                             OR list_contains(hs.peers, t.attr_str['peer.engine_id'])), false)
+               AS hs_match
+    FROM t LEFT JOIN hs ON hs.rkey = t.rkey AND hs.attempt = t.attempt
+                       AND hs.engine_id IS NOT DISTINCT FROM t.engine_id AND hs.tp_rank IS NOT DISTINCT FROM t.tp_rank
 )
 SELECT run_id, request_id, prompt_index, op, engine_id, tp_rank, src_engine, dst_engine,
        attr_str['kv.backend'] AS backend,
@@ -25,10 +64,14 @@ SELECT run_id, request_id, prompt_index, op, engine_id, tp_rank, src_engine, dst
        attr_int['kv.post_ns'] AS post_ns, attr_int['kv.post_ns'] / 1e6 AS post_ms,
        attr_int['kv.xfer_ns'] AS xfer_ns, attr_int['kv.xfer_ns'] / 1e6 AS xfer_ms,
        round(100.0 * attr_int['kv.post_ns'] / nullif(dur_ns, 0), 1) AS post_share_pct,
-       coalesce(attr_int['kv.post_ns'] > _descriptor_bound_share() * dur_ns, false) AS descriptor_bound,
+       _descriptor_bound(attr_int['kv.post_ns'], dur_ns) AS descriptor_bound,
        attr_int['kv.bytes'] / nullif(dur_ns, 0) AS bandwidth_gbps,
        (start_ns - lag(end_ns) OVER (PARTITION BY src_engine, dst_engine, tp_rank ORDER BY start_ns)) / 1e6 AS idle_before_ms,
-       coalesce(attr_int['kv.first_contact'] = 1, false) AS first_contact,
+       coalesce(attr_int['kv.first_contact'] = 1, false)
+           OR (hs_match AND row_number() OVER (PARTITION BY rkey, attempt, engine_id, tp_rank, hs_match
+                                               ORDER BY start_ns, span_id) = 1) AS first_contact,
+       attr_str['kv.transport'] AS transport,
+       _transport_fallback(attr_int, attr_str) AS transport_fallback,
        rkey, span_id
 FROM x;
 
@@ -57,6 +100,8 @@ COMMENT ON COLUMN transfers.post_share_pct IS 'post_ns / dur_ns (percent, 1 deci
 COMMENT ON COLUMN transfers.descriptor_bound IS 'true when posting takes more than analysis_settings.descriptor_bound_share of the transfer';
 COMMENT ON COLUMN transfers.bandwidth_gbps IS 'bytes / dur (GB/s = bytes per ns)';
 COMMENT ON COLUMN transfers.idle_before_ms IS 'time since the previous transfer on the same engine pair and rank ended (ms; NULL for the first)';
-COMMENT ON COLUMN transfers.first_contact IS 'true if the transfer paid the first-contact cost';
+COMMENT ON COLUMN transfers.first_contact IS 'true if the transfer paid the first-contact handshake on its engine pair: its own kv.first_contact = 1, or the first transfer of the request and attempt on the engine and rank that recorded handoff.handshake / handoff.agent_load (or handoff.prep with kv.first_contact = 1) with the same peer';
+COMMENT ON COLUMN transfers.transport IS 'transport the NIXL backend used (attr kv.transport, e.g. rc_mlx5, cuda_ipc, tcp; NULL: not recorded)';
+COMMENT ON COLUMN transfers.transport_fallback IS 'true if the backend fell back to a slower transport: kv.transport_fallback = 1, or transport is tcp / sockets / cuda_copy / posix / sysv / self';
 COMMENT ON COLUMN transfers.rkey IS 'request join key';
 COMMENT ON COLUMN transfers.span_id IS 'span id of the kv.transfer';

@@ -1,5 +1,5 @@
 -- module: ttft_segments
--- requires: request_base
+-- requires: request_base, segment_culprits
 -- materialize: _tt_req scratch
 -- materialize: _tt_cand scratch
 -- materialize: _tt_tree scratch
@@ -328,8 +328,11 @@ FROM (
 
 CREATE TABLE IF NOT EXISTS _mat_ttft_segments AS SELECT * FROM _calc_ttft_segments LIMIT 0;
 -- (stored as _stage_name; shown as text)
+-- culprit_request_id / culprit_kind: module segment_culprits (joined at query time: another request's rows)
 CREATE OR REPLACE VIEW ttft_segments AS
-SELECT * REPLACE (stage::VARCHAR AS stage, stage_group::VARCHAR AS stage_group) FROM _mat_ttft_segments;
+SELECT m.* REPLACE (m.stage::VARCHAR AS stage, m.stage_group::VARCHAR AS stage_group),
+       cu.culprit_request_id, cu.culprit_kind
+FROM _mat_ttft_segments m LEFT JOIN _segment_culprits cu ON cu.rkey = m.rkey AND cu.span_id = m.span_id;
 
 COMMENT ON VIEW ttft_segments IS 'Exclusive critical-path segments tiling each complete request''s [arrival, first token written] (DESIGN.md §2-3): the router''s window, or without a router record the engines'' (requests.ttft_source = engine; the router''s hop between the legs is stage router.unseen).';
 COMMENT ON COLUMN ttft_segments.run_id IS 'deployment run id';
@@ -349,3 +352,5 @@ COMMENT ON COLUMN ttft_segments.attempt IS 'attempt of the owning stage';
 COMMENT ON COLUMN ttft_segments.span_id IS 'span that owns the segment (NULL for unattributed and router.unseen)';
 COMMENT ON COLUMN ttft_segments.detail IS 'for unattributed: ''between <previous stage> and <next stage>''';
 COMMENT ON COLUMN ttft_segments.rkey IS 'request join key (see spans.rkey)';
+COMMENT ON COLUMN ttft_segments.culprit_request_id IS 'for a wait (prefill.queue, decode.queue, handoff.writer_queue): base request id X of the other request whose held resource it waited for, the one whose event ended the wait (module segment_culprits); NULL otherwise or when no other request ended it';
+COMMENT ON COLUMN ttft_segments.culprit_kind IS 'what the culprit held: head_of_line (queued ahead in the same queue) | batch_slot (P: its prefill ended) | kv_blocks (D: its blocks were freed) | writer (P''s push writer busy with it); NULL with culprit_request_id';

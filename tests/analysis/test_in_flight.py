@@ -105,7 +105,7 @@ def test_open_rows_change_no_answer_about_requests(analyse, tmp_path):
         without.rows[k] = [r for r in rows if r["record"] not in ("open", "stats")]
     a, b = analyse(with_open), analyse(without)
     for q in ("SELECT * EXCLUDE (record_id) FROM spans ORDER BY request_id, stage, start_ns",
-              "SELECT * FROM requests ORDER BY request_id",
+              "SELECT * EXCLUDE (flags) FROM requests ORDER BY request_id",
               "SELECT * EXCLUDE (rkey, failure_ns, time_to_failure_ms, orphan_wait_ms, orphan_side, detail) "
               "FROM incomplete_requests ORDER BY request_id"):
         assert a.query(q) == b.query(q), q
@@ -114,6 +114,14 @@ def test_open_rows_change_no_answer_about_requests(analyse, tmp_path):
     # runs to the router's trace end (3000), without them to its last record (P's compute ending at 400)
     q = "SELECT time_to_failure_ms FROM incomplete_requests WHERE request_id = 'h1'"
     assert (a.query(q)[0]["time_to_failure_ms"], b.query(q)[0]["time_to_failure_ms"]) == (2999, 399)
+    # the one exception: an open block hold is evidence that blocks are still held at the trace end
+    # (DESIGN.md §4 block holds): only in-flight requests gain the flag blocks_never_released
+    fa = {r["request_id"]: r["flags"] for r in a.query("SELECT request_id, flags FROM requests")}
+    fb = {r["request_id"]: r["flags"] for r in b.query("SELECT request_id, flags FROM requests")}
+    in_flight = {r["request_id"] for r in a.query("SELECT request_id FROM in_flight")}
+    changed = {rid for rid in fa if fa[rid] != fb[rid]}
+    assert changed <= in_flight
+    assert all(set(fa[rid]) - set(fb[rid]) == {"blocks_never_released"} for rid in changed)
 
 
 def test_refresh_drops_a_request_that_finished(analyse, tmp_path):

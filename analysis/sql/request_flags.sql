@@ -1,0 +1,62 @@
+-- module: request_flags
+-- requires: request_base, block_holds, transfers
+-- materialize: _request_flags request
+--
+-- requests.flags: the notable facts operators asked for in public reports,
+-- one VARCHAR per fact, per request (issue 17 kind 10). A flag is ONE line
+-- of _request_flag_rows below: `SELECT rkey, '<flag>' FROM <view> WHERE
+-- <rule>`; add a flag by adding a line (and its rule to the list here and to
+-- the COMMENT of requests.flags). The rules:
+--   read_after_release   a READ of the request ended after P released its blocks
+--                        by expiry or abort (block_holds.transfer_after_release,
+--                        P side; vllm-project/vllm#21570: P's timeout freed the
+--                        blocks D was still going to read)
+--   write_after_release  a WRITE ended after D freed its blocks by expiry or abort
+--                        (block_holds.transfer_after_release, D side)
+--   blocks_never_released  a hold of the request was never released by the trace
+--                        end, on either side (block_holds.release_cause = never;
+--                        vllm-project/vllm#36958, #46283)
+--   missed_prefix_hit    D already held blocks of the prompt and a transfer moved
+--                        them again (block_holds.missed_prefix_hit;
+--                        sgl-project/sglang#7990, vllm-project/vllm#18632)
+--   transport_fallback   a transfer ran on a slower transport than RDMA / CUDA
+--                        IPC (transfers.transport_fallback; ai-dynamo/dynamo#1314,
+--                        ai-dynamo/nixl#909)
+--   descriptor_bound     a transfer spent most of its time posting descriptors
+--                        (transfers.descriptor_bound; vllm-project/vllm#50913)
+--   first_contact        the handoff paid the first-contact handshake
+--                        (request_base.first_contact; sgl-project/sglang#28737)
+--   recomputed           the prompt was recomputed after a load failure or
+--                        preemption (request_base.recomputed)
+--   hung_after_first_token  first token written, last token never (the rule of
+--                        requests.hung: first_token_ns set, last_token_ns NULL)
+-- flags lists them in alphabetical order, each once; [] for none.
+-- Materialized per request (kind request): every rule reads only the request's
+-- own rows (and each process's last flush), so a refresh recomputes the keys in
+-- _scope_keys; block_holds and the kv.transfer rows are read once per refresh.
+
+CREATE OR REPLACE VIEW _calc_request_flags AS
+WITH bh AS MATERIALIZED (
+    SELECT rkey, side, release_cause, missed_prefix_hit, transfer_after_release FROM block_holds
+    WHERE rkey IN (SELECT rkey FROM _scope_keys)
+), xf AS MATERIALIZED (
+    SELECT rkey, attr_int, attr_str, end_ns - start_ns AS dur_ns FROM _timed
+    WHERE record = 'span' AND name = 'kv.transfer' AND rkey IN (SELECT rkey FROM _scope_keys)
+), q AS (
+    SELECT * FROM _req_base WHERE rkey IN (SELECT rkey FROM _scope_keys)
+), flag_rows AS (
+    -- one line per flag: SELECT rkey, '<flag>' FROM <rows> WHERE <rule>
+              SELECT rkey, 'read_after_release' AS flag FROM bh WHERE side = 'prefill' AND transfer_after_release
+    UNION ALL SELECT rkey, 'write_after_release' FROM bh WHERE side = 'decode' AND transfer_after_release
+    UNION ALL SELECT rkey, 'blocks_never_released' FROM bh WHERE release_cause = 'never'
+    UNION ALL SELECT rkey, 'missed_prefix_hit' FROM bh WHERE missed_prefix_hit
+    UNION ALL SELECT rkey, 'transport_fallback' FROM xf WHERE _transport_fallback(attr_int, attr_str)
+    UNION ALL SELECT rkey, 'descriptor_bound' FROM xf WHERE _descriptor_bound(attr_int['kv.post_ns'], dur_ns)
+    UNION ALL SELECT rkey, 'first_contact' FROM q WHERE first_contact
+    UNION ALL SELECT rkey, 'recomputed' FROM q WHERE recomputed
+    UNION ALL SELECT rkey, 'hung_after_first_token' FROM q WHERE first_token_ns IS NOT NULL AND last_token_ns IS NULL
+)
+SELECT rkey, list_sort(list(DISTINCT flag)) AS flags
+FROM flag_rows WHERE rkey IS NOT NULL GROUP BY rkey;
+CREATE TABLE IF NOT EXISTS _mat_request_flags AS SELECT * FROM _calc_request_flags LIMIT 0;
+CREATE OR REPLACE VIEW _request_flags AS SELECT * FROM _mat_request_flags;
