@@ -28,7 +28,8 @@ SELECT q.run_id, q.request_id, q.prompt_index, q.mode,
        CASE WHEN q.first_token_ns IS NOT NULL AND q.last_token_ns IS NULL
             THEN (greatest(coalesce(q.root_end_ns, q.first_token_ns), coalesce(q.engine_last_ns, q.first_token_ns))
                   - q.first_token_ns) / 1e6 END AS hang_ms,
-       q.attempts, q.prefill_engine, q.decode_engine, q.first_contact, q.recomputed, q.ttft_source, q.rkey
+       q.attempts, q.prefill_engine, q.decode_engine, q.first_contact, q.recomputed, q.ttft_source, q.trace_count,
+       q.rkey
 FROM _req_base q LEFT JOIN incomplete_requests i ON i.rkey = q.rkey;
 
 COMMENT ON VIEW requests IS 'One row per request: mode, tokens, TTFT/TPOT, complete or incomplete with a cause.';
@@ -56,4 +57,5 @@ COMMENT ON COLUMN requests.decode_engine IS 'decode engine id';
 COMMENT ON COLUMN requests.first_contact IS 'true if the handoff paid the first-contact handshake';
 COMMENT ON COLUMN requests.recomputed IS 'true if the prompt was recomputed after a load failure or preemption';
 COMMENT ON COLUMN requests.ttft_source IS 'whose clocks give the TTFT window (DESIGN.md §3): router (the router recorded the request) | engine (no router record: P''s API server received -> D''s API server wrote the first token chunk; router hops unseen)';
+COMMENT ON COLUMN requests.trace_count IS 'distinct W3C trace ids among the request''s router, prefill and decode spans (count; 0: none recorded); > 1: the request''s spans sit in several traces (broken traceparent propagation), joined all the same by request id and time (DESIGN.md §3 "Joins")';
 COMMENT ON COLUMN requests.rkey IS 'request join key';

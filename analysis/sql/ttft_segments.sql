@@ -48,6 +48,21 @@
 --            sent D's leg
 --     push: [arrival, decode_arrival_ns]    -- D's leg on its way from the router
 --  (span_id NULL). Its segments say "router hop unseen" in the breakdown.
+--  Parent links (DESIGN.md §3 "Joins"): stages are joined to their request
+--  by rkey (run, base request id, prompt index) and time, never by an
+--  OpenTelemetry parent across processes. Step 4 nests a candidate under
+--  its parent_span_id only when that parent is a candidate of the same
+--  request and attempt, recorded by the same process (_same_recorder:
+--  same role and host+pid; without a pid, same role and engine id), in the
+--  same trace id (either NULL: no trace id recorded). Any other parent -- a
+--  router's router.dispatch whose span id an engine took from
+--  `traceparent`, the API server's span that EngineCore's stages took from
+--  the request's trace headers, a span of another trace (split traces), a
+--  span not in the store -- counts as no parent: the stage is top-level
+--  (`parent_span_id` NULL in _tt_cand). Reports: ai-dynamo/dynamo#13345
+--  (worker spans under kv_router.route_request), ai-dynamo/dynamo#7030
+--  (decode leg in a separate trace), vllm-project/vllm#33272 (EngineCore's
+--  spans parented to the API server's); tests/analysis/test_join_cases.py.
 --  Two rules adjust candidates before 4 (in step 3's query):
 --  6. kv.ready runs from the end of the request's kv.transfer (the kept,
 --     slowest rank's) when it is recorded as starting later: DESIGN.md §2
@@ -72,6 +87,13 @@
 --   => dispatch, dest.register, handoff.prep, kv.transfer, decode.first_step;
 --      prefill.compute hidden (push, late registration: bug case H).
 
+-- Two rows were written by the same process (see "Parent links" above): same role and
+-- host+pid; only when either row has no pid (a foreign or older writer), same role and engine id.
+CREATE OR REPLACE MACRO _same_recorder(a_role, a_host, a_pid, a_engine, b_role, b_host, b_pid, b_engine) AS
+    a_role = b_role AND CASE WHEN a_pid IS NOT NULL AND b_pid IS NOT NULL
+                             THEN a_pid = b_pid AND a_host IS NOT DISTINCT FROM b_host
+                             ELSE a_engine = b_engine END;
+
 CREATE OR REPLACE MACRO _post_join_stage(g) AS g IN ('handoff.prep', 'kv.transfer', 'kv.ready', 'decode.first_step');
 
 -- The refreshed complete requests (small; every later step joins it on rkey alone).
@@ -87,6 +109,7 @@ CREATE OR REPLACE VIEW _tt_all AS
 SELECT t.rkey, t.span_id, t.parent_span_id, t.name::_stage_name AS stage, s.category,
        s.stage_group::_stage_name AS stage_group, s.is_filler,
        t.role, t.engine_id, t.tp_rank, t.attempt, t.c_end_ns AS end_c,
+       t.host, t.pid, t.trace_id,
        -- the branch of a pre-join stage: its engine's role, but dest.register
        -- is D's branch whoever records it (its end is the match on P)
        CASE WHEN t.name = 'dest.register' THEN 'decode' ELSE t.role END AS branch,
@@ -103,6 +126,7 @@ UNION ALL
 -- engine-clock window: the router's unseen hop (pseudo-stage router.unseen; see the header)
 SELECT u.rkey, NULL::UBIGINT, NULL::UBIGINT, 'router.unseen'::_stage_name, s.category,
        s.stage_group::_stage_name, s.is_filler, 'router', NULL::VARCHAR, NULL::SMALLINT, 0, u.e0,
+       NULL::VARCHAR, NULL::INTEGER, NULL::VARCHAR,
        'router', u.s0, u.e0, u.arrival_ns, u.first_token_ns
 FROM (SELECT rkey, arrival_ns, first_token_ns,
              greatest(CASE WHEN mode = 'pull' THEN prefill_response_ns ELSE arrival_ns END, arrival_ns) AS s0,
@@ -113,8 +137,18 @@ WHERE u.e0 > u.s0;
 
 -- Candidates after the rank and branch rules; `kept` = may own time.
 CREATE OR REPLACE VIEW _calc_tt_cand AS
-WITH allc AS MATERIALIZED (
+WITH allc0 AS MATERIALIZED (
     SELECT * FROM _tt_all
+), allc AS MATERIALIZED (
+    -- parent links: kept only to a candidate of the same recorder and trace (header, "Parent links")
+    SELECT a.* EXCLUDE (host, pid, trace_id) REPLACE (
+               CASE WHEN a.parent_span_id IS NOT NULL AND EXISTS (
+                        SELECT 1 FROM allc0 p
+                        WHERE p.rkey = a.rkey AND p.span_id = a.parent_span_id AND p.attempt = a.attempt
+                          AND _same_recorder(a.role, a.host, a.pid, a.engine_id, p.role, p.host, p.pid, p.engine_id)
+                          AND (a.trace_id IS NULL OR p.trace_id IS NULL OR a.trace_id = p.trace_id))
+                    THEN a.parent_span_id END AS parent_span_id)
+    FROM allc0 a
 ), ranks AS (
     SELECT rkey, engine_id, arg_max(tp_rank, (end_c, -tp_rank)) AS crit_rank
     FROM allc WHERE tp_rank IS NOT NULL
