@@ -246,3 +246,122 @@ def test_engine_core_stages_parented_to_the_api_servers_span(analyse, engine_tra
     tr = analyse(c)
     assert _answer(tr, "v") == base
     assert _trace_count(tr, "v") == (1 if engine_trace == "same_trace" else 3)
+
+
+# --- llm-d/llm-d-router#1667: spans ingested by `pdtrace collect` ---------------------------------------
+def _any(v):
+    from opentelemetry.proto.common.v1 import common_pb2
+
+    if isinstance(v, list):
+        return common_pb2.AnyValue(array_value=common_pb2.ArrayValue(values=[_any(x) for x in v]))
+    if isinstance(v, int):
+        return common_pb2.AnyValue(int_value=v)
+    return common_pb2.AnyValue(string_value=str(v))
+
+
+def _export(resource, spans):
+    """An ExportTraceServiceRequest of one resource; spans: dicts (name, trace, sid, parent, start, end, kind,
+    attrs, events) with times in ms."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    from pdtrace_case_builder import ns
+
+    req = ExportTraceServiceRequest()
+    rs = req.resource_spans.add()
+    for k, v in resource.items():
+        rs.resource.attributes.add(key=k, value=_any(v))
+    ss = rs.scope_spans.add()
+    ss.scope.name = "test"
+    for s in spans:
+        sp = ss.spans.add(name=s["name"], kind=s.get("kind", 1), start_time_unix_nano=ns(s["start"]),
+                          end_time_unix_nano=ns(s["end"]))
+        sp.trace_id = bytes.fromhex(s["trace"])
+        sp.span_id = s["sid"].to_bytes(8, "big")
+        if s.get("parent"):
+            sp.parent_span_id = s["parent"].to_bytes(8, "big")
+        for k, v in s.get("attrs", {}).items():
+            sp.attributes.add(key=k, value=_any(v))
+        for name, at in s.get("events", ()):
+            sp.events.add(name=name, time_unix_nano=ns(at))
+    return req
+
+
+def _collect(directory, messages):
+    """Write ``messages`` into ``directory`` as `pdtrace collect` does (otlp_ingest mapping, then the converter)."""
+    import pyarrow as pa
+
+    from pdtrace.instrument import otlp_ingest, store
+    from pdtrace.instrument.convert import Converter
+    from pdtrace_case_builder import RUN
+
+    ing = otlp_ingest.Ingest(run_id=RUN, join_wait_s=0.0)
+    for m in messages:
+        ing.add(m, now=0.0)
+    conv, tables = Converter(), []
+    for key, (recs, tids) in ing.ready(now=1.0, final=True).items():
+        t = conv.table(recs, ing.resources[key], 0)
+        tables.append(t.set_column(t.schema.get_field_index("trace_id"), "trace_id", pa.array(tids, pa.string())))
+    store.write_tables(directory, tables, "collect-h-1-0-s1.parquet")
+
+
+P_API_PID, D_API_PID = 8101, 8201
+P_LLM, D_LLM, PROXY_P, PROXY_D, GW_ROOT = 0x51, 0x52, 0x61, 0x62, 0x60
+
+
+def _foreign_store(directory, rid, propagated, parented):
+    """A request served behind a foreign router (llm-d: gateway + P/D routing proxy), its engines traced by
+    pdtrace and vLLM's own tracing on: the router's spans and vLLM's `llm_request` spans arrive over OTLP."""
+    c = Case()
+    _pull(c, rid, 0, parent=(lambda leg, _: P_LLM if leg == "prefill" else PROXY_D) if parented else
+          (lambda leg, _: None))
+    del c.rows[("router", None)]
+    _one_trace(c, rid)
+    for role, _, r in _rows(c, rid):
+        if r["name"].endswith(".frontend") or r["record"] == "event":
+            r["pid"] = P_API_PID if role == "prefill" else D_API_PID
+    c.write(directory)
+    f = _new_trace()
+    hdr = {"http.request.header.x-request-id": [rid]}
+    router = _export({"service.name": "llm-d-gateway", "host.name": "gw"}, [
+        {"name": "gateway.request", "trace": f, "sid": GW_ROOT, "start": 0, "end": 200, "kind": 2, "attrs": hdr,
+         "events": [("first_token", 190), ("last_token", 199)]}])
+    # the routing proxy's per-leg spans, named after pdtrace's vocabulary so that they count in the breakdown
+    proxy = _export({"service.name": "llm-d-routing-proxy", "host.name": "d-host", "process.pid": 1}, [
+        {"name": "router.dispatch", "trace": f, "sid": PROXY_P, "parent": GW_ROOT, "start": 0, "end": 2,
+         "kind": 3, "attrs": {**hdr, "router.leg": "prefill"}},
+        {"name": "router.dispatch", "trace": f, "sid": PROXY_D, "parent": GW_ROOT, "start": 120, "end": 122,
+         "kind": 3, "attrs": {**hdr, "router.leg": "decode"}}])
+    engines = [
+        _export({"service.name": f"vllm-{leg}", "host.name": "h", "vllm.process_id": pid}, [
+            {"name": "llm_request", "trace": f if propagated else _new_trace(), "sid": sid,
+             "parent": proxy_sid if propagated else None, "start": start, "end": end, "kind": 2,
+             "attrs": {"gen_ai.request.id": f"cmpl-{rid}-0", "gen_ai.usage.prompt_tokens": 100}}])
+        for leg, pid, sid, proxy_sid, start, end in (("prefill", P_API_PID, P_LLM, PROXY_P, 2, 118),
+                                                      ("decode", D_API_PID, D_LLM, PROXY_D, 122, 190))]
+    _collect(directory, [router, proxy, *engines])
+
+
+@pytest.mark.parametrize("propagated", [True, False], ids=["sidecar_injects", "sidecar_drops_traceparent"])
+def test_foreign_router_and_vllm_spans_are_never_parents_of_pdtrace_stages(analyse, tmp_path, propagated):
+    """llm-d/llm-d-router#1667: the P/D routing sidecar did not inject the W3C trace context on its outbound
+    requests, so "vLLM's spans attached as unrelated traces in Jaeger instead of under the same trace as EPP
+    and the routing proxy"; with the fix they are children of the proxy's per-leg span.
+
+    Rebuilt with `pdtrace collect`'s own mapping (otlp_ingest + converter): a foreign gateway root (the
+    router window), the proxy's per-leg dispatch spans and vLLM's `llm_request` spans (the API server's
+    process: same host and pid as pdtrace's frontend spans), with pdtrace's P stages parented to P's
+    `llm_request` and D's to the proxy's decode-leg span (the parent an engine would take from the
+    context it received). Right answer: the same store without those parents -- a foreign span is never a
+    container of pdtrace's stages (another process, or not a stage), and the 4 ms the engines leave
+    between the legs stay the only unattributed time. trace_count: the foreign trace and pdtrace's own
+    (2), plus one per `llm_request` when the sidecar drops the context (4).
+    """
+    plain, nested = tmp_path / "plain", tmp_path / "nested"
+    _foreign_store(plain, "fx", propagated, parented=False)
+    _foreign_store(nested, "fx", propagated, parented=True)
+    want = _answer(analyse(Case(), plain), "fx")
+    assert want[0]["ttft_ns"] == 190e6 and want[0]["unattributed_ns"] == 4e6
+    assert [s[0] for s in want[1]][:2] == ["router.dispatch", "prefill.frontend"]  # the proxy's span counts
+    tr = analyse(Case(), nested)
+    assert _answer(tr, "fx") == want
+    assert _trace_count(tr, "fx") == (2 if propagated else 4)
