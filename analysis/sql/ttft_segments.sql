@@ -52,7 +52,7 @@
 --  by rkey (run, base request id, prompt index) and time, never by an
 --  OpenTelemetry parent across processes. Step 4 nests a candidate under
 --  its parent_span_id only when that parent is a candidate of the same
---  request and attempt, recorded by the same process (_same_recorder:
+--  request and attempt, recorded by the same process (_process_key:
 --  same role and host+pid; without a pid, same role and engine id), in the
 --  same trace id (either NULL: no trace id recorded). Any other parent -- a
 --  router's router.dispatch whose span id an engine took from
@@ -87,12 +87,11 @@
 --   => dispatch, dest.register, handoff.prep, kv.transfer, decode.first_step;
 --      prefill.compute hidden (push, late registration: bug case H).
 
--- Two rows were written by the same process (see "Parent links" above): same role and
--- host+pid; only when either row has no pid (a foreign or older writer), same role and engine id.
-CREATE OR REPLACE MACRO _same_recorder(a_role, a_host, a_pid, a_engine, b_role, b_host, b_pid, b_engine) AS
-    a_role = b_role AND CASE WHEN a_pid IS NOT NULL AND b_pid IS NOT NULL
-                             THEN a_pid = b_pid AND a_host IS NOT DISTINCT FROM b_host
-                             ELSE a_engine = b_engine END;
+-- The process that wrote a row (see "Parent links" above), as a hash: its role and host+pid;
+-- for a writer that records no pid (foreign or older), its role and engine id; NULL: unknown.
+CREATE OR REPLACE MACRO _process_key(role, host, pid, engine_id) AS
+    CASE WHEN pid IS NOT NULL THEN hash(role, host, pid)
+         WHEN engine_id IS NOT NULL THEN hash(role, engine_id, 'engine') END;
 
 CREATE OR REPLACE MACRO _post_join_stage(g) AS g IN ('handoff.prep', 'kv.transfer', 'kv.ready', 'decode.first_step');
 
@@ -109,7 +108,8 @@ CREATE OR REPLACE VIEW _tt_all AS
 SELECT t.rkey, t.span_id, t.parent_span_id, t.name::_stage_name AS stage, s.category,
        s.stage_group::_stage_name AS stage_group, s.is_filler,
        t.role, t.engine_id, t.tp_rank, t.attempt, t.c_end_ns AS end_c,
-       t.host, t.pid, t.trace_id,
+       _process_key(t.role, t.host, t.pid, t.engine_id) AS proc_key,
+       CASE WHEN t.trace_id IS NOT NULL THEN hash(t.trace_id) END AS trace_key,
        -- the branch of a pre-join stage: its engine's role, but dest.register
        -- is D's branch whoever records it (its end is the match on P)
        CASE WHEN t.name = 'dest.register' THEN 'decode' ELSE t.role END AS branch,
@@ -126,7 +126,7 @@ UNION ALL
 -- engine-clock window: the router's unseen hop (pseudo-stage router.unseen; see the header)
 SELECT u.rkey, NULL::UBIGINT, NULL::UBIGINT, 'router.unseen'::_stage_name, s.category,
        s.stage_group::_stage_name, s.is_filler, 'router', NULL::VARCHAR, NULL::SMALLINT, 0, u.e0,
-       NULL::VARCHAR, NULL::INTEGER, NULL::VARCHAR,
+       NULL::UBIGINT, NULL::UBIGINT,
        'router', u.s0, u.e0, u.arrival_ns, u.first_token_ns
 FROM (SELECT rkey, arrival_ns, first_token_ns,
              greatest(CASE WHEN mode = 'pull' THEN prefill_response_ns ELSE arrival_ns END, arrival_ns) AS s0,
@@ -141,12 +141,12 @@ WITH allc0 AS MATERIALIZED (
     SELECT * FROM _tt_all
 ), allc AS MATERIALIZED (
     -- parent links: kept only to a candidate of the same recorder and trace (header, "Parent links")
-    SELECT a.* EXCLUDE (host, pid, trace_id) REPLACE (
+    SELECT a.* EXCLUDE (proc_key, trace_key) REPLACE (
                CASE WHEN a.parent_span_id IS NOT NULL AND EXISTS (
                         SELECT 1 FROM allc0 p
                         WHERE p.rkey = a.rkey AND p.span_id = a.parent_span_id AND p.attempt = a.attempt
-                          AND _same_recorder(a.role, a.host, a.pid, a.engine_id, p.role, p.host, p.pid, p.engine_id)
-                          AND (a.trace_id IS NULL OR p.trace_id IS NULL OR a.trace_id = p.trace_id))
+                          AND p.proc_key = a.proc_key
+                          AND (a.trace_key IS NULL OR p.trace_key IS NULL OR a.trace_key = p.trace_key))
                     THEN a.parent_span_id END AS parent_span_id)
     FROM allc0 a
 ), ranks AS (
