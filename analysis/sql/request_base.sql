@@ -54,6 +54,10 @@
 -- event on prefill.frontend (the first body chunk; a pull prefill response is
 -- one JSON body), else the latest end of prefill.frontend (part 'out' or
 -- 'whole'; that end is taken after the app returns, late under load).
+-- trace_count: distinct W3C trace ids among the request's router, prefill and
+-- decode spans (0: none recorded); > 1 when the request's spans sit in several
+-- traces (broken traceparent propagation). The joins never read it: a request is
+-- joined by rkey and time (DESIGN.md §3 "Joins"), whatever its trace ids.
 -- decode_arrival_ns: D's API server receiving the request (earliest start of
 -- decode.frontend, part 'in' or 'whole'); the end of router.unseen.
 -- output_tokens: the router's gen_ai.usage.output_tokens when it recorded one,
@@ -107,7 +111,8 @@ WITH rt AS (
                 THEN (max({'a': attempt, 't': c_start_ns}) FILTER (WHERE record = 'span' AND name = 'router.dispatch'
                                                                     AND attr_str['router.leg'] = 'decode')).t
            END AS d_redispatch_ns,
-           count(*) FILTER (WHERE record = 'span' AND name = 'router.request') > 0 AS has_root
+           count(*) FILTER (WHERE record = 'span' AND name = 'router.request') > 0 AS has_root,
+           list(DISTINCT trace_id) FILTER (WHERE record = 'span' AND trace_id IS NOT NULL) AS trace_ids
     FROM _timed
     WHERE role = 'router' AND rkey IN (SELECT rkey FROM _scope_keys)
     GROUP BY rkey
@@ -150,7 +155,8 @@ WITH rt AS (
            -- (attempt, tokens) compared in that order: the latest attempt's largest count
            (max({'a': attempt, 'v': attr_int['gen_ai.usage.output_tokens']})
                 FILTER (WHERE record = 'event' AND name = 'request.finished' AND role = 'decode'
-                        AND attr_int['gen_ai.usage.output_tokens'] IS NOT NULL)).v AS decode_output_tokens
+                        AND attr_int['gen_ai.usage.output_tokens'] IS NOT NULL)).v AS decode_output_tokens,
+           list(DISTINCT trace_id) FILTER (WHERE record = 'span' AND trace_id IS NOT NULL) AS trace_ids
     FROM _timed
     WHERE role IN ('prefill', 'decode') AND rkey IN (SELECT rkey FROM _scope_keys)
     GROUP BY rkey
@@ -225,7 +231,9 @@ SELECT coalesce(rt.rkey, en.rkey) AS rkey,
        coalesce(en.has_prefill, false) AS has_prefill, coalesce(en.has_decode, false) AS has_decode,
        en.p_fe_in_ns IS NOT NULL AS has_prefill_frontend, en.d_token_ns IS NOT NULL AS has_decode_token,
        coalesce(rt.p_redispatch_ns, rt.d_redispatch_ns) AS attempt_start_ns,
-       coalesce(w.wasted_compute_ns, 0) AS wasted_compute_ns
+       coalesce(w.wasted_compute_ns, 0) AS wasted_compute_ns,
+       -- distinct trace ids among the router's and engines' spans (DESIGN.md §3 "Joins")
+       len(list_distinct(list_concat(coalesce(rt.trace_ids, []), coalesce(en.trace_ids, []))))::INTEGER AS trace_count
 FROM rt FULL OUTER JOIN en ON rt.rkey = en.rkey
 LEFT JOIN w ON w.rkey = coalesce(rt.rkey, en.rkey)
 WHERE NOT (rt.rkey IS NULL AND en.rkey IN (SELECT rkey FROM linked));

@@ -37,7 +37,7 @@ SELECT q.run_id, q.request_id, q.prompt_index, q.mode,
        CASE WHEN q.first_token_ns IS NOT NULL AND q.last_token_ns IS NULL
             THEN (greatest(coalesce(q.root_end_ns, q.first_token_ns), coalesce(q.engine_last_ns, q.first_token_ns))
                   - q.first_token_ns) / 1e6 END AS hang_ms,
-       q.attempts, q.prefill_engine, q.decode_engine, q.first_contact, q.recomputed, q.ttft_source, q.rkey,
+       q.attempts, q.prefill_engine, q.decode_engine, q.first_contact, q.recomputed, q.ttft_source, q.trace_count, q.rkey,
        CASE WHEN q.first_token_ns IS NOT NULL AND q.last_token_ns IS NULL THEN 1 + coalesce(ds.decode_steps, 0)
             ELSE q.output_tokens END AS emitted_tokens,
        q.wasted_compute_ns / 1e6 AS wasted_compute_ms,
@@ -72,6 +72,7 @@ COMMENT ON COLUMN requests.decode_engine IS 'decode engine id';
 COMMENT ON COLUMN requests.first_contact IS 'true if the handoff paid the first-contact handshake';
 COMMENT ON COLUMN requests.recomputed IS 'true if the prompt was recomputed after a load failure or preemption';
 COMMENT ON COLUMN requests.ttft_source IS 'whose clocks give the TTFT window (DESIGN.md §3): router (the router recorded the request) | engine (no router record: P''s API server received -> D''s API server wrote the first token chunk; router hops unseen)';
+COMMENT ON COLUMN requests.trace_count IS 'distinct W3C trace ids among the request''s router, prefill and decode spans (count; 0: none recorded); > 1: the request''s spans sit in several traces (broken traceparent propagation), joined all the same by request id and time (DESIGN.md §3 "Joins")';
 COMMENT ON COLUMN requests.rkey IS 'request join key';
 COMMENT ON COLUMN requests.wasted_compute_ms IS 'compute whose output did not feed the delivered first token (ms; DESIGN.md §3 Attempt): sum of the leaf compute spans (prefill.compute, D''s local recompute, decode.first_step; per engine the slowest rank) that started before the latest reset at or before the first token on their side -- a router re-dispatch of P''s leg (both sides) or of D''s leg (D''s side), kv.load_failed, request.preempted; 0 without a reset (module request_base)';
 COMMENT ON COLUMN requests.flags IS 'notable facts (LIST of VARCHAR, sorted; [] for none; rules in module request_flags): read_after_release (a READ ended after P freed the blocks by expiry/abort), write_after_release (a WRITE ended after D freed its blocks), blocks_never_released (a hold on either side still open at the trace end), missed_prefix_hit (D held the prompt''s blocks, a transfer moved them again), transport_fallback (a transfer on TCP / host staging instead of RDMA / CUDA IPC), descriptor_bound (posting descriptors took most of a transfer), first_contact (paid the first-contact handshake), recomputed (prompt recomputed after a load failure or preemption), hung_after_first_token (first token, no last token: requests.hung)';

@@ -128,7 +128,11 @@ SELECT s.span_id AS step_span_id, c.span_id, c.name AS stage, c.end_ns - c.start
        c.method, c.request_ids,
        -- served a handoff: names at least one request (empty list entries ignored)
        regexp_matches(c.request_ids, '[^;]') AS served
-FROM _steps s JOIN _step_span_rows c ON c.parent_span_id = s.span_id AND c.name LIKE 'connector.%';
+-- (a child of the step only when recorded on the step's own engine: its scheduler records
+-- the step and its workers the connector spans; DESIGN.md §3 "Joins": a parent link from
+-- another process's or engine's span nests nothing)
+FROM _steps s JOIN _step_span_rows c
+  ON c.parent_span_id = s.span_id AND c.engine_id IS NOT DISTINCT FROM s.engine_id AND c.name LIKE 'connector.%';
 
 CREATE OR REPLACE VIEW _step_stats AS
 WITH e AS (

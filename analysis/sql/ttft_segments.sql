@@ -48,6 +48,21 @@
 --            sent D's leg
 --     push: [arrival, decode_arrival_ns]    -- D's leg on its way from the router
 --  (span_id NULL). Its segments say "router hop unseen" in the breakdown.
+--  Parent links (DESIGN.md §3 "Joins"): stages are joined to their request
+--  by rkey (run, base request id, prompt index) and time, never by an
+--  OpenTelemetry parent across processes. Step 4 nests a candidate under
+--  its parent_span_id only when that parent is a candidate of the same
+--  request and attempt, recorded by the same process (_process_key:
+--  same role and host+pid; without a pid, same role and engine id), in the
+--  same trace id (either NULL: no trace id recorded). Any other parent -- a
+--  router's router.dispatch whose span id an engine took from
+--  `traceparent`, the API server's span that EngineCore's stages took from
+--  the request's trace headers, a span of another trace (split traces), a
+--  span not in the store -- counts as no parent: the stage is top-level
+--  (`parent_span_id` NULL in _tt_cand). Reports: ai-dynamo/dynamo#13345
+--  (worker spans under kv_router.route_request), ai-dynamo/dynamo#7030
+--  (decode leg in a separate trace), vllm-project/vllm#33272 (EngineCore's
+--  spans parented to the API server's); tests/analysis/test_join_cases.py.
 --  Two rules adjust candidates before 4 (in step 3's query):
 --  6. kv.ready runs from the end of the request's kv.transfer (the kept,
 --     slowest rank's) when it is recorded as starting later: DESIGN.md §2
@@ -97,6 +112,12 @@
 --   => dispatch, dest.register, handoff.prep, kv.transfer, decode.first_step;
 --      prefill.compute hidden (push, late registration: bug case H).
 
+-- The process that wrote a row (see "Parent links" above), as a hash: its role and host+pid;
+-- for a writer that records no pid (foreign or older), its role and engine id; NULL: unknown.
+CREATE OR REPLACE MACRO _process_key(role, host, pid, engine_id) AS
+    CASE WHEN pid IS NOT NULL THEN hash(role, host, pid)
+         WHEN engine_id IS NOT NULL THEN hash(role, engine_id, 'engine') END;
+
 CREATE OR REPLACE MACRO _post_join_stage(g) AS g IN ('handoff.prep', 'kv.transfer', 'kv.ready', 'decode.first_step');
 
 -- The refreshed complete requests (small; every later step joins it on rkey alone).
@@ -115,7 +136,9 @@ SELECT t.rkey, t.span_id, t.parent_span_id, t.name::_stage_name AS stage,
                          f.span_id IS NOT NULL) AS category,
        s.stage_group::_stage_name AS stage_group, s.is_filler,
        t.role, t.engine_id, t.tp_rank, t.attempt, t.c_end_ns AS end_c,
-       -- the branch of a pre-join stage: its engine's role, but dest.register whoever records it (its end is the match on P)
+       _process_key(t.role, t.host, t.pid, t.engine_id) AS proc_key,
+       CASE WHEN t.trace_id IS NOT NULL THEN hash(t.trace_id) END AS trace_key,
+       -- the branch of a pre-join stage: its engine's role, but dest.register
        -- is D's branch whoever records it (its end is the match on P); a
        -- router.dispatch belongs to the branch of its leg (rule 8)
        CASE WHEN t.name = 'dest.register' THEN 'decode'
@@ -136,6 +159,7 @@ UNION ALL
 -- engine-clock window: the router's unseen hop (pseudo-stage router.unseen; see the header)
 SELECT u.rkey, NULL::UBIGINT, NULL::UBIGINT, 'router.unseen'::_stage_name, s.category,
        s.stage_group::_stage_name, s.is_filler, 'router', NULL::VARCHAR, NULL::SMALLINT, 0, u.e0,
+       NULL::UBIGINT, NULL::UBIGINT,
        'router', u.s0, u.e0, u.arrival_ns, u.first_token_ns
 FROM (SELECT rkey, arrival_ns, first_token_ns,
              greatest(CASE WHEN mode = 'pull' THEN prefill_response_ns ELSE arrival_ns END, arrival_ns) AS s0,
@@ -146,8 +170,18 @@ WHERE u.e0 > u.s0;
 
 -- Candidates after the rank and branch rules; `kept` = may own time.
 CREATE OR REPLACE VIEW _calc_tt_cand AS
-WITH allc AS MATERIALIZED (
+WITH allc0 AS MATERIALIZED (
     SELECT * FROM _tt_all
+), allc AS MATERIALIZED (
+    -- parent links: kept only to a candidate of the same recorder and trace (header, "Parent links")
+    SELECT a.* EXCLUDE (proc_key, trace_key) REPLACE (
+               CASE WHEN a.parent_span_id IS NOT NULL AND EXISTS (
+                        SELECT 1 FROM allc0 p
+                        WHERE p.rkey = a.rkey AND p.span_id = a.parent_span_id AND p.attempt = a.attempt
+                          AND p.proc_key = a.proc_key
+                          AND (a.trace_key IS NULL OR p.trace_key IS NULL OR a.trace_key = p.trace_key))
+                    THEN a.parent_span_id END AS parent_span_id)
+    FROM allc0 a
 ), ranks AS (
     SELECT rkey, engine_id, arg_max(tp_rank, (end_c, -tp_rank)) AS crit_rank
     FROM allc WHERE tp_rank IS NOT NULL
