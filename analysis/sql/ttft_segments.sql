@@ -1,6 +1,7 @@
 -- module: ttft_segments
 -- requires: request_base, segment_culprits
 -- materialize: _tt_req scratch
+-- materialize: _tt_marks scratch
 -- materialize: _tt_cand scratch
 -- materialize: _tt_tree scratch
 -- materialize: _tt_top scratch
@@ -129,11 +130,32 @@ WHERE first_token_ns IS NOT NULL AND arrival_ns IS NOT NULL AND first_token_ns >
 CREATE TABLE IF NOT EXISTS _mat_tt_req AS SELECT * FROM _calc_tt_req LIMIT 0;
 CREATE OR REPLACE VIEW _tt_req AS SELECT * FROM _mat_tt_req;
 
+-- The few candidates whose branch or category an attribute or event decides
+-- (rules 8, 9): router.dispatch's leg, and a transfer's category by outcome
+-- (macro _outcome_category, module stages; NULL when the outcome keeps the
+-- stage's category). A narrow table, so the candidate scan reads no
+-- attribute maps.
+CREATE OR REPLACE VIEW _calc_tt_marks AS
+SELECT rkey, span_id, leg, category FROM (
+    SELECT t.rkey, t.span_id,
+           CASE WHEN t.name = 'router.dispatch' AND t.attr_str['router.leg'] IN ('prefill', 'decode')
+                THEN t.attr_str['router.leg'] END AS leg,
+           CASE WHEN t.name <> 'router.dispatch' THEN nullif(
+               _outcome_category(s.category, t.status_code, t.attr_int['kv.bytes'], t.attr_str['error.type'],
+                                 f.span_id IS NOT NULL), s.category) END AS category
+    FROM _timed t
+    JOIN stages s ON s.stage = t.name
+    LEFT JOIN _kv_failed_spans f ON f.rkey = t.rkey AND f.span_id = t.span_id
+    WHERE t.record = 'span' AND t.name IN ('router.dispatch', 'kv.transfer')
+      AND t.rkey IN (SELECT rkey FROM _tt_req)
+) WHERE leg IS NOT NULL OR category IS NOT NULL;
+CREATE TABLE IF NOT EXISTS _mat_tt_marks AS SELECT * FROM _calc_tt_marks LIMIT 0;
+CREATE OR REPLACE VIEW _tt_marks AS SELECT * FROM _mat_tt_marks;
+
 CREATE OR REPLACE VIEW _tt_all AS
 SELECT t.rkey, t.span_id, t.parent_span_id, t.name::_stage_name AS stage,
-       -- rule 9: category by outcome (macro _outcome_category, module stages)
-       _outcome_category(s.category, t.status_code, t.attr_int['kv.bytes'], t.attr_str['error.type'],
-                         f.span_id IS NOT NULL) AS category,
+       -- rule 9: category by outcome (_tt_marks)
+       coalesce(m.category, s.category) AS category,
        s.stage_group::_stage_name AS stage_group, s.is_filler,
        t.role, t.engine_id, t.tp_rank, t.attempt, t.c_end_ns AS end_c,
        _process_key(t.role, t.host, t.pid, t.engine_id) AS proc_key,
@@ -141,17 +163,14 @@ SELECT t.rkey, t.span_id, t.parent_span_id, t.name::_stage_name AS stage,
        -- the branch of a pre-join stage: its engine's role, but dest.register
        -- is D's branch whoever records it (its end is the match on P); a
        -- router.dispatch belongs to the branch of its leg (rule 8)
-       CASE WHEN t.name = 'dest.register' THEN 'decode'
-            WHEN t.name = 'router.dispatch' AND t.attr_str['router.leg'] IN ('prefill', 'decode')
-                 THEN t.attr_str['router.leg']
-            ELSE t.role END AS branch,
+       CASE WHEN t.name = 'dest.register' THEN 'decode' ELSE coalesce(m.leg, t.role) END AS branch,
        greatest(t.c_start_ns, q.arrival_ns) AS s0,
        least(t.c_end_ns, q.first_token_ns, CASE WHEN t.role = 'prefill' THEN q.prefill_response_ns END) AS e0,
        q.arrival_ns, q.first_token_ns
 FROM _timed t
 JOIN _tt_req q ON q.rkey = t.rkey
 JOIN stages s ON s.stage = t.name
-LEFT JOIN _kv_failed_spans f ON f.rkey = t.rkey AND f.span_id = t.span_id
+LEFT JOIN _tt_marks m ON m.rkey = t.rkey AND m.span_id = t.span_id
 WHERE t.record = 'span' AND s.owns_ttft
   AND t.c_start_ns <= q.first_token_ns AND t.c_end_ns >= q.arrival_ns
   AND (t.role <> 'prefill' OR q.prefill_response_ns IS NULL OR t.c_start_ns <= q.prefill_response_ns)
