@@ -106,7 +106,7 @@ def _push(c, rid, b, parent=lambda leg, dispatch: None):
     """A push request (both legs dispatched at once; P writes the KV into D's registered blocks).
 
       router |dp 2|dd 1|----------------------------- wait 177 ------------------------------|
-      P                |queue 5|---- compute 112 ----|prep 5 (writer_queue 3)|xfer 15|
+      P           |fe 1|queue 5|---- compute 112 ----|prep 5 (writer_queue 3)|xfer 15|
       D                |fe 1|q 2|-- dest.register 24 --|                              |ready 5|first_step 33|
     """
     root = c.router_request(rid, b, b + 200, "push", first_token_ms=b + 180)
@@ -114,6 +114,7 @@ def _push(c, rid, b, parent=lambda leg, dispatch: None):
     dd = c.span("router", "router.dispatch", b + 2, b + 3, rid=rid, parent=root, attrs={"router.leg": "decode"})
     c.span("router", "router.wait", b + 3, b + 180, rid=rid, parent=root, attrs={"router.leg": "decode"})
     pp = parent("prefill", dp)
+    c.span("prefill", "prefill.frontend", b + 2, b + 3, rid=rid, engine="p0", parent=pp, attrs={"frontend.part": "in"})
     c.span("prefill", "prefill.queue", b + 3, b + 8, rid=rid, engine="p0", parent=pp)
     c.span("prefill", "prefill.compute", b + 8, b + 120, rid=rid, engine="p0", parent=pp)
     hp = c.span("prefill", "handoff.prep", b + 120, b + 125, rid=rid, engine="p0", rank=0, parent=pp,
