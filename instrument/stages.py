@@ -75,6 +75,8 @@ EVENTS: dict[str, str] = {
     "registration.timeout": "push: no registration matched before the timeout",
     "handshake.failed": "the NIXL handshake with a peer failed",
     "router.leg_failed": "a router leg failed (attrs http.response.status_code, error.*)",
+    "lab.inject": "lab only (PDTRACE_LAB_INJECT): a known delay was added inside a stage for this request "
+                  "(attrs lab.stage, lab.injected_ms; pdtrace.connector.lab.inject)",
 }
 
 
