@@ -23,9 +23,9 @@ stage                process / thread        hook (the delay is taken ...)
 ``router.dispatch``  router, event loop      ... after the P leg's ``router.dispatch`` span
                                              opened, before the leg is sent (``asyncio.sleep``;
                                              pull and push)
-``prefill.frontend`` P's API server, loop    ... on entry of ``AsyncLLM._add_request``, wrapped
-                                             outside pdtrace's own wrapper, so before the "in"
-                                             part ends (request handed to EngineCore)
+``prefill.frontend`` P's API server, loop    ... inside pdtrace's ``FrontendMiddleware`` (after its
+                                             span started), before vLLM parses the request and
+                                             stamps ``arrival_time`` (``asyncio.sleep``)
 ``handoff.prep``     pull: D forward thread  ... before ``_read_blocks_for_req`` (D's blocks
                                              allocated -> READ posted; blocks D's forward thread)
                      push: P writer thread   ... before ``_xfer_blocks_for_req`` (KV ready and
@@ -185,29 +185,40 @@ async def asleep(stage: str, rid: str, once_key=None) -> float:
 
 # ------------------------------------------------------------------ engine patches
 def _patch_middleware(mod) -> None:
-    """prefill.frontend: wrap ``install_engine_hooks`` so that, after pdtrace wrapped
-    ``AsyncLLM._add_request``, ours wraps it from outside (the sleep precedes the "in" part's end)."""
-    if "prefill.frontend" not in spec() or getattr(mod.install_engine_hooks, "_pdtrace_inject", False):
+    """prefill.frontend: wrap the app *inside* ``FrontendMiddleware`` (P's API server only), so the
+    sleep comes after the span's start (HTTP received) and before vLLM parses the request and stamps
+    its ``arrival_time`` (which starts ``prefill.queue``)."""
+    cls = mod.FrontendMiddleware
+    if "prefill.frontend" not in spec() or getattr(cls.__init__, "_pdtrace_inject", False):
         return
-    orig_install = mod.install_engine_hooks
-    if mod._role_from_argv(sys.argv) != "prefill":
-        return
+    real_init = cls.__init__
 
-    @functools.wraps(orig_install)
-    def install_engine_hooks():
-        ok = orig_install()
-        from vllm.v1.engine.async_llm import AsyncLLM
-        inner = AsyncLLM._add_request
-        if not getattr(inner, "_pdtrace_inject", False):
-            async def _add_request(self, request, *args, **kwargs):
-                await asleep("prefill.frontend", request.request_id, once_key=request.request_id)
-                return await inner(self, request, *args, **kwargs)
-            _add_request._pdtrace_inject = True
-            AsyncLLM._add_request = _add_request
-        return ok
+    @functools.wraps(real_init)
+    def __init__(self, app, *args, **kwargs):
+        real_init(self, app, *args, **kwargs)
+        if self.role == "prefill":
+            self.app = _SleepyApp(self.app, mod._PATHS)
 
-    install_engine_hooks._pdtrace_inject = True
-    mod.install_engine_hooks = install_engine_hooks
+    __init__._pdtrace_inject = True
+    cls.__init__ = __init__
+
+
+class _SleepyApp:
+    """ASGI app wrapper: sleeps the prefill.frontend delay of a selected completion request first."""
+
+    def __init__(self, app, paths):
+        self.app, self.paths = app, paths
+
+    def __getattr__(self, name):  # the middleware reads e.g. ``self.app.state``
+        return getattr(self.app, name)
+
+    async def __call__(self, scope, receive, send):
+        if scope.get("type") == "http" and scope.get("method") == "POST" and scope.get("path") in self.paths:
+            x = next((v.decode("latin-1") for k, v in scope.get("headers") or () if k.lower() == b"x-request-id"),
+                     None)
+            if x:
+                await asleep("prefill.frontend", x, once_key=x)
+        return await self.app(scope, receive, send)
 
 
 def _wrap_method(cls, name: str, make) -> None:

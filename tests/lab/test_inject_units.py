@@ -101,3 +101,31 @@ def test_paired_neighbour_delta_recovers_a_step():
         r["exposed"] = {"kv.ready": 0.0}
     res = mod.evaluate(rows, {"kv.ready": 25.0}, "push")
     assert res[0]["path"] == "off" and res[0]["ok"]
+
+
+def test_prefill_frontend_sleeps_inside_the_middleware_on_prefill_only(spec, monkeypatch):
+    """The delay runs after the middleware's span started and before the wrapped app (vLLM) sees the request."""
+    import asyncio
+
+    spec("prefill.frontend=20ms")
+    x = next(f"lab-{k:016x}" for k in range(100) if inject.selected("prefill.frontend", f"lab-{k:016x}"))
+    order = []
+
+    class FakeMiddleware:
+        def __init__(self, app, role="prefill"):
+            self.app, self.role = app, role
+
+    mod = types.SimpleNamespace(FrontendMiddleware=FakeMiddleware, _PATHS=("/v1/completions",))
+    inject._patch_middleware(mod)
+    inject._patch_middleware(mod)  # idempotent
+
+    async def app(scope, receive, send):
+        order.append("app")
+
+    async def fake_sleep(stage, rid, once_key=None):
+        order.append((stage, rid))
+    monkeypatch.setattr(inject, "asleep", fake_sleep)
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [(b"x-request-id", x.encode())]}
+    asyncio.run(FakeMiddleware(app).app(scope, None, None))
+    assert order == [("prefill.frontend", x), "app"]
+    assert FakeMiddleware(app, role="decode").app is app  # D's frontend is left alone
