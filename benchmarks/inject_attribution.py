@@ -12,10 +12,15 @@ Per stage and mode, over the complete replayed requests (the warm-up excluded):
 - ``attributed``: increase of the stage's exposed time (``ttft_segments``, summed per request by
   ``stage_group``) in injected requests; ``ttft``: increase of TTFT (``requests.ttft_ms``);
   ``hidden``: increase of the stage's hidden time (``ttft_hidden``).
-- Each increase is a paired-neighbour estimate: every injected request is compared with the mean
-  of its nearest uninjected neighbours in arrival order (one before, one after), so slow drifts
+- Each increase is a paired-neighbour estimate: every injected request is compared with the median
+  of its nearest uninjected neighbours in arrival order (two before, two after), so slow drifts
   of the noisy 2-core machine cancel; the median of the pairs, 95 % CI by bootstrap over the
   pairs (2000 resamples).
+- ``interval→stage``: median over injected requests of the share of the injected interval
+  itself ([the ``lab.inject`` event, + the delay], same host clock) that ``ttft_segments`` charges
+  to the stage; when below 90 %, the stage that got most of the rest. Unlike the Δ columns this
+  needs no control group, so load noise does not enter it (the sleep may outlast the interval by
+  a poll or a scheduler tick; kv.ready's release waits for the next poll).
 - ``path``: ``on`` when the attributed increase is at least half the injected delay, else
   ``off``. ``attributed ok``: on the path |attributed - injected| within the tolerance; off the
   path |attributed| within it and hidden grew by at least half the delay. ``TTFT ok``: |TTFT
@@ -99,7 +104,17 @@ def per_request(run_dir: Path) -> tuple[list[dict], dict[str, float]]:
         evs = tr.query("""SELECT request_id, attr_str['lab.stage'] AS stage,
                                  max(attr_float['lab.injected_ms']) AS ms, count(*) AS n
                           FROM events WHERE event = 'lab.inject' GROUP BY ALL""")
-    rows = {r["request_id"]: {**r, "exposed": {}, "hidden": {}, "injected": {}} for r in reqs}
+        # which exposed segments cover each injected interval [event, event + delay] (same host clock)
+        cover = tr.query("""
+            WITH e AS (SELECT request_id, attr_str['lab.stage'] AS stage, time_ns AS t0,
+                              time_ns + CAST(attr_float['lab.injected_ms'] * 1e6 AS BIGINT) AS t1
+                       FROM events WHERE event = 'lab.inject')
+            SELECT e.request_id, e.stage, coalesce(s.stage_group, s.stage) AS seg_stage,
+                   sum(greatest(0, least(e.t1, s.end_ns) - greatest(e.t0, s.start_ns))) / 1e6 AS ms
+            FROM e JOIN ttft_segments s ON s.request_id = e.request_id
+            WHERE s.end_ns > e.t0 AND s.start_ns < e.t1
+            GROUP BY ALL""")
+    rows = {r["request_id"]: {**r, "exposed": {}, "hidden": {}, "injected": {}, "cover": {}} for r in reqs}
     for s in segs:
         if s["request_id"] in rows:
             g = s["stage_group"] or _group(s["stage"])
@@ -113,6 +128,10 @@ def per_request(run_dir: Path) -> tuple[list[dict], dict[str, float]]:
     for ev in evs:
         if ev["request_id"] in rows:
             rows[ev["request_id"]]["injected"][ev["stage"]] = ev["ms"]
+    for c in cover:
+        if c["request_id"] in rows:
+            d = rows[c["request_id"]]["cover"].setdefault(c["stage"], {})
+            d[_group(c["seg_stage"])] = d.get(_group(c["seg_stage"]), 0.0) + c["ms"]
     out = list(rows.values())
     for r in out:
         # the record must agree with the rule (a hook that never fired shows here)
@@ -120,10 +139,11 @@ def per_request(run_dir: Path) -> tuple[list[dict], dict[str, float]]:
     return out, spec
 
 
-def paired_delta(rows: list[dict], stage: str, value, seed: int = 0, n_boot: int = 2000):
+def paired_delta(rows: list[dict], stage: str, value, seed: int = 0, n_boot: int = 2000, k: int = 2):
     """Paired-neighbour increase of ``value(row)`` in rows injected with ``stage``: (median, lo, hi, n).
 
-    The median of the paired differences (and a bootstrap CI of it): on the shared 2-core machine a
+    Each injected request's control is the median of its ``k`` nearest uninjected neighbours on
+    each side in arrival order. The median of the paired differences (and a bootstrap CI of it): on the shared 2-core machine a
     few requests meet load spikes of hundreds of ms, which would swamp a mean of ten pairs."""
     flags = [stage in r["injected"] for r in rows]
     vals = [value(r) for r in rows]
@@ -133,13 +153,14 @@ def paired_delta(rows: list[dict], stage: str, value, seed: int = 0, n_boot: int
             continue
         nb = []
         for step in (-1, 1):
-            j = i + step
-            while 0 <= j < len(rows) and flags[j]:
+            j, got = i + step, 0
+            while 0 <= j < len(rows) and got < k:
+                if not flags[j]:
+                    nb.append(vals[j])
+                    got += 1
                 j += step
-            if 0 <= j < len(rows):
-                nb.append(vals[j])
         if nb:
-            diffs.append(vals[i] - statistics.fmean(nb))
+            diffs.append(vals[i] - statistics.median(nb))
     if not diffs:
         return None, None, None, 0
     rng = random.Random(seed)
@@ -156,9 +177,19 @@ def evaluate(rows: list[dict], spec: dict[str, float], mode: str, tol_ms: float 
         t = paired_delta(rows, stage, lambda r: r["ttft_ms"])
         h = paired_delta(rows, stage, lambda r: r["hidden"].get(stage, 0.0))
         tol = max(tol_ms, tol_frac * inj)
+        # the injected interval itself: share charged to the stage, and the stage most charged otherwise
+        cov = [r["cover"].get(stage, {}) for r in rows if stage in r["injected"]]
+        shares = [c.get(stage, 0.0) / inj for c in cov] if inj else []
+        others: dict[str, float] = {}
+        for c in cov:
+            for g, ms in c.items():
+                if g != stage:
+                    others[g] = others.get(g, 0.0) + ms
         row = {"mode": mode, "stage": stage, "injected_ms": inj, "n_injected": a[3],
                "n_requests": len(rows), "attributed_ms": a[0], "attributed_ci": (a[1], a[2]),
                "ttft_ms": t[0], "ttft_ci": (t[1], t[2]), "hidden_ms": h[0], "tol_ms": tol,
+               "interval_share": statistics.median(shares) if shares else None,
+               "interval_else": max(others, key=others.get) if others else None,
                "record_mismatch": sum(1 for r in rows if (stage in r["injected"]) != (stage in r["rule"]))}
         if a[0] is None:
             row.update(path="?", error_ms=None, error_pct=None, ok=False, attributed_ok=False, ttft_ok=False)
@@ -185,13 +216,17 @@ def _f(v, nd=1) -> str:
 
 def table(results: list[dict], markdown: bool = False) -> str:
     head = ["stage", "mode", "injected ms", "n inj/all", "attributed Δ ms [95% CI]", "TTFT Δ ms [95% CI]",
-            "hidden Δ ms", "error ms", "error %", "path", "attributed ok", "TTFT ok"]
+            "hidden Δ ms", "interval→stage %", "error ms", "error %", "path", "attributed ok", "TTFT ok"]
     lines = []
     for r in results:
         lines.append([r["stage"], r["mode"], _f(r["injected_ms"], 0), f"{r['n_injected']}/{r['n_requests']}",
                       f"{_f(r['attributed_ms'])} [{_f(r['attributed_ci'][0])}, {_f(r['attributed_ci'][1])}]",
                       f"{_f(r['ttft_ms'])} [{_f(r['ttft_ci'][0])}, {_f(r['ttft_ci'][1])}]",
-                      _f(r["hidden_ms"]), _f(r["error_ms"]), _f(r["error_pct"], 0), r["path"],
+                      _f(r["hidden_ms"]),
+                      (_f(None if r["interval_share"] is None else 100 * r["interval_share"], 0)
+                       + (f" (else {r['interval_else']})" if r["interval_else"] and (r["interval_share"] or 0) < 0.9
+                          else "")),
+                      _f(r["error_ms"]), _f(r["error_pct"], 0), r["path"],
                       ("yes" if r["attributed_ok"] else "NO") + (f" (record≠rule {r['record_mismatch']})"
                                                                  if r["record_mismatch"] else ""),
                       "yes" if r["ttft_ok"] else "NO"])

@@ -3,11 +3,13 @@
 One short lab per mode (pdtrace's traced connectors and router; 16 requests; each listed stage
 injected into about half of them by a hash of the request id, see
 ``pdtrace.connector.lab.inject``), analysed by ``benchmarks/inject_attribution.py`` (the script
-that prints BENCHMARKS.md's table): paired-neighbour increase of the stage's exposed time and of
-TTFT in injected requests. On the critical path both must grow by the injected delay within the
-benchmark's tolerance (max(8 ms, 25 %)); off the path (push: D's registration while P still
-computes) the stage's hidden time grows and TTFT does not. Run under
-``flock /tmp/pdtrace-heavy.lock``.
+that prints BENCHMARKS.md's table) with main's analysis. Asserted per stage: the ``lab.inject``
+records agree with the selection rule; the paired-neighbour increase of the stage's exposed time
+in injected requests equals the delay within the benchmark's tolerance (max(8 ms, 25 %)) on the
+critical path, or stays within it while the hidden time grows off the path; and on the path at
+least 80 % of the injected interval itself is charged to the stage. The TTFT increase is
+printed, not asserted: on the shared 2-core machine its CI at n≈8 spans hundreds of ms.
+Run under ``flock /tmp/pdtrace-heavy.lock``.
 """
 from __future__ import annotations
 
@@ -18,17 +20,18 @@ pytestmark = [pytest.mark.lab, pytest.mark.timeout(1500)]
 
 CASES = {
     # pull: D's READ preparation and the promotion wait are on the path
-    "pull": ("handoff.prep=40ms,kv.ready=25ms", {"handoff.prep": "on", "kv.ready": "on"}),
-    # push: P's WRITE preparation is on the path; D's registration arrives while P computes
-    "push": ("handoff.prep=40ms,dest.register=10ms", {"handoff.prep": "on", "dest.register": "off"}),
+    "pull": ("handoff.prep=40ms,kv.ready=25ms", {"handoff.prep": "on", "kv.ready": "on"}, None),
+    # push, long prompts (lengths x4: P computes for hundreds of ms): P's WRITE preparation is on the
+    # path; D's registration, delayed 20 ms, still arrives while P computes (hidden)
+    "push": ("handoff.prep=40ms,dest.register=20ms", {"handoff.prep": "on", "dest.register": "off"}, 4.0),
 }
 
 
 @pytest.mark.parametrize("mode", sorted(CASES))
 def test_injected_delay_is_attributed(mode, lab_ready, tmp_path):
     mod = labkit.benchmark("inject_attribution")
-    spec, want = CASES[mode]
-    d = mod.run_mode(mode, spec, tmp_path, max_requests=16, length_scale=None, rate_scale=0.5, lock=False)
+    spec, want, length_scale = CASES[mode]
+    d = mod.run_mode(mode, spec, tmp_path, max_requests=16, length_scale=length_scale, rate_scale=0.5, lock=False)
     rows, parsed = mod.per_request(d)
     assert len(rows) >= 14, f"only {len(rows)} complete requests"
     res = mod.evaluate(rows, parsed, mode)
@@ -37,4 +40,6 @@ def test_injected_delay_is_attributed(mode, lab_ready, tmp_path):
         assert r["record_mismatch"] == 0, f"{r['stage']}: lab.inject events disagree with the selection rule"
         assert r["n_injected"] >= 3, r
         assert r["path"] == want[r["stage"]], r
-        assert r["attributed_ok"], r  # TTFT Δ is printed: too noisy on the shared machine to assert at n≈8
+        assert r["attributed_ok"], r
+        if r["path"] == "on":
+            assert r["interval_share"] is not None and r["interval_share"] >= 0.8, r
