@@ -21,9 +21,9 @@ pytestmark = [pytest.mark.lab, pytest.mark.timeout(1500)]
 CASES = {
     # pull: D's READ preparation and the promotion wait are on the path
     "pull": ("handoff.prep=40ms,kv.ready=25ms", {"handoff.prep": "on", "kv.ready": "on"}, None),
-    # push, long prompts (lengths x4: P computes for hundreds of ms): P's WRITE preparation is on the
+    # push, long prompts (lengths x3: P computes for hundreds of ms): P's WRITE preparation is on the
     # path; D's registration, delayed 20 ms, still arrives while P computes (hidden)
-    "push": ("handoff.prep=40ms,dest.register=20ms", {"handoff.prep": "on", "dest.register": "off"}, 4.0),
+    "push": ("handoff.prep=40ms,dest.register=20ms", {"handoff.prep": "on", "dest.register": "off"}, 3.0),
 }
 
 
