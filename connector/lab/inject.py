@@ -56,7 +56,7 @@ import time
 
 ENV_SWITCH = "PDTRACE_LAB_INJECT"
 
-#: stage -> (modes it applies to, role of the process that sleeps or None for per-mode roles)
+#: stage -> the handoff modes it can be injected in (dest.register exists in push only)
 STAGES: dict[str, tuple[str, ...]] = {
     "router.dispatch": ("pull", "push"),
     "prefill.frontend": ("pull", "push"),
