@@ -176,6 +176,8 @@ def evaluate(rows: list[dict], spec: dict[str, float], mode: str, tol_ms: float 
         a = paired_delta(rows, stage, lambda r: r["exposed"].get(stage, 0.0))
         t = paired_delta(rows, stage, lambda r: r["ttft_ms"])
         h = paired_delta(rows, stage, lambda r: r["hidden"].get(stage, 0.0))
+        # exposed + hidden: the stage's whole length, whichever path each request took
+        w = paired_delta(rows, stage, lambda r: r["exposed"].get(stage, 0.0) + r["hidden"].get(stage, 0.0))
         tol = max(tol_ms, tol_frac * inj)
         # the injected interval itself: share charged to the stage, and the stage most charged otherwise
         cov = [r["cover"].get(stage, {}) for r in rows if stage in r["injected"]]
@@ -188,6 +190,7 @@ def evaluate(rows: list[dict], spec: dict[str, float], mode: str, tol_ms: float 
         row = {"mode": mode, "stage": stage, "injected_ms": inj, "n_injected": a[3],
                "n_requests": len(rows), "attributed_ms": a[0], "attributed_ci": (a[1], a[2]),
                "ttft_ms": t[0], "ttft_ci": (t[1], t[2]), "hidden_ms": h[0], "tol_ms": tol,
+               "total_ms": w[0], "total_ci": (w[1], w[2]),
                "interval_share": statistics.median(shares) if shares else None,
                "interval_else": max(others, key=others.get) if others else None,
                "record_mismatch": sum(1 for r in rows if (stage in r["injected"]) != (stage in r["rule"]))}
