@@ -180,7 +180,7 @@ def evaluate(rows: list[dict], spec: dict[str, float], mode: str, tol_ms: float 
         w = paired_delta(rows, stage, lambda r: r["exposed"].get(stage, 0.0) + r["hidden"].get(stage, 0.0))
         tol = max(tol_ms, tol_frac * inj)
         # the injected interval itself: share charged to the stage, and the stage most charged otherwise
-        cov = [r["cover"].get(stage, {}) for r in rows if stage in r["injected"]]
+        cov = [r.get("cover", {}).get(stage, {}) for r in rows if stage in r["injected"]]
         shares = [c.get(stage, 0.0) / inj for c in cov] if inj else []
         others: dict[str, float] = {}
         for c in cov:
