@@ -49,9 +49,13 @@ import click
 @click.option("--timeout", "request_timeout_s", type=click.FloatRange(min=1), default=300.0, show_default=True,
               help="Per-request timeout in seconds (router and client).")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
+@click.option("--inject", metavar="STAGE=MS,...",
+              help="Lab only: add a known delay inside DESIGN.md stages, e.g. 'handoff.prep=40ms,kv.ready=25ms' "
+                   "(sets PDTRACE_LAB_INJECT in the engines and router; each stage hits about half the requests, "
+                   "chosen by a hash of the request id; see pdtrace.connector.lab.inject).")
 @click.pass_context
 def lab(ctx, mode, workload, workload_file, max_requests, max_duration_s, length_scale, rate_scale, out,
-        profile, connector, router, trace, seed, max_model_len, warmup, request_timeout_s, no_progress):
+        profile, connector, router, trace, seed, max_model_len, warmup, request_timeout_s, no_progress, inject):
     """Run the local P/D lab: real vLLM prefill and decode engines (CPU build) exchanging KV over
     NIXL, the pdtrace router, and a real request trace replayed open-loop. Prints client-side
     TTFT/TPOT/ITL percentiles, then (tracing on, the default) the `pdtrace report` of the run.
@@ -62,10 +66,18 @@ def lab(ctx, mode, workload, workload_file, max_requests, max_duration_s, length
         return
     from .lab.run import LabOptions, main_safe
 
+    if inject:
+        from .lab import inject as lab_inject
+        try:
+            lab_inject.parse(inject)
+        except lab_inject.InjectSpecError as exc:
+            raise click.BadParameter(str(exc), param_hint="--inject") from None
+
     o = LabOptions(mode=mode, workload=workload, workload_file=workload_file, max_requests=max_requests,
                    max_duration_s=max_duration_s, length_scale=length_scale, rate_scale=rate_scale, out=out,
                    profile=profile, connector=connector, router=router, trace=trace, seed=seed, max_model_len=max_model_len,
-                   warmup=warmup, request_timeout_s=request_timeout_s, progress=not no_progress)
+                   warmup=warmup, request_timeout_s=request_timeout_s, progress=not no_progress,
+                   inject=inject)
     sys.exit(main_safe(o, echo=click.echo))
 
 

@@ -137,6 +137,9 @@ _ALLOWED: dict[str, Attr] = {
     "collect.write_errors": _A(int, "pdtrace collect: failed file writes (cumulative count)"),
     "collect.skipped_pdtrace_spans": _A(int, "pdtrace collect: spans of pdtrace's own OTLP export, skipped (already in the store) (cumulative count)"),
     "collect.held_spans": _A(int, "pdtrace collect: spans waiting for their trace id to map, at the stats row's time (count)"),
+    # --- lab only: injected delays (pdtrace.connector.lab.inject) --------------------
+    "lab.stage": _A(str, "event lab.inject: DESIGN.md §2 stage the lab delayed for this request"),
+    "lab.injected_ms": _A(float, "event lab.inject: delay the lab added inside lab.stage (ms)"),
     # --- open spans (record type 'open': a stage still waiting) ----------------------
     "open.state": _A(str, "state of an 'open' row: 'open' (still open at the flush) or 'abandoned' (dropped, no span row follows)"),
     "wait.for": _A(str, "what an open stage waits for: 'schedule' (a batch slot), 'blocks' (KV blocks), 'registration', "

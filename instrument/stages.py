@@ -80,6 +80,8 @@ EVENTS: dict[str, str] = {
                             "executor, a transfer worker) exited; recorded from the exiting thread, so the record's "
                             "thread names it; attrs lifecycle.cause, error.type. Every later request that needs the "
                             "thread on that engine waits (incomplete_requests.cause thread_exited)",
+    "lab.inject": "lab only (PDTRACE_LAB_INJECT): a known delay was added inside a stage for this request "
+                  "(attrs lab.stage, lab.injected_ms; pdtrace.connector.lab.inject)",
 }
 
 #: Attributes of the failure and lifecycle events above that the analysis reads

@@ -56,6 +56,13 @@ SITECUSTOMIZE = (
     "except Exception as _exc:\n"
     "    import sys as _sys\n"
     "    print(f'pdtrace: forward-thread core patch not installed: {type(_exc).__name__}', file=_sys.stderr)\n"
+    "# Lab-only injected stage delays when PDTRACE_LAB_INJECT is set (see pdtrace.connector.lab.inject).\n"
+    "try:\n"
+    "    from pdtrace.connector.lab import inject as _pdtrace_inject\n"
+    "    _pdtrace_inject.install()\n"
+    "except Exception as _exc:\n"
+    "    import sys as _sys\n"
+    "    print(f'pdtrace: lab inject hooks not installed: {type(_exc).__name__}', file=_sys.stderr)\n"
 )
 
 

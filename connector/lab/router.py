@@ -64,6 +64,7 @@ import time
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
 
+from . import inject as _inject
 from .sse import SSEDecoder
 
 try:  # the recorder (issue 2); the router works without it
@@ -353,6 +354,7 @@ class Router:
         p_body = self._p_body(body)
 
         if self.mode == "pull":
+            await _inject.asleep("router.dispatch", x)  # lab only: PDTRACE_LAB_INJECT (see .inject)
             t_sent = _now()
             sp.end(p_dispatch, end_ns=t_sent)
             p_json, t_p = await self._post_json(P["url"] + path, p_body, p_headers, "prefill")
@@ -381,6 +383,7 @@ class Router:
         serial = self.push_dispatch == "serial"
 
         async def p_leg():
+            await _inject.asleep("router.dispatch", x)  # lab only: PDTRACE_LAB_INJECT (see .inject)
             t_sent = _now()
             sp.end(p_dispatch, end_ns=t_sent)
             # opened now so that a leg cut short (cancelled, failed) still leaves its wait, as an error

@@ -81,6 +81,7 @@ class LabOptions:
     engine_args: dict = dataclasses.field(default_factory=dict)  # LabConfig.role_args: {role: [engine arg, ...]}
     report: bool = True                     # print `pdtrace report` of the run directory at the end
     router: str = "pdtrace"                 # pdtrace (traced) | vllm-router (vLLM's, untraced; .vllm_router)
+    inject: str | None = None               # PDTRACE_LAB_INJECT for engines and router (lab only; see .inject)
 
 
 def default_out(mode: str) -> Path:
@@ -184,6 +185,11 @@ def run_lab(o: LabOptions, echo=print) -> dict:
                     max_model_len=o.max_model_len, trace_dir=(out.resolve() if o.trace else None),
                     router_timeout_s=o.request_timeout_s, role_env=dict(o.role_env), router_kind=o.router,
                     role_args={k: list(v) for k, v in o.engine_args.items()})
+    if o.inject:
+        from . import inject as lab_inject
+        lab_inject.parse(o.inject)  # raises InjectSpecError before anything starts
+        cfg.extra_env[lab_inject.ENV_SWITCH] = o.inject
+        cfg.role_env["router"] = {**cfg.role_env.get("router", {}), lab_inject.ENV_SWITCH: o.inject}
     if o.connector == "traced":
         cfg.connector_class, cfg.connector_module = TRACED[o.mode], "pdtrace.connector.traced"
         cfg.extra_args = ["--middleware", "pdtrace.connector.traced.middleware.FrontendMiddleware"]
@@ -191,7 +197,8 @@ def run_lab(o: LabOptions, echo=print) -> dict:
                      "activation": activation(o),
                      "connector_module": cfg.connector_module, "model": str(model_dir), "model_info": info,
                      "workload": wl.summary(), "vllm_build": f"{lab_env.VLLM_DIST}=={lab_env.VLLM_VERSION}",
-                     "nixl_progress_thread": cfg.prog_thread, "router": o.router, "engine_args": cfg.role_args}
+                     "nixl_progress_thread": cfg.prog_thread, "router": o.router, "engine_args": cfg.role_args,
+                     "inject": o.inject or None}
     if o.router == "vllm-router":
         import importlib.metadata
 
