@@ -1,4 +1,5 @@
-"""Fixtures of the analysis tests: a hand-built Case written to a fresh store and analysed."""
+"""Fixtures of the analysis tests: a hand-built Case written to a fresh store and analysed
+(the row helper `one` is in pdtrace_case_builder: a conftest name is not importable beside tests/lab's)."""
 import pytest
 
 from pdtrace.analysis import db
@@ -20,8 +21,3 @@ def analyse(tmp_path):
     for tr in opened:
         tr.close()
 
-
-def one(trace, sql, params=None):
-    rows = trace.query(sql, params)
-    assert len(rows) == 1, rows
-    return rows[0]

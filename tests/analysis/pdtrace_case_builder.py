@@ -81,3 +81,10 @@ class Case:
             name = f"{prefix}{role}-{engine or 'router'}.parquet"
             paths.append(store.write_rows(directory, rows, resource=res, name=name))
         return paths
+
+
+def one(trace, sql, params=None):
+    """The single row of ``sql`` on ``trace`` (a dict); fails the test unless exactly one row comes back."""
+    rows = trace.query(sql, params)
+    assert len(rows) == 1, rows
+    return rows[0]

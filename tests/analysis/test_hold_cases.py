@@ -10,7 +10,7 @@ Each test rebuilds a public bug report as a small store in pdtrace's vocabulary
 """
 from pdtrace_case_builder import Case, ns
 
-from conftest import one
+from pdtrace_case_builder import one
 
 
 def _open(c, role, name, start_ms, flushes_ms, rid, engine=None, span_id=None, attrs=None, state="open"):

@@ -7,7 +7,7 @@ the right answer the report implies. Rules: module analysis/sql/incomplete.sql
 """
 from pdtrace_case_builder import Case, ns
 
-from conftest import one
+from pdtrace_case_builder import one
 
 
 def _flushes(c, role, engine=None, at=()):
