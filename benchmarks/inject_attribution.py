@@ -16,6 +16,9 @@ Per stage and mode, over the complete replayed requests (the warm-up excluded):
   of its nearest uninjected neighbours in arrival order (two before, two after), so slow drifts
   of the noisy 2-core machine cancel; the median of the pairs, 95 % CI by bootstrap over the
   pairs (2000 resamples).
+- ``--isolated``: instead of the public trace, alike requests (``--prompt-tokens``, 16 output
+  tokens) ``--gap-s`` apart, so no two overlap; the TTFT of neighbours then differs by a few ms,
+  not by the hundreds of ms the public trace's queueing adds, and the TTFT increase is measurable.
 - ``interval→stage``: median over injected requests of the share of the injected interval
   itself ([the ``lab.inject`` event, + the delay], same host clock) that ``ttft_segments`` charges
   to the stage; when below 90 %, the stage that got most of the rest. Unlike the Δ columns this
@@ -30,6 +33,7 @@ Per stage and mode, over the complete replayed requests (the warm-up excluded):
 Usage (about 3-4 min per mode; each lab run holds ``/tmp/pdtrace-heavy.lock``)::
 
     .venv/bin/python benchmarks/inject_attribution.py --out /tmp/inject-bench
+    .venv/bin/python benchmarks/inject_attribution.py --out /tmp/inject-iso --isolated --max-requests 40
     .venv/bin/python benchmarks/inject_attribution.py --reuse /tmp/inject-bench   # re-analyse only
 
 Other stages (``prefill.queue``, ``prefill.compute``, ``kv.transfer``, ``decode.queue``,
@@ -65,15 +69,30 @@ def heavy_lock(path: str = LOCK):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def isolated_workload(path: Path, n: int, gap_s: float, prompt_tokens: int, output_tokens: int) -> Path:
+    """Write a Mooncake-format trace of ``n`` alike requests ``gap_s`` apart (no hash_ids: every
+    prompt its own random tokens, no prefix hit). With a gap longer than a request's TTFT + decode,
+    no two requests overlap: TTFT varies little between neighbours, so a paired TTFT increase is
+    measurable (the replayed public trace's queueing spreads TTFT by hundreds of ms)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"timestamp": round(i * gap_s * 1000), "input_length": prompt_tokens,
+                                "output_length": output_tokens}) + "\n")
+    return path
+
+
 def run_mode(mode: str, spec: str, out: Path, max_requests: int, length_scale: float | None,
-             rate_scale: float, lock: bool = True) -> Path:
+             rate_scale: float, lock: bool = True, workload_file: Path | None = None) -> Path:
     """One lab run with ``spec`` injected; returns its directory. ``lock``: hold :data:`LOCK` while the
-    engines run (False when the caller already runs under ``flock``, e.g. the lab test)."""
+    engines run (False when the caller already runs under ``flock``, e.g. the lab test);
+    ``workload_file``: replay this trace instead of the Azure conversation trace."""
     from pdtrace.connector.lab.run import LabOptions, run_lab
 
     d = out / mode
     o = LabOptions(mode=mode, max_requests=max_requests, out=d, connector="traced", progress=False,
-                   inject=spec, length_scale=length_scale, rate_scale=rate_scale, report=False)
+                   inject=spec, length_scale=length_scale, rate_scale=rate_scale, report=False,
+                   workload_file=workload_file)
     with (heavy_lock() if lock else contextlib.nullcontext()):
         run_lab(o, echo=lambda *a, **k: print(*a, file=sys.stderr, **k))
     return d
@@ -252,6 +271,11 @@ def main(argv=None) -> int:
     ap.add_argument("--max-requests", type=int, default=40)
     ap.add_argument("--length-scale", type=float, default=None)
     ap.add_argument("--rate-scale", type=float, default=0.5, help="lower = fewer overlapping requests")
+    ap.add_argument("--isolated", action="store_true",
+                    help="replay --max-requests alike requests --gap-s apart (no overlap) instead of the "
+                         "Azure trace: the TTFT increase becomes measurable")
+    ap.add_argument("--gap-s", type=float, default=1.0)
+    ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--tol-ms", type=float, default=8.0)
     ap.add_argument("--tol-frac", type=float, default=0.25)
     ap.add_argument("--no-lock", action="store_true", help=f"do not take {LOCK} (already run under flock)")
@@ -261,12 +285,16 @@ def main(argv=None) -> int:
     if not a.reuse and not a.out:
         ap.error("give --out (run the lab) or --reuse (analyse existing runs)")
     base = a.reuse or a.out
+    wl = None
+    if a.isolated and not a.reuse:
+        wl = isolated_workload(base / "isolated.jsonl", a.max_requests, a.gap_s, a.prompt_tokens, 16)
     results = []
     for mode in a.modes:
         d = base / mode
         if not a.reuse:
             run_mode(mode, a.inject_pull if mode == "pull" else a.inject_push, base, a.max_requests,
-                     a.length_scale, a.rate_scale, lock=not a.no_lock)
+                     1.0 if wl else a.length_scale, 1.0 if wl else a.rate_scale, lock=not a.no_lock,
+                     workload_file=wl)
         rows, spec = per_request(d)
         results += evaluate(rows, spec, mode, a.tol_ms, a.tol_frac)
     print(table(results, a.markdown))
