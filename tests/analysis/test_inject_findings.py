@@ -32,8 +32,6 @@ def _push_same_host() -> Case:
     return c
 
 
-@pytest.mark.xfail(strict=True, reason="clock.sql takes P's first span start as its receipt of the leg; "
-                                       "dest.register starts at D's allocation (another process's instant)")
 def test_span_with_a_peer_timestamp_is_not_receipt_evidence(analyse):
     """Seen in the lab (push, one host): clock_offsets router<->prefill -57 ms, consistent=false,
     after P's leg was dispatched late. Right answer: no offset — every message here is causal and
@@ -65,8 +63,6 @@ def _pull_queue_before_handover() -> Case:
     return c
 
 
-@pytest.mark.xfail(strict=True, reason="prefill.queue's start (vLLM arrival_time) precedes the frontend's "
-                                       "handover and wins the overlap")
 def test_request_processing_before_handover_is_frontend_not_queue(analyse):
     """Seen in the lab (pull): a 30 ms delay injected just before ``AsyncLLM._add_request`` (after vLLM
     stamped ``arrival_time``) was charged to ``prefill.queue`` and the frontend part became hidden;
