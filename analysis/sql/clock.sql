@@ -72,6 +72,20 @@ CREATE OR REPLACE MACRO _clock_point_usable(point, point_width, lo, hi, plain_lo
 -- disp_*_id_lo/hi: the smallest and largest record id of the attempt's
 -- dispatches of a leg (equal: exactly one dispatch; merges across files, and a
 -- duplicated record counts once).
+-- Stages whose start can be another process's instant (DESIGN.md §3 "Clock
+-- skew": evidence is a causal pair of messages between two clocks, so an
+-- engine's receipt of its leg is the first start it stamped itself):
+--   dest.register (P's row)  starts at D's block allocation (D's wall time from
+--                            the registration payload, connector/traced/push.py)
+--   handoff.prep, handoff.writer_queue, handoff.descriptors on P (push) start at
+--                            max(KV ready, registration arrived), and the arrival
+--                            can be D's send time (reg_arrival: D's wall clock)
+-- They are never taken as the engine's receipt (_calc_clock_engine_part.first_start).
+-- Events are never receipts either (first_start reads spans only).
+CREATE OR REPLACE MACRO _clock_peer_stamped(role, name) AS
+    name = 'dest.register'
+    OR (role = 'prefill' AND name IN ('handoff.prep', 'handoff.writer_queue', 'handoff.descriptors'));
+
 CREATE OR REPLACE VIEW _calc_clock_router_part AS
 SELECT _file, rkey, attempt,
        min(end_ns) FILTER (WHERE name = 'router.dispatch' AND attr_str['router.leg'] = 'prefill') AS disp_p_end,
@@ -91,7 +105,8 @@ CREATE TABLE IF NOT EXISTS _mat_clock_router_part AS SELECT * FROM _calc_clock_r
 
 CREATE OR REPLACE VIEW _calc_clock_engine_part AS
 SELECT _file, rkey, domain, role, attempt,
-       min(start_ns) FILTER (WHERE record = 'span') AS first_start,
+       -- the engine's receipt of its leg: its first own-stamped span start (_clock_peer_stamped)
+       min(start_ns) FILTER (WHERE record = 'span' AND NOT _clock_peer_stamped(role, name)) AS first_start,
        max(end_ns) FILTER (WHERE record = 'span' AND name = 'prefill.compute') AS compute_end,
        max(end_ns) FILTER (WHERE record = 'span' AND name = 'decode.first_step') AS first_step_end,
        -- an API-server domain (rows without engine_id): mapped to its engine by _clock_domain_map
@@ -280,6 +295,7 @@ WITH r AS (
     WHERE p.rkey NOT IN (SELECT rkey FROM rq) AND p.n_dom = 1 AND d.n_dom = 1
 )
 -- router -> engine: an engine cannot start a request before the router sent it
+-- (receipt: the engine's first own-stamped span start, _clock_peer_stamped)
 SELECT rkey, router_domain AS src, domain AS dst,
        CASE role WHEN 'prefill' THEN disp_p_end ELSE disp_d_end END AS sent_ns,
        first_start AS recv_ns, 'http_request' AS kind, NULL::BIGINT AS point_ns, NULL::BIGINT AS rtt_ns

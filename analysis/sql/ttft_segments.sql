@@ -107,6 +107,16 @@
 --     they were and the router's wait between attempts is router.wait or
 --     unattributed (coordination).
 --
+-- 12. Handover (DESIGN.md §2: prefill.frontend / decode.frontend run "HTTP
+--     received -> queued in EngineCore", prefill.queue / decode.queue
+--     "queued -> ..."): vLLM stamps the queue's start (arrival_time) in the
+--     API server's input processor, before the frontend's 'in' part hands
+--     the request to EngineCore. On the same engine (or an API server
+--     whose engine is unknown), request and attempt, a queue stage whose
+--     start lies inside the frontend's 'in' part starts at that part's end
+--     (its own end when earlier). The cut part was input processing, which
+--     the frontend owns: it is not queue time and not hidden (clip_ns 0).
+--
 --   arrival                                                        first token
 --   |dispatch|----- prefill.compute -----|                                  |
 --   |dispatch|--------------- dest.register ---------------|prep|xfer|first_step|
@@ -130,25 +140,28 @@ WHERE first_token_ns IS NOT NULL AND arrival_ns IS NOT NULL AND first_token_ns >
 CREATE TABLE IF NOT EXISTS _mat_tt_req AS SELECT * FROM _calc_tt_req LIMIT 0;
 CREATE OR REPLACE VIEW _tt_req AS SELECT * FROM _mat_tt_req;
 
--- The few candidates whose branch or category an attribute or event decides
--- (rules 8, 9): router.dispatch's leg, and a transfer's category by outcome
--- (macro _outcome_category, module stages; NULL when the outcome keeps the
--- stage's category). A narrow table, so the candidate scan reads no
+-- The few candidates whose branch, category or start an attribute or event
+-- decides (rules 8, 9, 12): router.dispatch's leg, a transfer's category by
+-- outcome (macro _outcome_category, module stages; NULL when the outcome
+-- keeps the stage's category), and fe_in: a frontend's 'in' part
+-- (frontend.part = 'in'). A narrow table, so the candidate scan reads no
 -- attribute maps.
 CREATE OR REPLACE VIEW _calc_tt_marks AS
-SELECT rkey, span_id, leg, category FROM (
+SELECT rkey, span_id, leg, category, fe_in FROM (
     SELECT t.rkey, t.span_id,
            CASE WHEN t.name = 'router.dispatch' AND t.attr_str['router.leg'] IN ('prefill', 'decode')
                 THEN t.attr_str['router.leg'] END AS leg,
            CASE WHEN t.name <> 'router.dispatch' THEN nullif(
                _outcome_category(s.category, t.status_code, t.attr_int['kv.bytes'], t.attr_str['error.type'],
-                                 f.span_id IS NOT NULL), s.category) END AS category
+                                 f.span_id IS NOT NULL), s.category) END AS category,
+           CASE WHEN t.name IN ('prefill.frontend', 'decode.frontend') AND t.attr_str['frontend.part'] = 'in'
+                THEN true END AS fe_in
     FROM _timed t
     JOIN stages s ON s.stage = t.name
     LEFT JOIN _kv_failed_spans f ON f.rkey = t.rkey AND f.span_id = t.span_id
-    WHERE t.record = 'span' AND t.name IN ('router.dispatch', 'kv.transfer')
+    WHERE t.record = 'span' AND t.name IN ('router.dispatch', 'kv.transfer', 'prefill.frontend', 'decode.frontend')
       AND t.rkey IN (SELECT rkey FROM _tt_req)
-) WHERE leg IS NOT NULL OR category IS NOT NULL;
+) WHERE leg IS NOT NULL OR category IS NOT NULL OR fe_in;
 CREATE TABLE IF NOT EXISTS _mat_tt_marks AS SELECT * FROM _calc_tt_marks LIMIT 0;
 CREATE OR REPLACE VIEW _tt_marks AS SELECT * FROM _mat_tt_marks;
 
@@ -205,8 +218,21 @@ WITH allc0 AS MATERIALIZED (
     SELECT rkey, engine_id, arg_max(tp_rank, (end_c, -tp_rank)) AS crit_rank
     FROM allc WHERE tp_rank IS NOT NULL
     GROUP BY rkey, engine_id
+), handover AS (
+    -- rule 12: a queue stage whose start lies inside its frontend's 'in' part (same role, engine
+    -- (or the API server's engine unknown), attempt) starts when that part handed the request over
+    SELECT q.rkey, q.span_id, max(f.e0) AS in_end_ns
+    FROM allc f
+    JOIN _tt_marks m ON m.rkey = f.rkey AND m.span_id = f.span_id AND m.fe_in
+    JOIN allc q ON q.rkey = f.rkey AND q.role = f.role AND q.attempt = f.attempt
+     AND q.stage IN ('prefill.queue', 'decode.queue')
+     AND (f.engine_id IS NULL OR q.engine_id IS NULL OR f.engine_id = q.engine_id)
+     AND f.s0 <= q.s0 AND q.s0 < f.e0
+    GROUP BY q.rkey, q.span_id
 ), ranked AS MATERIALIZED (
-    SELECT a.* FROM allc a LEFT JOIN ranks r ON r.rkey = a.rkey AND r.engine_id IS NOT DISTINCT FROM a.engine_id
+    SELECT a.* REPLACE (CASE WHEN h.in_end_ns IS NOT NULL THEN least(h.in_end_ns, a.e0) ELSE a.s0 END AS s0)
+    FROM allc a LEFT JOIN ranks r ON r.rkey = a.rkey AND r.engine_id IS NOT DISTINCT FROM a.engine_id
+    LEFT JOIN handover h ON h.rkey = a.rkey AND h.span_id = a.span_id
     WHERE a.tp_rank IS NULL OR a.tp_rank = r.crit_rank
 ), j0 AS (
     -- the handoff of the attempt that delivered the first token (request_base.attempt_start_ns:
