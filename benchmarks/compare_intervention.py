@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
 import json
 import sys
 import time
@@ -59,23 +58,12 @@ from pathlib import Path
 from pdtrace.analysis import db, report
 from pdtrace.connector.lab.run import LabOptions, run_lab
 
+from inject_attribution import heavy_lock  # this folder is sys.path[0] when run as a script
+
 #: Stages whose exposed time the prediction scales, and by what (DESIGN.md §2): a wait for P's next engine step
 #: scales with P's step length; P's queue and prompt compute with P's time per prefill token (a fixed number of
 #: prompt tokens to get through at that rate; first order, ignoring the nonlinearity of queueing).
 PREDICTED = {"handoff.step_wait": "step_ms", "prefill.queue": "ms_per_token", "prefill.compute": "ms_per_token"}
-
-@contextlib.contextmanager
-def _locked(path: str | None):
-    if not path:
-        yield
-        return
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
 
 def run(name: str, base: Path, a, mode: str, engine_args: dict | None = None) -> Path:
     """One lab run into ``base/name`` (skipped when it already finished there)."""
@@ -83,7 +71,7 @@ def run(name: str, base: Path, a, mode: str, engine_args: dict | None = None) ->
     if (out / "run.json").is_file():
         print(f"[{name}] reusing {out}", flush=True)
         return out
-    with _locked(a.lock):
+    with (heavy_lock(a.lock) if a.lock else contextlib.nullcontext()):
         t = time.time()
         print(f"[{name}] lab --mode {mode} {engine_args or ''} ...", flush=True)
         run_lab(LabOptions(mode=mode, connector="traced", workload=a.workload, max_requests=a.requests,
