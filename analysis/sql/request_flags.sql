@@ -3,7 +3,7 @@
 -- materialize: _request_flags request
 --
 -- requests.flags: the notable facts operators asked for in public reports,
--- one VARCHAR per fact, per request (issue 17 kind 10). A flag is ONE line
+-- one VARCHAR per fact, per request (DESIGN.md §7.6). A flag is ONE line
 -- of _request_flag_rows below: `SELECT rkey, '<flag>' FROM <view> WHERE
 -- <rule>`; add a flag by adding a line (and its rule to the list here and to
 -- the COMMENT of requests.flags). The rules:
@@ -30,6 +30,13 @@
 --                        preemption (request_base.recomputed)
 --   hung_after_first_token  first token written, last token never (the rule of
 --                        requests.hung: first_token_ns set, last_token_ns NULL)
+--   wasted_compute       compute that did not feed the delivered first token
+--                        (request_base.wasted_compute_ns > 0: an aborted or
+--                        retried attempt's prefill, a prefill whose KV D failed
+--                        to load; DESIGN.md §7.3)
+--   split_trace          the request's spans sit in more than one trace id
+--                        (request_base.trace_count > 1: broken traceparent
+--                        propagation; ai-dynamo/dynamo#7030, DESIGN.md §7.2)
 -- flags lists them in alphabetical order, each once; [] for none.
 -- Materialized per request (kind request): every rule reads only the request's
 -- own rows (and each process's last flush), so a refresh recomputes the keys in
@@ -55,6 +62,8 @@ WITH bh AS MATERIALIZED (
     UNION ALL SELECT rkey, 'first_contact' FROM q WHERE first_contact
     UNION ALL SELECT rkey, 'recomputed' FROM q WHERE recomputed
     UNION ALL SELECT rkey, 'hung_after_first_token' FROM q WHERE first_token_ns IS NOT NULL AND last_token_ns IS NULL
+    UNION ALL SELECT rkey, 'wasted_compute' FROM q WHERE wasted_compute_ns > 0
+    UNION ALL SELECT rkey, 'split_trace' FROM q WHERE trace_count > 1
 )
 SELECT rkey, list_sort(list(DISTINCT flag)) AS flags
 FROM flag_rows WHERE rkey IS NOT NULL GROUP BY rkey;

@@ -120,8 +120,11 @@ def test_router_retry_to_another_prefill_worker(analyse, engine_attempts, waits)
     bd = tr.query("SELECT * FROM ttft_breakdown WHERE request_id = 'r1'")[0]
     assert bd["wasted_compute_ms"] == pytest.approx(90, abs=1e-3)
     assert bd["compute_ms"] >= 85 + 90 + 43 - 16
-    clean = tr.query("SELECT wasted_compute_ms FROM requests WHERE request_id LIKE 'n%'")
+    clean = tr.query("SELECT wasted_compute_ms, flags FROM requests WHERE request_id LIKE 'n%'")
     assert [r["wasted_compute_ms"] for r in clean] == [0, 0, 0, 0]
+    # the flag follows the column: set for the retried request, not for the clean ones
+    assert "wasted_compute" in req["flags"]
+    assert not any("wasted_compute" in r["flags"] for r in clean)
 
 
 # -- 2: D's KV load fails, D recomputes locally; the recompute is preempted once more ----------------

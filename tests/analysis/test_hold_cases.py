@@ -273,7 +273,7 @@ def test_read_after_release_vllm_21570_vllm_52234(analyse):
     expiry (600-650). Its lease-expiry row ("D recomputed") -> r3: expired, D's load failed and it
     recomputed: no READ after the release, flag recomputed. r4: read 300-400, then released by its
     notification. Right answer: read_after_release on r1 and r2 only (block_holds.transfer_after_release
-    on their P rows); recomputed on r3."""
+    on their P rows); recomputed on r3, and wasted_compute (P's prefill fed nothing: D recomputed)."""
     c = Case()
     for rid, xfer in (("r1", (480, 700)), ("r2", (600, 650)), ("r3", None), ("r4", (300, 400))):
         c.router_request(rid, 0, 1000, "pull", first_token_ms=900, last_token_ms=950)
@@ -291,7 +291,7 @@ def test_read_after_release_vllm_21570_vllm_52234(analyse):
     assert [h[(r, "prefill")]["transfer_after_release"] for r in ("r1", "r2", "r3", "r4")] == [True, True, False, False]
     fl = _flags(tr)
     assert [("read_after_release" in fl[r]) for r in ("r1", "r2", "r3", "r4")] == [True, True, False, False]
-    assert fl["r3"] == ["recomputed"]
+    assert fl["r3"] == ["recomputed", "wasted_compute"]
     assert fl["r4"] == []
 
 

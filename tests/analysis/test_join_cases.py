@@ -38,8 +38,10 @@ def _answer(tr, rid):
 
 
 def _trace_count(tr, rid):
-    rows = tr.query("SELECT trace_count FROM requests WHERE request_id = ?", [rid])
+    rows = tr.query("SELECT trace_count, flags FROM requests WHERE request_id = ?", [rid])
     assert len(rows) == 1, rows
+    # requests.flags says split_trace exactly when the spans sit in more than one trace id
+    assert ("split_trace" in rows[0]["flags"]) == (rows[0]["trace_count"] > 1), rows[0]
     return rows[0]["trace_count"]
 
 
