@@ -88,3 +88,16 @@ def one(trace, sql, params=None):
     rows = trace.query(sql, params)
     assert len(rows) == 1, rows
     return rows[0]
+
+
+def tiles(trace, rid):
+    """Assert that the request's ttft_segments tile [arrival, first token] exactly (to the ns) and that
+    its categories add up to TTFT; return its ttft_breakdown row (a dict)."""
+    b = one(trace, "SELECT * FROM ttft_breakdown WHERE request_id = ?", [rid])
+    segs = trace.query("SELECT start_ns, end_ns, dur_ns FROM ttft_segments WHERE request_id = ? ORDER BY seq", [rid])
+    assert segs[0]["start_ns"] == b["arrival_ns"] and segs[-1]["end_ns"] == b["first_token_ns"]
+    for a, c in zip(segs, segs[1:]):
+        assert a["end_ns"] == c["start_ns"]
+    assert b["queue_ns"] + b["compute_ns"] + b["transfer_ns"] + b["coordination_ns"] == b["ttft_ns"]
+    assert sum(s["dur_ns"] for s in segs) == b["ttft_ns"]
+    return b

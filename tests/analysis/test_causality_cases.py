@@ -12,7 +12,7 @@ are ms from the request's arrival at the router.
 """
 import pytest
 
-from pdtrace_case_builder import Case
+from pdtrace_case_builder import Case, tiles
 
 MB = 1 << 20
 
@@ -32,16 +32,6 @@ def _hidden(tr, rid):
     return {r["stage"]: r["hidden_ms"] for r in tr.query("SELECT stage, hidden_ms FROM ttft_hidden WHERE request_id = ?", [rid])}
 
 
-def _tiles(tr, rid):
-    """Segments tile [arrival, first token] exactly (to the ns) and the categories add up to TTFT."""
-    b = _bd(tr, rid)
-    segs = _segs(tr, rid)
-    assert segs[0]["start_ns"] == b["arrival_ns"] and segs[-1]["end_ns"] == b["first_token_ns"]
-    for a, c in zip(segs, segs[1:]):
-        assert a["end_ns"] == c["start_ns"]
-    assert b["queue_ns"] + b["compute_ns"] + b["transfer_ns"] + b["coordination_ns"] == b["ttft_ns"]
-    assert sum(s["dur_ns"] for s in segs) == b["ttft_ns"]
-    return b
 
 
 def _owned_ms(tr, rid):
@@ -92,7 +82,7 @@ def test_sglang_dual_dispatch_handoff_waits_for_prefill(analyse):
     before it are hidden behind P's chain, as is D's whole branch (dispatch, frontend,
     queue, registration: it arrived long before P's KV)."""
     tr = analyse(_dual_dispatch_push())
-    b = _tiles(tr, "s1")
+    b = tiles(tr, "s1")
     assert b["ttft_ms"] == 842
     assert (b["queue_ms"], b["compute_ms"], b["transfer_ms"], b["coordination_ms"]) == (298, 522, 10, 12)
     assert b["dominant_stage"] == "prefill.compute" and b["dominant_ms"] == 500
@@ -148,7 +138,7 @@ def test_decode_reserves_blocks_while_prefill_runs(analyse):
     of early handoff.prep are hidden. Before the causality rule the handoff was charged
     599 ms of coordination and P's queue and prefill were hidden."""
     tr = analyse(_concurrent_legs())
-    b = _tiles(tr, "y1")
+    b = tiles(tr, "y1")
     assert b["ttft_ms"] == 652
     assert (b["queue_ms"], b["compute_ms"], b["transfer_ms"], b["coordination_ms"]) == (199, 428, 16, 9)
     own = _owned_ms(tr, "y1")
@@ -161,7 +151,7 @@ def test_hidden_grows_by_the_producer_overlap(analyse, prep_from):
     """General rule: moving the consumer's start earlier (more overlap with P's chain)
     changes nothing on the path; ttft_hidden grows by exactly the overlap."""
     tr = analyse(_concurrent_legs(prep_from=prep_from))
-    b = _tiles(tr, "y1")
+    b = tiles(tr, "y1")
     assert (b["queue_ms"], b["compute_ms"], b["transfer_ms"], b["coordination_ms"]) == (199, 428, 16, 9)
     assert _owned_ms(tr, "y1")["handoff.prep"] == 4
     assert _hidden(tr, "y1").get("handoff.prep", 0) == 600 - prep_from
@@ -173,7 +163,7 @@ def test_slow_decode_leg_dispatch_in_the_shadow_of_prefill_queue(analyse):
     before P's KV is hidden, and P's queue owns its time (latest end wins alone gave the
     D leg's dispatch all of P's queue, 199 ms, as coordination)."""
     tr = analyse(_concurrent_legs(d_dispatch_end=250))
-    b = _tiles(tr, "y1")
+    b = tiles(tr, "y1")
     assert (b["queue_ms"], b["compute_ms"], b["transfer_ms"], b["coordination_ms"]) == (199, 428, 16, 9)
     assert _hidden(tr, "y1")["router.dispatch"] == 250
 
@@ -205,12 +195,12 @@ def test_layerwise_upload_overlapping_prefill(analyse):
     exposed transfer and no hidden transfer."""
     c1, ft1 = _layerwise("l1", 10)
     tr = analyse(c1)
-    b = _tiles(tr, "l1")
+    b = tiles(tr, "l1")
     assert b["transfer_ms"] == 20 and b["compute_ms"] == 798 + 30
     assert _hidden(tr, "l1")["kv.transfer"] == 790
     c2, ft2 = _layerwise("l2", 800)
     tr2 = analyse(c2)
-    b2 = _tiles(tr2, "l2")
+    b2 = tiles(tr2, "l2")
     assert b2["transfer_ms"] == 20 and "kv.transfer" not in _hidden(tr2, "l2")
     assert ft1 == ft2
 
@@ -231,7 +221,7 @@ def test_push_late_registration_keeps_registration_as_last_input(analyse):
            attrs={"kv.op": "WRITE", "kv.bytes": MB})
     c.span("decode", "decode.first_step", 4035, 4075, rid="h2", engine="d0")
     tr = analyse(c)
-    b = _tiles(tr, "h2")
+    b = tiles(tr, "h2")
     assert (b["coordination_ms"], b["transfer_ms"], b["compute_ms"]) == (4005, 30, 40)
     own = _owned_ms(tr, "h2")
     assert own["dest.register"] == 3990 and own["handoff.prep"] == 5
@@ -280,7 +270,7 @@ def test_mooncake_transfer_timeout_is_waiting(analyse):
     # a healthy request on the same pair: its READ stays transfer
     _pull_with_transfer(c, "m2", 100_000, 8, attrs={"kv.bytes": 64 * MB}, ranks=(0, 1))
     tr = analyse(c)
-    b = _tiles(tr, "m1")
+    b = tiles(tr, "m1")
     assert b["transfer_ms"] == 0
     assert b["coordination_ms"] == 2 + 2 + 3 + 33061 + 1
     assert b["compute_ms"] == 498 + 480
@@ -288,7 +278,7 @@ def test_mooncake_transfer_timeout_is_waiting(analyse):
     assert cats["kv.transfer"] == "coordination"
     assert {r["category"] for r in tr.query(
         "SELECT category FROM spans WHERE request_id = 'm1' AND stage = 'kv.transfer'")} == {"coordination"}
-    b2 = _tiles(tr, "m2")
+    b2 = tiles(tr, "m2")
     assert b2["transfer_ms"] == 8
     assert {r["category"] for r in tr.query(
         "SELECT category FROM spans WHERE request_id = 'm2' AND stage = 'kv.transfer'")} == {"transfer"}
@@ -316,7 +306,7 @@ def test_push_write_failed_to_post_is_waiting(analyse):
     c.event("decode", "kv.load_failed", 860, rid="w1", engine="d0")
     c.span("decode", "decode.first_step", 860, 1400, rid="w1", engine="d0")
     tr = analyse(c)
-    b = _tiles(tr, "w1")
+    b = tiles(tr, "w1")
     assert b["transfer_ms"] == 0
     assert (b["coordination_ms"], b["compute_ms"]) == (2 + 3 + 250 + 7, 598 + 540)
 
@@ -327,7 +317,7 @@ def test_failure_attribute_or_status_alone_is_waiting(analyse, attrs, status):
     c = Case()
     _pull_with_transfer(c, "e1", 0, 120, attrs=dict(attrs, **{"kv.bytes": MB}), status=status)
     tr = analyse(c)
-    b = _tiles(tr, "e1")
+    b = tiles(tr, "e1")
     assert b["transfer_ms"] == 0 and b["coordination_ms"] == 2 + 2 + 3 + 120 + 1
 
 
@@ -343,7 +333,7 @@ def test_zero_byte_transfer_on_full_prefix_hit_is_waiting(analyse):
     _pull_with_transfer(c, "z1", 0, 4, attrs={"kv.bytes": 0, "kv.descriptors": 0, "kv.blocks": 0})
     _pull_with_transfer(c, "z2", 10_000, 4, attrs={"kv.bytes": 32 * MB, "kv.descriptors": 64})
     tr = analyse(c)
-    b1, b2 = _tiles(tr, "z1"), _tiles(tr, "z2")
+    b1, b2 = tiles(tr, "z1"), tiles(tr, "z2")
     assert (b1["transfer_ms"], b1["coordination_ms"]) == (0, 2 + 2 + 3 + 4 + 1)
     assert (b2["transfer_ms"], b2["coordination_ms"]) == (4, 2 + 2 + 3 + 1)
     assert b1["ttft_ms"] == b2["ttft_ms"]
@@ -359,4 +349,4 @@ def test_failure_event_outside_the_transfer_does_not_mark_it(analyse):
     c.event("decode", "kv.transfer_failed", 700, rid="o1", engine="d0", rank=0)   # after the span (505-515)
     c.event("decode", "kv.transfer_failed", 510, rid="o1", engine="d0", rank=1)   # another rank
     tr = analyse(c)
-    assert _tiles(tr, "o1")["transfer_ms"] == 10
+    assert tiles(tr, "o1")["transfer_ms"] == 10

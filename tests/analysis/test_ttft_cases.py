@@ -2,7 +2,7 @@
 
 Times are ms from the arrival of each request at the router unless noted.
 """
-from pdtrace_case_builder import Case, ns
+from pdtrace_case_builder import Case, ns, tiles
 
 
 def _bd(tr, rid):
@@ -15,16 +15,6 @@ def _segs(tr, rid):
     return tr.query("SELECT stage, category, dur_ns, detail FROM ttft_segments WHERE request_id = ? ORDER BY seq", [rid])
 
 
-def _tiles(tr, rid):
-    """Segments tile [arrival, first token] exactly and the categories add up."""
-    b = _bd(tr, rid)
-    segs = tr.query("SELECT start_ns, end_ns, dur_ns FROM ttft_segments WHERE request_id = ? ORDER BY seq", [rid])
-    assert segs[0]["start_ns"] == b["arrival_ns"] and segs[-1]["end_ns"] == b["first_token_ns"]
-    for a, c in zip(segs, segs[1:]):
-        assert a["end_ns"] == c["start_ns"]
-    assert b["queue_ns"] + b["compute_ns"] + b["transfer_ns"] + b["coordination_ns"] == b["ttft_ns"]
-    assert sum(s["dur_ns"] for s in segs) == b["ttft_ns"]
-    return b
 
 
 # ---------------------------------------------------------------------------
@@ -60,13 +50,13 @@ def _case_a():
 def test_a_cold_peer_handshake(analyse):
     tr = analyse(_case_a())
     for rid in ("r1", "r3"):
-        b = _tiles(tr, rid)
+        b = tiles(tr, rid)
         assert b["ttft_ms"] == 1591
         assert (b["compute_ms"], b["transfer_ms"], b["coordination_ms"], b["queue_ms"]) == (180, 8, 1403, 0)
         assert b["dominant_stage"] == "handoff.prep" and b["dominant_ms"] == 1400
         assert b["first_contact"] is True
         assert b["unattributed_ms"] == 0
-    b = _tiles(tr, "r2")
+    b = tiles(tr, "r2")
     assert b["ttft_ms"] == 191.5 and b["first_contact"] is False
     assert (b["compute_ms"], b["transfer_ms"], b["coordination_ms"]) == (180, 8, 3.5)
     # the handshake child owns its part of handoff.prep; the parent keeps the rest
@@ -99,7 +89,7 @@ def _case_c():
 
 def test_c_orchestration_heavy_handover(analyse):
     tr = analyse(_case_c())
-    b = _tiles(tr, "c1")
+    b = tiles(tr, "c1")
     assert b["ttft_ms"] == 600
     assert (b["compute_ms"], b["transfer_ms"], b["coordination_ms"], b["queue_ms"]) == (458, 29, 113, 0)
     assert b["step_boundary_ms"] == 96
@@ -130,7 +120,7 @@ def _case_d():
 
 def test_d_router_join_wait(analyse):
     tr = analyse(_case_d())
-    b = _tiles(tr, "d1")
+    b = tiles(tr, "d1")
     assert b["ttft_ms"] == 1175
     assert (b["compute_ms"], b["transfer_ms"], b["coordination_ms"]) == (908, 6, 261)
     assert b["router_wait_ms"] == 259 and b["unattributed_ms"] == 0
@@ -160,7 +150,7 @@ def _case_h():
 
 def test_h_late_destination_registration(analyse):
     tr = analyse(_case_h())
-    b = _tiles(tr, "h1")
+    b = tiles(tr, "h1")
     assert b["ttft_ms"] == 4070
     assert (b["coordination_ms"], b["transfer_ms"], b["compute_ms"], b["queue_ms"]) == (4000, 30, 40, 0)
     assert b["dominant_stage"] == "dest.register" and b["dominant_ms"] == 3990
@@ -192,7 +182,7 @@ def _case_i():
 
 def test_i_readiness_noticed_late(analyse):
     tr = analyse(_case_i())
-    b = _tiles(tr, "i1")
+    b = tiles(tr, "i1")
     assert b["ttft_ms"] == 1732 and b["readiness_lag_ms"] == 1200
     assert b["dominant_stage"] == "kv.ready"
     assert b["transfer_ms"] == 90 and b["compute_ms"] == 423
@@ -232,7 +222,7 @@ def test_g_clock_skew(analyse):
     assert raw_gap == -238_000_000 and gap == 12_000_000
     assert s["prefill.compute"]["clock_offset_ns"] == 250_000_000
     assert s["prefill.compute"]["clock_bound_ns"] <= 5_000_000
-    b = _tiles(tr, "g1")
+    b = tiles(tr, "g1")
     assert b["ttft_ms"] == 150 and b["compute_ms"] == 127 and b["transfer_ms"] == 8
     assert b["coordination_ms"] == 15          # dispatch 2 + 1 gap + D dispatch 2 + prep 9 + ready 1
     segs = _segs(tr, "g1")
@@ -248,7 +238,7 @@ def test_g_uncorrected_store_keeps_every_request(analyse):
     # drop the router<->P evidence too: no dispatch rows
     c.rows[("router", None)] = [r for r in c.rows[("router", None)] if r["name"] != "router.dispatch"]
     tr = analyse(c)
-    b = _tiles(tr, "g1")
+    b = tiles(tr, "g1")
     assert b["ttft_ms"] == 150
 
 
@@ -278,7 +268,7 @@ def test_h_registration_recorded_by_prefill_is_still_the_decode_branch(analyse):
     c.rows[("decode", "d0")] = [r for r in d_rows if r["name"] != "dest.register"]
     c.rows[("prefill", "p0")] += reg
     tr = analyse(c)
-    b = _tiles(tr, "h1")
+    b = tiles(tr, "h1")
     assert (b["coordination_ms"], b["transfer_ms"], b["compute_ms"]) == (4000, 30, 40)
     assert b["dominant_stage"] == "dest.register"
 
@@ -317,7 +307,7 @@ def _case_l():
 
 def test_l_late_prefill_response_write_does_not_hide_the_transfer(analyse):
     tr = analyse(_case_l())
-    b = _tiles(tr, "l1")
+    b = tiles(tr, "l1")
     assert b["ttft_ns"] == 131_000_000
     assert (b["queue_ns"], b["compute_ns"], b["transfer_ns"], b["coordination_ns"]) == (
         4_000_000, 116_000_000, 3_200_000, 7_800_000)
@@ -376,7 +366,7 @@ def _case_n(rid, p_out_end, router_p_response, d_fe_end):
 
 def test_n_push_prefill_response_write_does_not_hide_d_chain(analyse):
     tr = analyse(_case_n("n1", p_out_end=39, router_p_response=40, d_fe_end=58))
-    b = _tiles(tr, "n1")
+    b = tiles(tr, "n1")
     assert b["ttft_ns"] == 60_000_000
     assert (b["queue_ns"], b["compute_ns"], b["transfer_ns"], b["coordination_ns"]) == (
         3_000_000, 27_000_000, 3_000_000, 27_000_000)
@@ -394,7 +384,7 @@ def test_n_push_prefill_response_write_does_not_hide_d_chain(analyse):
 
 def test_n_push_late_prefill_response_is_the_router_join_after_d_chain(analyse):
     tr = analyse(_case_n("n2", p_out_end=55, router_p_response=56, d_fe_end=47))
-    b = _tiles(tr, "n2")
+    b = tiles(tr, "n2")
     assert b["ttft_ns"] == 60_000_000
     assert (b["queue_ns"], b["compute_ns"], b["transfer_ns"], b["coordination_ns"]) == (
         3_000_000, 27_000_000, 3_000_000, 27_000_000)
