@@ -38,6 +38,7 @@ from pathlib import Path
 
 import duckdb
 
+from pdtrace.instrument import config
 from pdtrace.instrument import stages as _stages
 from pdtrace.instrument import store as _store
 
@@ -837,7 +838,7 @@ def open_trace(directory: str | os.PathLike, cache: str | os.PathLike | None = N
 
 def default_cache_path(directory: str | os.PathLike) -> Path:
     """Cache file for ``directory``: ``$PDTRACE_CACHE_DIR`` (default: the user's temp dir)/pdtrace-<hash>.duckdb."""
-    root = Path(os.environ.get("PDTRACE_CACHE_DIR") or Path(tempfile.gettempdir()) / "pdtrace-cache")
+    root = Path(config.raw("PDTRACE_CACHE_DIR") or Path(tempfile.gettempdir()) / "pdtrace-cache")
     root.mkdir(parents=True, exist_ok=True)
     key = hashlib.sha256(str(Path(directory).resolve()).encode()).hexdigest()[:16]
     return root / f"pdtrace-{key}.duckdb"

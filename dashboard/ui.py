@@ -9,11 +9,12 @@ bounded by ``max_entries`` and a ttl.
 from __future__ import annotations
 
 import datetime as dt
-import os
 from pathlib import Path
 from typing import Any, Callable
 
 import streamlit as st
+
+from pdtrace.instrument import config
 
 from pdtrace.instrument.stages import CATEGORIES  # noqa: F401 - re-exported for the pages (ui.CATEGORIES)
 
@@ -58,7 +59,7 @@ def sidebar() -> None:
     """Render the shared sidebar (trace directory, follow toggle, time window) into session state."""
     # The chosen directory lives under a plain key: widget state is dropped on some page switches.
     if "_trace_dir" not in st.session_state:
-        st.session_state["_trace_dir"] = _abs(os.environ.get(ENV_DIR, ""))
+        st.session_state["_trace_dir"] = _abs(config.raw(ENV_DIR) or "")
     with st.sidebar:
         v = st.text_input("Trace directory", value=st.session_state["_trace_dir"], key="trace_dir",
                           help="A pdtrace span store: a directory of Parquet files.")

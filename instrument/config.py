@@ -30,7 +30,10 @@ variable                       default    meaning
                                           variables (to the SDK's default endpoint)
 ``OTEL_EXPORTER_OTLP_ENDPOINT``           standard OTLP variables; when an endpoint is set, spans
 ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``    also go out over OTLP/HTTP (protobuf)
-``OTEL_EXPORTER_OTLP_TIMEOUT``  ``10``     OTLP export timeout (s; the ``_TRACES_`` variant wins)
+``OTEL_EXPORTER_OTLP_TIMEOUT``  ``10``     OTLP export timeout (s; the variant
+``OTEL_EXPORTER_OTLP_TRACES_TIMEOUT``     ``OTEL_EXPORTER_OTLP_TRACES_TIMEOUT`` wins)
+``OTEL_SDK_DISABLED``                     ``true``: no OTLP export (standard)
+``OTEL_TRACES_EXPORTER``                  ``none``: no OTLP export (standard)
 ``PDTRACE_SELF_CPU``           ``0``      ``1``: the traced connectors measure pdtrace's own CPU
                                           time per engine step (thread CPU clock around each
                                           hook) and write it as ``step.pdtrace_cpu_ns`` on the
@@ -44,6 +47,38 @@ variable                       default    meaning
                                           many ns, to reproduce clock skew between hosts on one
                                           machine. Recorded on every clock row.
 =============================  =========  ====================================================
+
+Read by the other parts (the analysis, the dashboard, the lab, the tests) through
+:func:`raw`; :data:`VARIABLES` declares all of them, these and the recorder's
+above, with meaning, default and bounds. A test
+(``tests/instrument/test_config_declared.py``) fails when code names a
+``PDTRACE_*`` variable that is not declared there, or reads one outside this
+module.
+
+=================================  ===========  ================================================
+variable                           default      meaning
+=================================  ===========  ================================================
+``PDTRACE_CACHE_DIR``              (unset)      analysis: where a read-only store's cache goes
+                                                (default ``<tmp>/pdtrace-cache``)
+``PDTRACE_DASHBOARD_DIR``          (unset)      dashboard: the trace directory it opens
+``PDTRACE_DASHBOARD_COMPARE_DIR``  (unset)      dashboard: the second directory of the compare page
+``PDTRACE_LAB_CACHE``              (unset)      lab: model and build cache (default
+                                                ``~/.cache/pdtrace/lab``)
+``PDTRACE_LAB_INJECT``             (unset)      lab only: ``stage=MS,...`` delays injected into
+                                                stages (:mod:`pdtrace.connector.lab.inject`)
+``PDTRACE_LAB_KV_CORES``           (unset)      lab only: cores for vLLM's CPU KV cache threads
+                                                (comma-separated ints)
+``PDTRACE_NIXL_PROG_THREAD``       ``default``  lab only: NIXL progress thread: µs delay (int >= 0),
+                                                ``busy`` or ``off``
+``PDTRACE_LAB_REQUIRED``           (unset)      tests: ``1`` fails (not skips) lab tests when the
+                                                lab environment is missing (CI)
+``PDTRACE_VLLM033_WHEEL``          (unset)      tests: path of the vLLM 0.33.0 wheel the static hook
+                                                check reads
+``PDTRACE_CHROMIUM``               ``/usr/bin/chromium``  tests: the browser of the dashboard test
+``PDTRACE_SKEW_REUSE``             (unset)      tests, development only: reuse the skew test's runs
+``PDTRACE_TEST_REUSE_LAB_STORES``  (unset)      tests, development only: reuse the dashboard tests'
+                                                lab stores
+=================================  ===========  ================================================
 """
 from __future__ import annotations
 
@@ -55,6 +90,66 @@ from dataclasses import dataclass
 from .cpus import parse_cpulist
 
 log = logging.getLogger("pdtrace")
+
+
+@dataclass(frozen=True)
+class Variable:
+    """One environment variable pdtrace reads: its meaning, default (as text, None: unset) and bounds."""
+
+    name: str
+    default: str | None
+    bounds: str
+    scope: str  # 'recorder' | 'analysis' | 'dashboard' | 'lab' | 'test'
+    meaning: str
+
+
+#: Every environment variable pdtrace reads (the tables above), by name.
+VARIABLES: dict[str, Variable] = {v.name: v for v in (
+    Variable("PDTRACE_DIR", None, "path", "recorder", "trace directory; tracing is off unless it is set"),
+    Variable("PDTRACE_SAMPLE", "1.0", "[0, 1]", "recorder", "fraction of requests traced, by sha256(request id)"),
+    Variable("PDTRACE_STEP_SAMPLE", "1.0", "[0, 1]", "recorder", "fraction of engine steps whose step spans are kept"),
+    Variable("PDTRACE_BUFFER_SPANS", "65536", "[16, 2^26]", "recorder", "bound of the in-memory buffer (records)"),
+    Variable("PDTRACE_FLUSH_INTERVAL_S", "1.0", "[0.01, 3600]", "recorder", "writer flush interval (s)"),
+    Variable("PDTRACE_OPEN_AFTER_S", "1.0", "[0, 86400]", "recorder", "open spans at least this old (s) are written"),
+    Variable("PDTRACE_ROTATE_S", "60", "[0, 86400]", "recorder", "merge part files into a segment this often (s)"),
+    Variable("PDTRACE_ROTATE_BYTES", str(64 << 20), "[2^16, 2^34]", "recorder", "... or at this many bytes of parts"),
+    Variable("PDTRACE_ANCHOR_INTERVAL_S", "10", "[0.01, 86400]", "recorder", "clock anchor interval (s)"),
+    Variable("PDTRACE_RUN_ID", None, "text", "recorder", "run id written on every row"),
+    Variable("PDTRACE_ROLE", None, "text", "recorder", "role resource if the process sets none"),
+    Variable("PDTRACE_OTLP", "0", "0 | 1", "recorder", "export over OTLP without OTEL_* endpoint variables"),
+    Variable("PDTRACE_SELF_CPU", "0", "0 | 1", "recorder", "measure pdtrace's own CPU per engine step"),
+    Variable("PDTRACE_HELPER_CPUS", None, "cpulist", "recorder", "CPUs of the writer thread and sink process"),
+    Variable("PDTRACE_TEST_WALL_OFFSET_NS", "0", "[-2^62, 2^62]", "test", "shift the wall anchor (ns), tests only"),
+    Variable("PDTRACE_CACHE_DIR", None, "path", "analysis", "cache directory of read-only stores"),
+    Variable("PDTRACE_DASHBOARD_DIR", None, "path", "dashboard", "trace directory the dashboard opens"),
+    Variable("PDTRACE_DASHBOARD_COMPARE_DIR", None, "path", "dashboard", "second directory of the compare page"),
+    Variable("PDTRACE_LAB_CACHE", None, "path", "lab", "the lab's model and build cache"),
+    Variable("PDTRACE_LAB_INJECT", None, "stage=MS,...", "lab", "delays injected into stages (lab only)"),
+    Variable("PDTRACE_LAB_KV_CORES", None, "comma-separated ints", "lab", "cores of vLLM's CPU KV cache threads"),
+    Variable("PDTRACE_NIXL_PROG_THREAD", "default", "int >= 0 | busy | off", "lab", "NIXL progress thread mode"),
+    Variable("PDTRACE_LAB_REQUIRED", None, "1", "test", "fail, not skip, lab tests without the lab environment"),
+    Variable("PDTRACE_VLLM033_WHEEL", None, "path", "test", "vLLM 0.33.0 wheel of the static hook check"),
+    Variable("PDTRACE_CHROMIUM", "/usr/bin/chromium", "path", "test", "browser of the dashboard test"),
+    Variable("PDTRACE_SKEW_REUSE", None, "path", "test", "reuse the skew test's runs (development)"),
+    Variable("PDTRACE_TEST_REUSE_LAB_STORES", None, "path", "test", "reuse the dashboard tests' stores (development)"),
+    Variable("OTEL_EXPORTER_OTLP_ENDPOINT", None, "URL", "recorder", "OTLP base endpoint"),
+    Variable("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", None, "URL", "recorder", "OTLP traces endpoint"),
+    Variable("OTEL_EXPORTER_OTLP_TIMEOUT", "10", "[0, 600]", "recorder", "OTLP export timeout (s)"),
+    Variable("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", None, "[0, 600]", "recorder", "OTLP traces export timeout (s)"),
+    Variable("OTEL_SDK_DISABLED", None, "true", "recorder", "true: no OTLP export"),
+    Variable("OTEL_TRACES_EXPORTER", None, "none", "recorder", "none: no OTLP export"),
+)}
+
+
+def raw(name: str, env=None) -> str | None:
+    """The text of declared variable ``name`` in ``env`` (default ``os.environ``); None when unset or empty.
+
+    The one way code outside this module reads an environment variable of pdtrace's.
+    Raises KeyError when ``name`` is not in :data:`VARIABLES` (declare it there first).
+    """
+    if name not in VARIABLES:
+        raise KeyError(f"{name} is not declared in pdtrace.instrument.config.VARIABLES")
+    return (os.environ if env is None else env).get(name) or None
 
 
 def _warn(name: str, raw: str, default: object, why: str) -> None:

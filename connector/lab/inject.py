@@ -49,10 +49,11 @@ import asyncio
 import functools
 import hashlib
 import importlib.abc
-import os
 import sys
 import threading
 import time
+
+from pdtrace.instrument import config
 
 ENV_SWITCH = "PDTRACE_LAB_INJECT"
 
@@ -116,7 +117,7 @@ def spec() -> dict[str, float]:
     global _spec
     if _spec is None:
         try:
-            _spec = parse(os.environ.get(ENV_SWITCH))
+            _spec = parse(config.raw(ENV_SWITCH))
         except InjectSpecError as exc:
             print(f"pdtrace: {exc}; nothing injected", file=sys.stderr)
             _spec = {}

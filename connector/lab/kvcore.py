@@ -28,8 +28,9 @@ A lab measure (vLLM behaviour, not a pdtrace one).
 from __future__ import annotations
 
 import importlib.abc
-import os
 import sys
+
+from pdtrace.instrument import config
 
 ENV_SWITCH = "PDTRACE_LAB_KV_CORES"
 _TARGET = "vllm.platforms.cpu"
@@ -37,7 +38,7 @@ _TARGET = "vllm.platforms.cpu"
 
 def cores() -> list[int] | None:
     """Cores from ``PDTRACE_LAB_KV_CORES`` (comma-separated ints), or None when unset/invalid."""
-    raw = os.environ.get(ENV_SWITCH, "").strip()
+    raw = (config.raw(ENV_SWITCH) or "").strip()
     if not raw:
         return None
     try:

@@ -34,6 +34,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from pdtrace.instrument import config
+
 from . import procs
 from .kvcore import ENV_SWITCH as KV_CORES_ENV
 from .progthread import ENV_SWITCH, SITECUSTOMIZE
@@ -375,12 +377,9 @@ class Lab:
         """
         if not self.cfg.trace_dir:
             return 0.0
-        raw = self.cfg.extra_env.get("PDTRACE_FLUSH_INTERVAL_S", os.environ.get("PDTRACE_FLUSH_INTERVAL_S", "1.0"))
-        try:
-            interval = min(max(float(raw), 0.0), 30.0)
-        except ValueError:
-            interval = 1.0
-        return 2 * interval + 0.5
+        # the engines' own reading of their environment (the caller's, then extra_env on top)
+        interval = config.from_env({**os.environ, **self.cfg.extra_env}).flush_interval_s
+        return 2 * min(interval, 30.0) + 0.5
 
     def stop(self) -> None:
         """Stop every process this lab started (router first). Safe to call twice.

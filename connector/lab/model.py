@@ -27,6 +27,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from pdtrace.instrument import config
+
 # Bump when the produced files change for the same spec (invalidates caches).
 MAKER_VERSION = 2
 
@@ -95,7 +97,7 @@ PROFILES: dict[str, ModelSpec] = {
 
 def default_cache_dir() -> Path:
     """``$PDTRACE_LAB_CACHE`` or ``~/.cache/pdtrace/lab``."""
-    env = os.environ.get("PDTRACE_LAB_CACHE")
+    env = config.raw("PDTRACE_LAB_CACHE")
     return Path(env) if env else Path.home() / ".cache" / "pdtrace" / "lab"
 
 

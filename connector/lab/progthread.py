@@ -34,8 +34,9 @@ switch (issue 4).
 from __future__ import annotations
 
 import importlib.abc
-import os
 import sys
+
+from pdtrace.instrument import config
 
 _TARGETS = ("nixl_cu13._bindings", "nixl_cu12._bindings", "nixl_rocm._bindings")
 ENV_SWITCH = "PDTRACE_NIXL_PROG_THREAD"
@@ -71,7 +72,7 @@ def setting() -> tuple[str, int]:
 
     A bad value prints a warning naming the variable and falls back to the default.
     """
-    raw = os.environ.get(ENV_SWITCH, "").strip().lower()
+    raw = (config.raw(ENV_SWITCH) or "").strip().lower()
     if raw in ("", "default"):
         return "delay", DEFAULT_DELAY_US
     if raw in ("busy", "off"):

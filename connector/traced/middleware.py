@@ -46,11 +46,11 @@ span is closed (same span id as the ``out``/``whole`` part). Never raises into t
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 from pdtrace.instrument import activate, tracer
 from pdtrace.instrument import attributes as _attrs
+from pdtrace.instrument import config
 
 from .safety import safe
 
@@ -174,7 +174,7 @@ class FrontendMiddleware:
         Starts this process's recorder (on iff ``PDTRACE_DIR`` is set)."""
         self.app = app
         safe(activate, activation)
-        self.role = role or _role_from_argv(sys.argv) or os.environ.get("PDTRACE_ROLE") or "decode"
+        self.role = role or _role_from_argv(sys.argv) or config.raw("PDTRACE_ROLE") or "decode"
         if self.role not in ("prefill", "decode"):
             self.role = "decode"
         self.name = f"{self.role}.frontend"

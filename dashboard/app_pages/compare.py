@@ -7,6 +7,8 @@ import os
 import pandas as pd
 import streamlit as st
 
+from pdtrace.instrument import config
+
 from pdtrace.dashboard import charts, data, ui
 
 t = ui.trace()
@@ -31,7 +33,7 @@ if how == choices[0]:
     ha, hb = ui.q(t, data.headline, w, a_name), ui.q(t, data.headline, w, b_name)
 else:
     other = st.text_input("Other trace directory", key="cmp_dir",
-                          value=os.environ.get(ui.ENV_COMPARE_DIR, ""))
+                          value=config.raw(ui.ENV_COMPARE_DIR) or "")
     if not other:
         st.info("Enter a second trace directory (e.g. the push run of the same workload).")
         st.stop()
