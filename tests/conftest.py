@@ -20,3 +20,16 @@ def run_child(code: str, env: dict | None = None, timeout: float = 120, **kw) ->
 @pytest.fixture
 def child():
     return run_child
+
+
+@pytest.fixture(autouse=True)
+def _attribute_allowlist_restored():
+    """A test that registers attribute keys (plug-ins do, at run time) leaves the allowlist as it found it."""
+    from pdtrace.instrument import attributes
+
+    saved = dict(attributes._ALLOWED)
+    yield
+    if attributes._ALLOWED != saved:
+        attributes._ALLOWED.clear()
+        attributes._ALLOWED.update(saved)
+        attributes.registrations += 1  # a live writer re-sends the restored allowlist

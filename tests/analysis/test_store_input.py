@@ -1,6 +1,8 @@
 """Bad input: bad files skipped and named, duplicates counted once, views documented, read-only queries."""
+import json
 import shutil
 import warnings
+from pathlib import Path
 
 import duckdb
 import pyarrow as pa
@@ -175,25 +177,36 @@ def test_a_corrupt_file_in_a_cold_build_is_skipped(tmp_path):
     tr.close()
 
 
-def test_a_file_that_cannot_be_opened_is_not_called_corrupt(tmp_path):
+def test_a_file_that_cannot_be_opened_is_not_called_corrupt(tmp_path, child):
     """Failing to open a file says nothing about its bytes: a file gone, and a sound file
     while the process is out of file descriptors (a real EMFILE: the soft RLIMIT_NOFILE lowered to 0,
-    which leaves the open descriptors alone) are not 'corrupt data'."""
-    import resource
-
+    which leaves the open descriptors alone) are not 'corrupt data'. The limit is lowered in a
+    child interpreter: in the pytest process it would starve every other thread for the while."""
     sound = store.write_rows(tmp_path, _p9_rows(10), resource=_P9, name="p9.parquet")
     assert db._decode_error([str(tmp_path / "gone.parquet")])[0] == "unknown"
-    con = duckdb.connect()  # opened before the limit: decoding needs no new connection's descriptors
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (0, hard))  # open descriptors stay; every new open: EMFILE
-    try:
-        with pytest.raises(duckdb.Error) as exc:
-            con.execute("SELECT count(*) FROM read_parquet(?)", [str(sound)]).fetchall()
-        assert db._access_error(exc.value), str(exc.value)
-        assert db._decode_errors([str(sound)]) == {str(sound): ("unknown", "IOException")}  # not blamed
-    finally:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-        con.close()
+    r = child(f"""
+        import json, resource, duckdb
+        from pdtrace.analysis import db
+        sound = {str(sound)!r}
+        con = duckdb.connect()  # opened before the limit: decoding needs no new connection's descriptors
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (0, hard))  # open descriptors stay; every new open: EMFILE
+        try:
+            try:
+                con.execute("SELECT count(*) FROM read_parquet(?)", [sound]).fetchall()
+                raised = None
+            except duckdb.Error as exc:
+                raised = [type(exc).__name__, bool(db._access_error(exc)), str(exc)]
+            errors = {{k: list(v) for k, v in db._decode_errors([sound]).items()}}
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+            con.close()
+        print(json.dumps({{"raised": raised, "errors": errors}}))
+        """)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["raised"] and out["raised"][1], out  # the read failed, and as an access error
+    assert out["errors"] == {str(sound): ["unknown", "IOException"]}  # not blamed
     assert db._decode_error([str(sound)]) == ("sound", "")  # and the file itself is sound
 
 
@@ -375,31 +388,47 @@ def test_parts_are_deferred_once_even_when_the_other_new_files_cannot_be_decoded
     tr.close()
 
 
-def test_a_refresh_without_file_descriptors_blames_no_file(tmp_path):
+def test_a_refresh_without_file_descriptors_blames_no_file(tmp_path, child):
     """While the process is out of file descriptors (a real EMFILE: soft RLIMIT_NOFILE 0) a refresh
     cannot even list the directory: it raises, blames no file and changes nothing; the next one
     absorbs the new file. (The decode check's own answer under EMFILE, 'unknown', is tested in
-    test_a_file_that_cannot_be_opened_is_not_called_corrupt.)"""
-    import resource
-
+    test_a_file_that_cannot_be_opened_is_not_called_corrupt.) In a child interpreter, as there."""
     d = tmp_path / "s"
     _case_h().write(d)
-    tr = db.Trace(d)
-    tr.refresh()
-    late = store.write_rows(d, _p9_rows(), resource=_P9, name="p9-late.parquet")
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (0, hard))
-    try:
-        with pytest.raises(OSError):
-            tr.refresh()
-    finally:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-    assert tr.query("SELECT count(*) AS n FROM store_files WHERE NOT ok")[0]["n"] == 0
-    assert tr.query("SELECT count(*) AS n FROM requests")[0]["n"] == 1  # case H kept
-    r = tr.refresh()
-    assert r.new == [str(late)] and r.skipped == []
-    assert tr.query("SELECT count(*) AS n FROM spans WHERE engine_id = 'p9'")[0]["n"] == 2000
-    tr.close()
+    r = child(f"""
+        import json, resource, sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from pdtrace.analysis import db
+        from pdtrace.instrument import store
+        from test_store_input import _p9_rows, _P9
+        d = {str(d)!r}
+        tr = db.Trace(d)
+        tr.refresh()
+        late = store.write_rows(d, _p9_rows(), resource=_P9, name="p9-late.parquet")
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (0, hard))
+        try:
+            try:
+                tr.refresh()
+                raised = None
+            except OSError as exc:
+                raised = type(exc).__name__
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        out = {{"raised": raised,
+               "blamed": tr.query("SELECT count(*) AS n FROM store_files WHERE NOT ok")[0]["n"],
+               "requests": tr.query("SELECT count(*) AS n FROM requests")[0]["n"]}}
+        r = tr.refresh()
+        out.update(new=r.new, skipped=r.skipped, late=str(late),
+                   p9_spans=tr.query("SELECT count(*) AS n FROM spans WHERE engine_id = 'p9'")[0]["n"])
+        tr.close()
+        print(json.dumps(out))
+        """)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["raised"] is not None, out  # an OSError
+    assert out["blamed"] == 0 and out["requests"] == 1  # no file blamed; case H kept
+    assert out["new"] == [out["late"]] and out["skipped"] == [] and out["p9_spans"] == 2000
 
 
 def test_a_part_gone_between_listing_and_check_is_not_a_bad_file(tmp_path, monkeypatch):
