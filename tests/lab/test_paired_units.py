@@ -91,3 +91,18 @@ def test_paired_overhead_estimate_on_client_rows():
     assert pl.median == 0.0 and 0 < pl.n < sum(1 for r in rows if not r["traced"])
     rows.append({"x": None, "traced": None, "ok": True, "prompt_tokens": 256, "ttft_ms": 1e6, "tpot_ms": 1e6})
     assert mod.estimate(rows, "ttft_ms").median == 1.5  # a request without id is left out
+
+
+def test_sampling_curve_paired_cost_is_undefined_at_0_and_1():
+    mod = labkit.benchmark("connector_overhead")
+    per = {}
+    for i in range(200):
+        x = f"lab-{i:016x}"
+        t = ids.is_sampled(x, 0.5)
+        per[(i // 20, i % 20)] = {"x": x, "prompt": 100 + (i % 3), "send_ns": i * 10**8,
+                                  "ttft": 30.0 + (3.0 if t else 0.0), "tpot": 2.0 + (0.2 if t else 0.0)}
+    assert mod.paired_in_lab(per, 0.0) is None and mod.paired_in_lab(per, 1.0) is None
+    got = mod.paired_in_lab(per, 0.5)
+    assert got["traced"] + got["untraced"] == 200
+    assert got["ttft"]["median"] == 3.0 and got["ttft"]["pct_hi"] == pytest.approx(10.0)
+    assert got["tpot"]["median"] == pytest.approx(0.2) and got["tpot"]["pct"] == pytest.approx(10.0)
