@@ -15,7 +15,8 @@ sha256(X) < 0.5 * 2**256 (``pdtrace.instrument.ids.is_sampled``), X = the router
 which the client gets back in the response's ``X-Request-Id`` header; so the client knows which of its
 requests were traced, and the store is checked to agree (below).
 
-Per lab run two phases, one after the other in the same lab (after one warm-up request):
+Per lab run two phases, one after the other in the same lab (after one warm-up request and
+``--warm-requests`` untimed requests of each phase's shape):
 
 - ``isolated``: ``--iso-requests`` alike requests (``--prompt-tokens``, ``--output-tokens``) ``--gap-s``
   apart, so none overlaps: a request's TTFT noise then comes from the engines and the machine only,
@@ -79,7 +80,7 @@ GOAL_PCT = 2.0  # issue 18: upper 95 % bound of the paired TTFT and TPOT cost, %
 
 def run_mode(mode: str, out: Path, sample: float, iso_requests: int, gap_s: float, prompt_tokens: int,
              output_tokens: int, requests: int, rate_scale: float, connector: str = "stock",
-             lock: bool = True) -> Path:
+             lock: bool = True, warm_requests: int = 8) -> Path:
     """One lab (real engines, ``mode`` pull|push) with PDTRACE_SAMPLE=``sample`` everywhere; both phases
     replayed; returns ``out/<mode>``. Holds :data:`inject_attribution.LOCK` while engines run unless
     ``lock`` is False. Raises FileExistsError for a non-empty ``out/<mode>``."""
@@ -116,6 +117,12 @@ def run_mode(mode: str, out: Path, sample: float, iso_requests: int, gap_s: floa
             meta["lab_start_s"] = round(time.monotonic() - t0, 1)
             print(f"[{mode}] lab up in {meta['lab_start_s']} s (lock wait {meta['lock_wait_s']} s)", flush=True)
             _warmup(lab.router_url, vocab, 1)
+            # untimed: the first requests of each shape pay one-off costs (kernel selection, allocations)
+            for name in PHASES:
+                w = wls[name]
+                warm = workload.Workload(f"warm-{name}", "-", "synthetic", 1.0, 1.0, 0, w.requests[:warm_requests],
+                                         min(warm_requests, len(w.requests)), False)
+                asyncio.run(replay.replay(warm, lab.router_url, timeout_s=300, progress=False))
             for name in PHASES:
                 t = time.monotonic()
                 recs = asyncio.run(replay.replay(wls[name], lab.router_url, timeout_s=300, progress=False))
@@ -301,6 +308,8 @@ def main(argv=None) -> int:
     ap.add_argument("--output-tokens", type=int, default=16)
     ap.add_argument("--requests", type=int, default=300, help="arrivals of the public trace (phase 'trace')")
     ap.add_argument("--rate-scale", type=float, default=1.0)
+    ap.add_argument("--warm-requests", type=int, default=8,
+                    help="untimed requests of each phase's shape replayed first (not counted)")
     ap.add_argument("--k", type=int, default=2, help="untraced neighbours per side")
     ap.add_argument("--tol-log2", type=float, default=0.5,
                     help="prompt-length match: |log2(len_i/len_j)| <= this; negative: no length matching")
@@ -318,7 +327,7 @@ def main(argv=None) -> int:
     for mode in a.modes:
         if not a.reuse:
             run_mode(mode, base, a.sample, a.iso_requests, a.gap_s, a.prompt_tokens, a.output_tokens, a.requests,
-                     a.rate_scale, a.connector, lock=not a.no_lock)
+                     a.rate_scale, a.connector, lock=not a.no_lock, warm_requests=a.warm_requests)
         results.append(analyse((base / mode).resolve(), a.sample, a.k, tol))
     print(f"\ncost = median over traced requests of (request - median of its {a.k} nearest untraced neighbours "
           f"per side in arrival order, prompt length within x{2 ** tol if tol is not None else float('inf'):.2f}); "
