@@ -31,7 +31,9 @@ D's API server, lagging, sends all tokens of a request in one chunk.
 ratios and intervals, printed beside the on/off ones, are what this A/B reports when nothing
 differs (its noise floor); ``--off-only`` runs off and off2 alone. ``--samples P,P,...`` replaces the
 one traced lab by one per ``PDTRACE_SAMPLE`` value (router and engines; the sampling curve), each
-compared with the same "off" lab; with more than two labs the order rotates every round. For
+compared with the same "off" lab. The untraced labs stay up for the whole run and the traced labs run
+one at a time, ``--rounds`` rounds each (a lab holds 3-6 GiB), so a traced lab's ratio uses the
+untraced labs' rounds that ran beside it; with more than two labs up the order rotates every round. For
 0 < P < 1 the traced lab's own requests also give the *paired* cost (traced minus untraced requests of
 that lab, matched by arrival order and prompt length: :func:`paired_in_lab`,
 ``benchmarks/paired_overhead.py`` for the method); at 0 and 1 it is undefined (all untraced / all
@@ -354,38 +356,57 @@ def main():
     rounds = []
     footprints = {}
     t0 = time.monotonic()
+    engines: dict[str, dict] = {}
+    warm = workload.Workload("warm", "-", "synthetic", 1.0, 1.0, 0, wl.requests[:2], 2, False)
+    untraced = [c for c in conds if c not in traced]
+    # The untraced labs stay up for the whole run; the traced labs run one at a time (a lab is ~3-6 GiB of
+    # RSS), each for --rounds rounds against the untraced ones, rounds numbered across the whole run.
+    blocks = [[c] for c in traced] or [[]]
+    r = 0
     with contextlib.ExitStack() as stack:
-        labs = {c: stack.enter_context(Lab(cfgs[c])) for c in conds}
-        print(f"{len(labs)} labs up in {time.monotonic() - t0:.0f} s: {', '.join(conds)}", flush=True)
-        warm = workload.Workload("warm", "-", "synthetic", 1.0, 1.0, 0, wl.requests[:2], 2, False)
+        labs = {c: stack.enter_context(Lab(cfgs[c])) for c in untraced}
         for lab in labs.values():
             asyncio.run(replay.replay(warm, lab.router_url, progress=False))
-        names = list(conds)
-        for r in range(a.rounds):
-            order = tuple(names[(r + i) % len(names)] for i in range(len(names))) if len(names) > 2 else \
-                (tuple(names) if r % 2 == 0 else tuple(reversed(names)))
-            row = {"round": r, "order": order}
-            for cond in order:
-                c0 = lab_cpu_s(labs[cond])
-                m = metrics_of(asyncio.run(replay.replay(wl, labs[cond].router_url, timeout_s=300, progress=False)))
-                c1 = lab_cpu_s(labs[cond])
-                for k, v in c1.items():  # CPU used during this replay, s
-                    cpu[cond][k] = cpu[cond].get(k, 0.0) + v - c0.get(k, 0.0)
-                for k in ("ttft", "tpot"):
-                    res[cond][k] += m[k]
-                res[cond]["failed"] += m["failed"]
-                res[cond]["per_request"].update({(r, i): v for i, v in m["per_request"].items()})
-                row[cond] = {"ttft_p50": pct(m["ttft"], 0.5), "tpot_p50": pct(m["tpot"], 0.5), "failed": m["failed"]}
-            rounds.append(row)
-            print(f"round {r} ({'/'.join(order)}): TTFT p50 "
-                  + " ".join(f"{c} {row[c]['ttft_p50']:.1f}" for c in names) + " ms; TPOT p50 "
-                  + " ".join(f"{c} {row[c]['tpot_p50']:.2f}" for c in names) + " ms", flush=True)
-        engines = {cond: engine_means(labs[cond]) for cond in conds}
-        for c in traced:
-            footprints[c] = footprint_of(labs[c])
+        for block in blocks:
+            with contextlib.ExitStack() as inner:
+                for c in block:
+                    t1 = time.monotonic()
+                    labs[c] = inner.enter_context(Lab(cfgs[c]))
+                    asyncio.run(replay.replay(warm, labs[c].router_url, progress=False))
+                    print(f"{c} up in {time.monotonic() - t1:.0f} s", flush=True)
+                names = untraced + block
+                for _ in range(a.rounds):
+                    order = tuple(names[(r + i) % len(names)] for i in range(len(names))) if len(names) > 2 else \
+                        (tuple(names) if r % 2 == 0 else tuple(reversed(names)))
+                    row = {"round": r, "order": order}
+                    for cond in order:
+                        c0 = lab_cpu_s(labs[cond])
+                        m = metrics_of(asyncio.run(replay.replay(wl, labs[cond].router_url, timeout_s=300,
+                                                                 progress=False)))
+                        c1 = lab_cpu_s(labs[cond])
+                        for k, v in c1.items():  # CPU used during this replay, s
+                            cpu[cond][k] = cpu[cond].get(k, 0.0) + v - c0.get(k, 0.0)
+                        for k in ("ttft", "tpot"):
+                            res[cond][k] += m[k]
+                        res[cond]["failed"] += m["failed"]
+                        res[cond]["per_request"].update({(r, i): v for i, v in m["per_request"].items()})
+                        row[cond] = {"ttft_p50": pct(m["ttft"], 0.5), "tpot_p50": pct(m["tpot"], 0.5),
+                                     "failed": m["failed"]}
+                    rounds.append(row)
+                    print(f"round {r} ({'/'.join(order)}): TTFT p50 "
+                          + " ".join(f"{c} {row[c]['ttft_p50']:.1f}" for c in names) + " ms; TPOT p50 "
+                          + " ".join(f"{c} {row[c]['tpot_p50']:.2f}" for c in names) + " ms", flush=True)
+                    r += 1
+                for c in block:
+                    engines[c] = engine_means(labs[c])
+                    footprints[c] = footprint_of(labs[c])
+                    del labs[c]
+        for c in untraced:
+            engines[c] = engine_means(labs[c])
+    print(f"total {time.monotonic() - t0:.0f} s", flush=True)
     out = {"conditions": {c: f for c, f in conds.items()}, "rounds": rounds, "requests_per_round": a.requests,
            "failed": {c: res[c]["failed"] for c in res}, "vllm_engine_means_ms": engines}
-    print(f"\n{a.rounds} rounds x {a.requests} requests per condition; failed: "
+    print(f"\n{a.rounds} rounds x {a.requests} requests per traced lab (the untraced labs ran in every round); failed: "
           + ", ".join(f"{c} {res[c]['failed']}" for c in conds))
     print("ratios of the pooled quantiles against off; 95 % bootstrap intervals: paired (the same requests in both "
           "labs resampled together), by round (whole rounds resampled), unpaired (the conditions apart)"
@@ -397,14 +418,18 @@ def main():
                 both = set(res[c]["per_request"]) & set(res["off"]["per_request"])
                 pairs = {key: (res[c]["per_request"][key][k], res["off"]["per_request"][key][k]) for key in both
                          if res[c]["per_request"][key][k] is not None and res["off"]["per_request"][key][k] is not None}
-                p, lo, hi = ratio_ci(res[c][k], res["off"][k], q)
+                # unpaired: each condition's values over the rounds both ran (the traced labs run in turn)
+                cv = [res[c]["per_request"][key][k] for key in both if res[c]["per_request"][key][k] is not None]
+                ov = [res["off"]["per_request"][key][k] for key in both
+                      if res["off"]["per_request"][key][k] is not None]
+                p, lo, hi = ratio_ci(cv, ov, q)
                 pp, plo, phi = paired_ratio_ci(pairs, q, by_round=False)
                 _, rlo, rhi = paired_ratio_ci(pairs, q, by_round=True)
                 key = f"{k}_{name}" if c == "on" else f"{k}_{name}_{c}"
-                out[key] = {"value": pct(res[c][k], q), "off": pct(res["off"][k], q), "ratio": p,
+                out[key] = {"value": pct(cv, q), "off": pct(ov, q), "ratio": p,
                             "ci95": [lo, hi], "pairs": len(pairs), "paired_ratio": pp,
                             "paired_ci95": [plo, phi], "by_round_ci95": [rlo, rhi]}
-                print(f"{k.upper() + ' ' + name:<10}{c:<10}{pct(res[c][k], q):>10.2f}{pct(res['off'][k], q):>10.2f}"
+                print(f"{k.upper() + ' ' + name:<10}{c:<10}{pct(cv, q):>10.2f}{pct(ov, q):>10.2f}"
                       f"{p:>9.3f}  [{plo:.3f}, {phi:.3f}]  [{rlo:.3f}, {rhi:.3f}]  [{lo:.3f}, {hi:.3f}]"
                       f"  (paired point {pp:.3f}, {len(pairs)} pairs)")
     out["per_request_ms"] = {c: [{"round": key[0], "request_index": key[1], **v}
@@ -435,8 +460,9 @@ def main():
             vals = [engines[c][role].get(h) for c in conds]
             if all(v is not None for v in vals):
                 print(f"{role:<9}{h:<32}" + "".join(f"{v:>10.2f}" for v in vals))
-    n_req = a.rounds * a.requests
-    out["cpu_ms_per_request"] = {c: {k: v / n_req * 1e3 for k, v in cpu[c].items()} for c in cpu}
+    n_rounds = {c: sum(1 for row in rounds if c in row) for c in conds}
+    out["cpu_ms_per_request"] = {c: {k: v / max(1, n_rounds[c] * a.requests) * 1e3 for k, v in cpu[c].items()}
+                                 for c in cpu}
     print("\nCPU used during the replays, ms per request (user + system, each lab process with its "
           "descendants; pdtrace's sinks apart):")
     print(f"{'process':<12}" + "".join(f"{c:>10}" for c in conds))
