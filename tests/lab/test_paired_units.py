@@ -106,3 +106,22 @@ def test_sampling_curve_paired_cost_is_undefined_at_0_and_1():
     assert got["traced"] + got["untraced"] == 200
     assert got["ttft"]["median"] == 3.0 and got["ttft"]["pct_hi"] == pytest.approx(10.0)
     assert got["tpot"]["median"] == pytest.approx(0.2) and got["tpot"]["pct"] == pytest.approx(10.0)
+
+
+def test_placebo_null_and_inverted_interval():
+    assert paired.quantile([5.0, 1.0, 3.0, 2.0, 4.0], 0.5) == 3.0
+    assert paired.quantile([1.0, 2.0, 3.0, 4.0, 5.0], 0.25) == 2.0 and paired.quantile([], 0.5) is None
+    # values alternating 10 / 20 by position: a placebo split's median difference is within [-10, 10]
+    vals = [10.0 if i % 2 else 20.0 for i in range(200)]
+    xs = [f"lab-{i:016x}" for i in range(200)]
+    meds = paired.null_medians(vals, [paired.placebo_flags(xs, f"s{j}") for j in range(50)])
+    assert len(meds) == 50 and all(-10.0 <= m <= 10.0 for m in meds)
+    mod = labkit.benchmark("paired_overhead")
+    rows = [{"x": x, "traced": ids.is_sampled(x, 0.5), "ok": True, "prompt_tokens": 64,
+             "ttft_ms": 50.0, "tpot_ms": 4.0} for x in xs]
+    for r in rows:
+        r["ttft_ms"] += 2.0 if r["traced"] else 0.0
+    nul = mod.null_spread(rows, "ttft_ms", n_splits=40)
+    # every placebo half holds about half the traced requests: each split's median difference is 0 or +-2
+    assert nul["n"] == 40 and set(nul["medians"]) <= {-2.0, -1.0, 0.0, 1.0, 2.0}
+    assert mod.null_spread(rows, "ttft_ms", n_splits=40, untraced_only=True)["medians"] == [0.0] * 40
