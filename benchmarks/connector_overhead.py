@@ -487,6 +487,9 @@ def main():
     verdicts = []
     for c in versus:
         sfx = "" if c == "on" else f"_{c}"
+        if n_rounds[c] < 4:  # a cluster bootstrap over 2-3 rounds cannot give an interval
+            verdicts.append(f"{c}: not judged ({n_rounds[c]} rounds; at least 4 needed)")
+            continue
         v = {k: "met" if out[f"{k}_p50{sfx}"]["by_round_ci95"][1] <= 1.05 else "missed" for k in ("ttft", "tpot")}
         verdicts.append(f"{c}: TTFT {v['ttft']}, TPOT {v['tpot']}")
     print(f"written {a.out / 'overhead.json'} (with every request's TTFT/TPOT); p50 goal: upper bound <= 1.05, "
