@@ -2,7 +2,7 @@
 
 Usage (repo root, lab environment installed; each mode's lab run holds ``/tmp/pdtrace-heavy.lock``)::
 
-    .venv/bin/python benchmarks/paired_overhead.py --out /tmp/paired            # pull and push
+    .venv/bin/python benchmarks/paired_overhead.py --out /tmp/paired            # pull and push, ~6 min each
     .venv/bin/python benchmarks/paired_overhead.py --reuse /tmp/paired          # re-analyse only
 
 Why: the on/off A/B of two labs (``benchmarks/connector_overhead.py``) compares conditions minutes
@@ -345,12 +345,12 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", nargs="+", default=["pull", "push"], choices=["pull", "push"])
     ap.add_argument("--sample", type=float, default=0.5, help="PDTRACE_SAMPLE of the run (0 < p < 1)")
     ap.add_argument("--connector", default="stock", choices=["stock", "traced"])
-    ap.add_argument("--iso-requests", type=int, default=300)
-    ap.add_argument("--gap-s", type=float, default=0.35)
+    ap.add_argument("--iso-requests", type=int, default=150)
+    ap.add_argument("--gap-s", type=float, default=0.8)
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--output-tokens", type=int, default=16)
-    ap.add_argument("--requests", type=int, default=300, help="arrivals of the public trace (phase 'trace')")
-    ap.add_argument("--rate-scale", type=float, default=1.0)
+    ap.add_argument("--requests", type=int, default=200, help="arrivals of the public trace (phase 'trace')")
+    ap.add_argument("--rate-scale", type=float, default=0.5)
     ap.add_argument("--warm-requests", type=int, default=8,
                     help="untimed requests of each phase's shape replayed first (not counted)")
     ap.add_argument("--k", type=int, default=2, help="untraced neighbours per side")
