@@ -46,7 +46,6 @@ import argparse
 import contextlib
 import fcntl
 import json
-import random
 import statistics
 import sys
 from pathlib import Path
@@ -162,29 +161,15 @@ def paired_delta(rows: list[dict], stage: str, value, seed: int = 0, n_boot: int
     """Paired-neighbour increase of ``value(row)`` in rows injected with ``stage``: (median, lo, hi, n).
 
     Each injected request's control is the median of its ``k`` nearest uninjected neighbours on
-    each side in arrival order. The median of the paired differences (and a bootstrap CI of it): on the shared 2-core machine a
-    few requests meet load spikes of hundreds of ms, which would swamp a mean of ten pairs."""
-    flags = [stage in r["injected"] for r in rows]
-    vals = [value(r) for r in rows]
-    diffs = []
-    for i, f in enumerate(flags):
-        if not f:
-            continue
-        nb = []
-        for step in (-1, 1):
-            j, got = i + step, 0
-            while 0 <= j < len(rows) and got < k:
-                if not flags[j]:
-                    nb.append(vals[j])
-                    got += 1
-                j += step
-        if nb:
-            diffs.append(vals[i] - statistics.median(nb))
-    if not diffs:
-        return None, None, None, 0
-    rng = random.Random(seed)
-    boots = sorted(statistics.median(rng.choices(diffs, k=len(diffs))) for _ in range(n_boot))
-    return statistics.median(diffs), boots[int(0.025 * n_boot)], boots[int(0.975 * n_boot) - 1], len(diffs)
+    each side in arrival order; the median of the paired differences and its bootstrap CI
+    (:func:`pdtrace.connector.lab.paired.paired_estimate`, single pairs resampled): on the shared
+    2-core machine a few requests meet load spikes of hundreds of ms, which would swamp a mean of
+    ten pairs."""
+    from pdtrace.connector.lab import paired
+
+    e = paired.paired_estimate([stage in r["injected"] for r in rows], [value(r) for r in rows], k=k,
+                               n_boot=n_boot, seed=seed)
+    return e.median, e.lo, e.hi, e.n
 
 
 def evaluate(rows: list[dict], spec: dict[str, float], mode: str, tol_ms: float = 8.0,

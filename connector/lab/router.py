@@ -507,7 +507,8 @@ class Router:
                         await resp.prepare(request)
                         await resp.write_eof()
                         ctx["first_token_ns"] = t_w
-                        sp.event("router.first_token", x, root, t=t_w, pidx=pidx)
+                        if ctx["sampled"]:  # an unsampled request leaves no row (PDTRACE_SAMPLE)
+                            sp.event("router.first_token", x, root, t=t_w, pidx=pidx)
                         ctx["done"] = True
                         ctx["t_done"] = _now()
                         return resp
@@ -543,8 +544,9 @@ class Router:
                                 first_rx = t_rx
                                 ctx["first_token_ns"] = t_w
                                 note_first(t_rx)
-                                sp.event("router.first_token", x, root, t=t_w, pidx=pidx)
-                    if last_token_t:
+                                if ctx["sampled"]:
+                                    sp.event("router.first_token", x, root, t=t_w, pidx=pidx)
+                    if last_token_t and ctx["sampled"]:
                         sp.event("router.last_token", x, root, t=last_token_t, pidx=pidx)
                     if not dec.done:
                         # an OpenAI stream ends with "data: [DONE]"; without it D's stream was cut short
