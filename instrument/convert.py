@@ -43,9 +43,14 @@ GROUP_MIN = 256
 
 
 class Converter:
-    """Stateful converter for one traced process: trace-id and resource-column caches, a drop counter."""
+    """Stateful converter for one traced process: trace-id and resource-column caches, a drop counter.
 
-    def __init__(self) -> None:
+    ``allowed``: the attribute allowlist (key -> ``attributes.Attr``) of that process; None: this
+    process's own (:data:`pdtrace.instrument.attributes.ALLOWED`). The sink gives each client its own.
+    """
+
+    def __init__(self, allowed: dict | None = None) -> None:
+        self.allowed = allowed
         self.dropped_attributes = 0
         self._trace_ids: dict[str, str] = {}
         self._res_cache: tuple | None = None
@@ -101,7 +106,7 @@ class Converter:
         record's key order.
         """
         n = len(recs)
-        allowed = attributes.ALLOWED
+        allowed = attributes.ALLOWED if self.allowed is None else self.allowed
         groups: dict[tuple, list[int]] = {}
         for j, r in enumerate(recs if n >= GROUP_MIN else ()):
             w = len(r)
