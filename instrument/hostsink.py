@@ -197,7 +197,8 @@ def find(trace_dir: str | os.PathLike | None = None) -> list[int]:
     """Pids of the running sink processes (of ``trace_dir`` only, if given), read from ``/proc``.
 
     A sink's cmdline is ``<python> -m pdtrace.instrument.sink --dir <real path> --by <pid>``.
-    Zombies (empty cmdline) are not listed.
+    Zombies (empty cmdline) are not listed, nor the process that starts a sink (same cmdline, for the
+    few ms before it forks and exits: it leads its own session, the sink it forks does not).
     """
     want = os.path.realpath(os.fspath(trace_dir)) if trace_dir is not None else None
     out = []
@@ -214,7 +215,13 @@ def find(trace_dir: str | os.PathLike | None = None) -> list[int]:
             continue
         i = args.index("--dir")
         if want is None or (i + 1 < len(args) and args[i + 1] == want):
-            out.append(int(name))
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    session = int(f.read().rsplit(")", 1)[1].split()[3])
+            except (OSError, ValueError, IndexError):
+                continue
+            if session != int(name):  # a session leader is the short-lived starter, before its fork
+                out.append(int(name))
     return sorted(out)
 
 

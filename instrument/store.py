@@ -257,10 +257,11 @@ def check_file(path: str | os.PathLike) -> FileCheck:
     return FileCheck(p, True, "", version)
 
 
-#: Name of a *part* file, as the sink writes it (``<role>-<host>-<pid>-<start>-p<seq>.parquet``: pid,
-#: start time ``%Y%m%dT%H%M%S`` with ``r<n>`` after a restarted sink (writer.py), a sequence of 6
-#: or more digits): the sink deletes its parts once they are merged into a segment (``-s<seq>``),
-#: so a reader may see one vanish. Other names are never parts.
+#: Name of a *part* file, as the host's sink writes it (``sink-<host>-<sink pid>-<start>-p<seq>.parquet``,
+#: sink.py) or ``pdtrace collect`` (``collect-<host>-<pid>-<start>-p<seq>.parquet``): pid, start time
+#: ``%Y%m%dT%H%M%S`` (optionally ``r<n>``), a sequence of 6 or more digits. The writer deletes its parts
+#: once they are merged into a segment (``-s<seq>``), so a reader may see one vanish. Other names are
+#: never parts.
 PART_FILE = re.compile(r"-\d+-\d{8}T\d{6}(?:r\d+)?-p\d{6,}\.parquet$")
 
 
