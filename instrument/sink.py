@@ -167,7 +167,7 @@ class Sink:
         self.resource = resource
         self.pid = pid
         self.start_tag = start_tag
-        self.allowed = dict(BASE_ALLOWED)
+        self.allowed = _intern(BASE_ALLOWED)
         self.conv = Converter(self.allowed)
         self._ids = iter(range((random.SystemRandom().getrandbits(31) << 32) | 1, 1 << 64))
         self._raw: list[tuple] = []  # received, not yet converted (< CONVERT_BATCH)
@@ -184,6 +184,7 @@ class Sink:
         self._warned: set[str] = set()
         self.warnings: list[str] = []  # not yet sent to the client
         self.otlp = None
+        self._closed = False
         if cfg.otlp:
             try:
                 from .otlp import OtlpExporter
@@ -201,7 +202,7 @@ class Sink:
     def set_allowed(self, allowed: dict) -> None:
         """The client's allowlist (its ``attributes.ALLOWED``) for records received from now on."""
         self.convert_received()
-        self.allowed = {**BASE_ALLOWED, **allowed}
+        self.allowed = _intern({**BASE_ALLOWED, **allowed})
         self.conv.allowed = self.allowed
 
     def add(self, recs: list[tuple]) -> None:
@@ -214,66 +215,91 @@ class Sink:
                 self.convert_received()
 
     def convert_received(self) -> None:
-        """Convert the records received so far with the current resource, allowlist and anchor.
+        """Convert the records received so far with the current resource, allowlist and anchor (kept for the
+        next part file). A record that cannot be converted is dropped alone and counted (:meth:`_convert`)."""
+        if not self._raw:
+            return
+        raw, self._raw = self._raw, []
+        tables, bad = self._convert(raw, self.resource, self._anchor.offset_ns)
+        self._pending += tables
+        self._pending_rows -= bad
+
+    def _convert(self, raw: list[tuple], res: dict, offset: int) -> tuple[list[pa.Table], int]:
+        """``raw`` converted with this client's converter: (tables, records dropped).
 
         A batch that fails to convert is converted again record by record: a record that still
         fails is dropped and counted (``dropped``, one warning per exception class), never kept
         to fail every later batch; the others are kept. ``dropped_attributes`` counts the kept
         records' dropped attributes once, whatever the retries.
         """
-        if not self._raw:
-            return
-        raw, self._raw = self._raw, []
-        res, offset = self.resource, self._anchor.offset_ns
         conv = self.conv
         before = conv.dropped_attributes
         try:
-            self._pending.append(conv.table(raw, res, offset))
-            return
+            return [conv.table(raw, res, offset)], 0
         except Exception:  # noqa: BLE001 - the record at fault is found below
             pass
-        good = []
+        good, bad = [], 0
         for r in raw:
             try:
                 conv.table([r], res, offset)
             except Exception as exc:  # noqa: BLE001
                 self._drop_unconvertible(1, exc)
+                bad += 1
             else:
                 good.append(r)
         conv.dropped_attributes = before
         if good:
             try:
-                self._pending.append(conv.table(good, res, offset))
+                return [conv.table(good, res, offset)], bad
             except Exception as exc:  # noqa: BLE001 - each converts alone, but not together
                 conv.dropped_attributes = before
                 self._drop_unconvertible(len(good), exc)
+                bad += len(good)
+        return [], bad
 
     def _drop_unconvertible(self, n: int, exc: Exception) -> None:
         """Count ``n`` received records as dropped (not written) and warn once per exception class."""
         self.dropped += n
-        self._pending_rows -= n
         # the class only: an encoding error's message quotes the offending text
         self._warn_once(f"convert-{type(exc).__name__}", "pdtrace: a record could not be converted "
                         "(%s); such records are dropped and counted", type(exc).__name__)
 
-    def take(self, traced: dict, final: bool, extra_recorded: int = 0) -> tuple[list[pa.Table], int] | None:
-        """The tables of this client for the next part file and the number of its records in them.
+    def take(self, traced: dict, final: bool, extra_recorded: int = 0) -> tuple[list, list, int] | None:
+        """What this client puts into the next part file: ``(tables, segments, rows)``.
 
-        The pending records (converted), then a stats row and, when due, a clock anchor. None when
-        there is nothing to write (no record, not final, no anchor due). ``extra_recorded``: records
-        received since the counters ``traced`` were taken (they count as recorded too).
+        ``tables``: records already converted (a batch of :data:`CONVERT_BATCH`, or before a
+        resource or allowlist change); ``segments``: ``[(records, resource, offset_ns, allowed)]``
+        still to convert (:meth:`Converter.table_joint` converts every client's together; then
+        :meth:`credit` its dropped attributes, or :meth:`convert_segments` on failure): the
+        records received since, then a stats row and, when due, a clock anchor; ``rows``: this
+        client's records in them. None when there is nothing to write (no record, not final, no
+        anchor due). ``extra_recorded``: records received since the counters ``traced`` were taken
+        (they count as recorded too).
         """
         if not self._pending_rows and not final and time.monotonic() < self._anchor_due:
             return None
-        self.convert_received()  # before the anchor may be renewed: received records keep the anchor of their time
         rows = self._pending_rows
+        segs = []
+        if self._raw:  # with the anchor of their time: it may be renewed just below
+            segs.append((self._raw, self.resource, self._anchor.offset_ns, self.allowed))
+            self._raw = []
         meta = self._meta_records(traced, final, rows, extra_recorded)
-        self._pending.append(self.conv.table(meta, self.resource, self._anchor.offset_ns))
+        segs.append((meta, self.resource, self._anchor.offset_ns, self.allowed))
         tables, self._pending, self._pending_rows = self._pending, [], 0
-        if self.otlp is not None:
-            for g in _row_groups(tables):
-                self.otlp.submit(g)
-        return tables, rows
+        return tables, segs, rows
+
+    def credit(self, dropped_attributes: int) -> None:
+        """Attributes of this client's records dropped in a joint conversion."""
+        self.conv.dropped_attributes += dropped_attributes
+
+    def convert_segments(self, segs: list) -> tuple[list[pa.Table], int]:
+        """This client's segments converted on their own (no joint conversion): (tables, records dropped)."""
+        out, bad = [], 0
+        for recs, res, offset, _allowed in segs:
+            t, b = self._convert(recs, res, offset)
+            out += t
+            bad += b
+        return out, bad
 
     def written_ok(self, rows: int) -> None:
         """The part file holding ``rows`` of this client's records was written."""
@@ -287,8 +313,9 @@ class Sink:
                         "spans are dropped and counted, tracing goes on", directory, exc.strerror or exc)
 
     def close(self) -> None:
-        """Stop the OTLP exporter (waits up to half the flush interval, at least 0.1 s)."""
-        if self.otlp is not None:
+        """Stop the OTLP exporter (waits up to half the flush interval, at least 0.1 s). Idempotent."""
+        if self.otlp is not None and not self._closed:
+            self._closed = True
             self.otlp.shutdown(max(0.1, self.cfg.flush_interval_s / 2))
 
     def _warn_once(self, key: str, msg: str, *args) -> None:
@@ -329,6 +356,21 @@ class Sink:
         out.append((R_STATS, next(self._ids), None, None, "recorder.stats", schema.KIND_INTERNAL,
                     t, t, 0, None, None, 0, 0, None, THREAD, *attrs, *attrs.values()))
         return out
+
+
+_INTERNED: dict[frozenset, dict] = {}
+
+
+def _intern(allowed: dict) -> dict:
+    """One dict object per distinct allowlist: clients whose allowlists are equal share it, so that
+    their records' attributes convert in one call (:meth:`Converter.table_joint` groups by identity)."""
+    k = frozenset(allowed.items())
+    d = _INTERNED.get(k)
+    if d is None:
+        if len(_INTERNED) > 256:
+            _INTERNED.clear()
+        d = _INTERNED[k] = dict(allowed)
+    return d
 
 
 def _row_groups(tables: list[pa.Table]) -> list[pa.Table]:
@@ -374,6 +416,7 @@ class Collector:
         self.sel = selectors.DefaultSelector()
         self.sel.register(listener, selectors.EVENT_READ, None)
         self.conns: dict[int, _Conn] = {}
+        self.conv = Converter()  # converts every client's records of a part file together
         self._parts: list[tuple[str, list[pa.Table]]] = []
         self._parts_bytes = 0
         self._segment_started = time.monotonic()
@@ -503,7 +546,8 @@ class Collector:
     # ----------------------------------------------------------------- files
     def write_part(self) -> None:
         """Write every client's pending records as one part file; answer, and drop the clients that ended."""
-        entries = []  # (conn, tables, rows)
+        entries = []  # [conn, tables, rows]
+        joint = []  # (conn, segments) converted together
         for c in list(self.conns.values()):
             c.in_part = False
             if c.sink is None:
@@ -514,13 +558,36 @@ class Collector:
                 c.sink.write_errors += 1
                 c.sink._warn_once(f"take-{type(exc).__name__}", "pdtrace: sink error %s: %s", type(exc).__name__, exc)
                 got = None
-            if got is not None:
-                entries.append((c, got[0], got[1]))
+            if got is None:
+                continue
+            tables, segs, rows = got
+            e = [c, tables, rows]
+            entries.append(e)
+            if c.sink.otlp is None:
+                joint.append((e, segs))
+            else:  # its OTLP export needs tables of its own rows (one resource per table)
+                t, bad = c.sink.convert_segments(segs)
+                e[1], e[2] = tables + t, rows - bad
+                for g in _row_groups(e[1]):
+                    c.sink.otlp.submit(g)
+        if joint:
+            segs = [sg for _, ss in joint for sg in ss]
+            try:
+                table, dropped = self.conv.table_joint(segs)
+            except Exception:  # noqa: BLE001 - a record that cannot be converted: each client on its own
+                for e, ss in joint:
+                    t, bad = e[0].sink.convert_segments(ss)
+                    e[1], e[2] = e[1] + t, e[2] - bad
+            else:
+                it = iter(dropped)
+                for e, ss in joint:
+                    e[0].sink.credit(sum(next(it) for _ in ss))
+                joint[0][0][1] = joint[0][0][1] + [table]  # the joint table rides with the first entry
         if entries:
             groups = _row_groups([t for _, ts, _ in entries for t in ts])
             name = self._file_name("p")
             try:
-                store.write_tables(self.dir, groups, name)
+                store.write_tables(self.dir, groups, name, compression=store.PART_COMPRESSION)
             except OSError as exc:
                 for c, _, rows in entries:
                     c.sink.write_failed(rows, exc, self.dir)
@@ -537,6 +604,8 @@ class Collector:
         if due or self._parts_bytes >= self.cfg.rotate_bytes or not staying:
             self._merge_parts()
         for c in list(self.conns.values()):
+            if c.sink is not None and (c.final or c.eof):
+                c.sink.close()  # its OTLP export done before it is told its records are written
             if c.sink is not None and (c.in_part or c.asked > c.served or c.final or c.sink.warnings):
                 self._answer(c)
             if c.sync:
