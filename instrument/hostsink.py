@@ -11,13 +11,14 @@ directory being removed or unwritable), named ``\\0pdtrace-sink-<uid>-<h>`` wher
 first 32 hex digits of sha256 of the directory's real path. Abstract names belong to the network
 namespace: processes in one container (or on the host) share a sink; another namespace gets its own.
 The name cannot be taken twice (``bind`` fails with EADDRINUSE), so at most one sink runs per name;
-a lock file (:func:`lock_path`, ``fcntl.flock``) keeps concurrent first processes from each
-starting one. Abstract sockets have no permission bits: both ends check the peer's uid
+a lock file (:func:`lock_path`, a POSIX record lock, ``fcntl.lockf``: owned by the process,
+so a child forked while its parent holds it does not inherit it) keeps concurrent first
+processes from each starting one. Abstract sockets have no permission bits: both ends check the peer's uid
 (``SO_PEERCRED``) and refuse another user.
 
 Start: :func:`connect` connects, or under the lock starts ``python -m pdtrace.instrument.sink
---dir DIR --by PID`` with ``start_new_session`` (its own session and process group: a signal to
-the traced process's group does not reach it). That process binds the name, forks, and its parent
+--dir DIR --by PID`` in a new session (``posix_spawn`` with ``setsid``: its own session and
+process group, so a signal to the traced process's group does not reach it). That process binds the name, forks, and its parent
 exits at once; the child (the sink) is reparented to init, so it outlives the process that started
 it and no process is left to reap it. It exits when no client has been connected for
 ``PDTRACE_SINK_IDLE_S`` (after writing everything).
@@ -32,7 +33,6 @@ import hashlib
 import os
 import socket
 import struct
-import subprocess
 import sys
 import tempfile
 import time
@@ -121,7 +121,7 @@ def connect(trace_dir: str | os.PathLike, env: dict, timeout: float = START_TIME
     and OpenMP binding: :func:`pdtrace.instrument.cpus.helper_env`); the sink reads its own
     settings from it (flush interval, rotation, idle time). It runs ``sys.executable``. Blocks the
     calling thread (never an engine thread: the writer's) up to about ``timeout`` s. Raises
-    OSError (or subprocess.SubprocessError) when no sink can be reached or started.
+    OSError when no sink can be reached or started.
     """
     s = try_connect(trace_dir, timeout)
     if s is not None:
@@ -135,33 +135,18 @@ def connect(trace_dir: str | os.PathLike, env: dict, timeout: float = START_TIME
             lock_fd = -1  # no lock (temp dir not writable): the bind still keeps a second sink out
         while lock_fd >= 0:
             try:
-                fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                # a POSIX record lock, not flock(2): a flock belongs to the open file, which a process
+                # forked while its writer holds the lock shares, so the child waited on its own copy
+                fcntl.lockf(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
-            except BlockingIOError:
+            except (BlockingIOError, PermissionError):  # EAGAIN or EACCES: held by another process
                 if time.monotonic() > deadline:
                     break  # a holder that hangs: go on without the lock
                 time.sleep(0.02)
         s = try_connect(trace_dir, timeout)  # started by the lock's previous holder?
         if s is not None:
             return s, False
-        try:
-            err = open(log_path(trace_dir), "ab")
-        except OSError:
-            err = subprocess.DEVNULL
-        try:
-            p = subprocess.Popen([sys.executable, "-m", MODULE, "--dir", os.path.realpath(os.fspath(trace_dir)),
-                                  "--by", str(os.getpid())],
-                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, env=env,
-                                 close_fds=True, start_new_session=True)
-        finally:
-            if err is not subprocess.DEVNULL:
-                err.close()
-        try:
-            code = p.wait(max(0.1, deadline - time.monotonic()))  # it binds, forks and exits
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-            raise OSError(errno.ETIMEDOUT, "the sink process did not start in time")
+        code = _spawn(trace_dir, env, deadline)
         if code not in (0, 3):  # 3: another sink holds the name (it won a race): connect to it
             raise OSError(errno.ECHILD, f"the sink process exited with code {code} (see {log_path(trace_dir)})")
         while True:
@@ -173,7 +158,43 @@ def connect(trace_dir: str | os.PathLike, env: dict, timeout: float = START_TIME
             time.sleep(0.02)
     finally:
         if lock_fd >= 0:
-            os.close(lock_fd)  # releases the flock
+            os.close(lock_fd)  # releases the lock
+
+
+def _spawn(trace_dir: str | os.PathLike, env: dict, deadline: float) -> int:
+    """Run ``python -m pdtrace.instrument.sink --dir DIR --by PID`` in a session of its own and wait for
+    it to bind the name, fork the sink and exit; return its exit code.
+
+    ``os.posix_spawn``, not ``subprocess.Popen``: Popen learns of a failed exec through a pipe that
+    stays open in any process forked meanwhile (a traced process forking while its writer starts
+    the sink: the child then held the parent's Popen, and the parent the start lock, until the
+    child exited). stdin and stdout are /dev/null, stderr is :func:`log_path` (or /dev/null).
+    Raises OSError when it cannot be started or does not exit in time (it is then killed).
+    """
+    args = [sys.executable, "-m", MODULE, "--dir", os.path.realpath(os.fspath(trace_dir)), "--by", str(os.getpid())]
+    try:
+        err = os.open(log_path(trace_dir), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    except OSError:
+        err = os.open(os.devnull, os.O_WRONLY)
+    try:
+        pid = os.posix_spawn(sys.executable, args, env, setsid=True, file_actions=[
+            (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
+            (os.POSIX_SPAWN_OPEN, 1, os.devnull, os.O_WRONLY, 0),
+            (os.POSIX_SPAWN_DUP2, err, 2)])
+    finally:
+        os.close(err)
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if time.monotonic() > deadline:
+            try:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+            except OSError:
+                pass
+            raise OSError(errno.ETIMEDOUT, "the sink process did not start in time")
+        time.sleep(0.005)
 
 
 def bind(trace_dir: str | os.PathLike) -> socket.socket | None:

@@ -48,7 +48,6 @@ import pickle
 import select
 import signal
 import socket
-import subprocess
 import threading
 import time
 
@@ -434,7 +433,7 @@ class Writer(threading.Thread):
             self._res_sent = self.tracer.resource
             self._attrs_sent = -1
             return True
-        except (OSError, ValueError, subprocess.SubprocessError) as exc:
+        except (OSError, ValueError) as exc:
             if s is not None:
                 s.close()
             self._sock = None
