@@ -62,7 +62,7 @@ def run():
             m = i % 6
             if m < 3:  # per-step spans: no request id
                 tracer.record("decode.step", None, t, t + 40_000, {"step.id": i, "step.num_reqs": 3,
-                              "step.num_tokens": 48})
+                              "step.tokens": 48})
             elif m == 3:
                 tracer.record("kv.transfer", f"req-{i // 57}", t, t + 2_000_000,
                               {"kv.bytes": 1 << 20, "kv.op": "READ", "kv.post_ns": 1200})

@@ -449,7 +449,9 @@ class Collector:
                 if due:
                     self._next_write = now + interval
             if not self.conns and not self._parts and time.monotonic() - self._idle_since >= self.cfg.sink_idle_s:
-                return
+                self._poll(0.0)  # a client that connected just now is served, not reset
+                if not self.conns:
+                    return
         # SIGTERM: everything held is written, every client answered, then the sockets close
         for c in self.conns.values():
             c.final = True
