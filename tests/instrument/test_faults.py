@@ -136,16 +136,18 @@ while True:
     seen = set()
     for delay in (0.7, 1.3, 2.1):
         p = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], env=env, stdout=subprocess.PIPE)
-        p.stdout.readline()
-        time.sleep(delay)
-        sinks = hostsink.find(d)
-        assert len(sinks) == 1, sinks
-        kids = [int(c) for t in os.listdir(f"/proc/{p.pid}/task")
-                for c in open(f"/proc/{p.pid}/task/{t}/children").read().split()]
-        assert sinks[0] not in kids  # detached: not killed with its starter
-        seen.add(sinks[0])
-        p.send_signal(signal.SIGKILL)
-        p.wait()
+        try:
+            p.stdout.readline()
+            time.sleep(delay)
+            sinks = hostsink.find(d)
+            assert len(sinks) == 1, sinks
+            kids = [int(c) for t in os.listdir(f"/proc/{p.pid}/task")
+                    for c in open(f"/proc/{p.pid}/task/{t}/children").read().split()]
+            assert sinks[0] not in kids  # detached: not killed with its starter
+            seen.add(sinks[0])
+        finally:  # the traced process records forever: never leave it running
+            p.send_signal(signal.SIGKILL)
+            p.wait()
         assert hostsink.sync(d, 60)  # the sink takes in what the killed process sent and writes it
         _all_readable(d)
     assert len(seen) == 1  # one sink served all three (each came within the idle time)
