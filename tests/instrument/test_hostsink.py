@@ -153,10 +153,9 @@ def test_sink_killed_mid_run_loses_at_most_one_interval_counted_and_restarts(tmp
         ids = [r[0] for r in duckdb.sql(
             f"select attr_int['step.id'] from read_parquet('{d}/*.parquet') where name='decode.step' "
             f"and pid={o['pid']} order by 1").fetchall()]
-        n_recorded = st["recorded"] - 0  # every record is a decode.step (open/stats rows are not counted here)
         missing = sorted(set(range(max(ids) + 1)) - set(ids))
         assert len(missing) <= st["dropped"], (len(missing), st)
-        assert len(ids) == st["written"] and n_recorded >= len(ids)
+        assert len(ids) == st["written"] <= st["recorded"]  # every record of the worker is a decode.step
         if missing:  # one contiguous run around the kill, at most ~one interval of records
             times = dict(duckdb.sql(
                 f"select attr_int['step.id'], start_ns from read_parquet('{d}/*.parquet') where name='decode.step' "
