@@ -214,14 +214,22 @@ def lab_cpu_s(lab) -> dict[str, float]:
     """CPU seconds (user + system) used so far by the lab's processes, from psutil.
 
     Keys: each lab process (router, engines: their API servers and engine
-    cores, i.e. every descendant) without pdtrace's sinks, and ``"sinks"``
-    (every ``pdtrace.instrument.sink`` process in the lab's trees). A process
-    that exits between two readings takes its CPU with it (none does during a
-    round).
+    cores, i.e. every descendant), and ``"sinks"`` (the host's
+    ``pdtrace.instrument.sink`` process of the lab's trace directory, detached
+    from the lab's trees: ``hostsink.find``). A process that exits between two
+    readings takes its CPU with it (none does during a round).
     """
     import psutil
 
+    from pdtrace.instrument import hostsink
+
     out = {"sinks": 0.0}
+    for pid in (hostsink.find(lab.cfg.trace_dir) if lab.cfg.trace_dir else []):
+        try:
+            t = psutil.Process(pid).cpu_times()
+            out["sinks"] += t.user + t.system
+        except psutil.NoSuchProcess:
+            continue
     for name, pid in lab.pids().items():
         try:
             root = psutil.Process(pid)
@@ -232,10 +240,11 @@ def lab_cpu_s(lab) -> dict[str, float]:
         for p in tree:
             try:
                 t = p.cpu_times()
-                key = "sinks" if "pdtrace.instrument.sink" in " ".join(p.cmdline()) else name
+                if "pdtrace.instrument.sink" in " ".join(p.cmdline()):
+                    continue
             except psutil.NoSuchProcess:
                 continue
-            out[key] += t.user + t.system
+            out[name] += t.user + t.system
     return out
 
 

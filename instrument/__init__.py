@@ -14,8 +14,10 @@ the directory they read). Call sites use the process-wide :data:`tracer`::
         tracer.record("prefill.compute", request_id, t0_ns, t1_ns, {"step.id": 12})
 
 Modules: ``recorder`` (call-site API, caller's thread), ``writer`` (background
-thread handing records to the sink process), ``sink`` (the helper process:
-conversion through ``convert``, Parquet files), ``otlp`` (optional OTLP export), ``store``
+thread handing records to the host's sink process), ``hostsink`` (finding or
+starting that sink: address, lock, ``find``, ``sync``), ``sink`` (the helper
+process, one per host and trace directory: conversion through ``convert``,
+Parquet files), ``otlp`` (optional OTLP export), ``store``
 (writing stores by hand, checking files), ``schema`` (columns and version),
 ``attributes`` (allowlist), ``stages`` (stage and event vocabulary), ``ids``
 (request ids, trace ids, sampling), ``clock`` (anchors), ``config`` (env vars).

@@ -19,9 +19,16 @@ variable                       default    meaning
                                           latest attributes, until it ends (view ``in_flight``);
                                           0: every open span. Keep it <= 2 flush intervals: a stuck
                                           stage is then in the store within threshold + 1 interval
-``PDTRACE_ROTATE_S``           ``60``     merge a process's per-flush files into one segment
-                                          file at least this often (s)
-``PDTRACE_ROTATE_BYTES``       ``67108864`` ... or when the sink holds this many bytes of them (Arrow buffers)
+``PDTRACE_ROTATE_S``           ``60``     merge the sink's per-flush part files into one segment
+                                          file at least this often (s); 0: only by size and when
+                                          the last client has gone
+``PDTRACE_ROTATE_BYTES``       ``67108864`` ... or when the sink holds this many bytes of them (Arrow
+                                          buffers, kept in memory until the merge; 64 KiB..16 GiB)
+``PDTRACE_SINK_IDLE_S``        ``5``      the host's sink exits this long (s, 0.1..86400) after its
+                                          last client has gone (after writing everything); the
+                                          next traced process starts a new one. The sink's own
+                                          flush interval, rotation and idle time are those of the
+                                          process that started it
 ``PDTRACE_ANCHOR_INTERVAL_S``  ``10``     write a (monotonic, wall) clock anchor this often (s)
 ``PDTRACE_RUN_ID``             (unset)    run id written on every row (resource)
 ``PDTRACE_ROLE``               (unset)    role resource (router/prefill/decode/...) if the
@@ -198,6 +205,7 @@ class Config:
     open_after_s: float = 1.0
     rotate_s: float = 60.0
     rotate_bytes: int = 64 << 20
+    sink_idle_s: float = 5.0
     anchor_interval_s: float = 10.0
     run_id: str | None = None
     role: str | None = None
@@ -248,6 +256,7 @@ def from_env(env: dict | None = None) -> Config:
         open_after_s=_float(env, "PDTRACE_OPEN_AFTER_S", 1.0, 0.0, 86400.0),
         rotate_s=_float(env, "PDTRACE_ROTATE_S", 60.0, 0.0, 86400.0),
         rotate_bytes=_int(env, "PDTRACE_ROTATE_BYTES", 64 << 20, 1 << 16, 1 << 34),
+        sink_idle_s=_float(env, "PDTRACE_SINK_IDLE_S", 5.0, 0.1, 86400.0),
         anchor_interval_s=_float(env, "PDTRACE_ANCHOR_INTERVAL_S", 10.0, 0.01, 86400.0),
         run_id=env.get("PDTRACE_RUN_ID") or None,
         role=env.get("PDTRACE_ROLE") or None,

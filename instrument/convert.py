@@ -43,9 +43,14 @@ GROUP_MIN = 256
 
 
 class Converter:
-    """Stateful converter for one traced process: trace-id and resource-column caches, a drop counter."""
+    """Stateful converter for one traced process: trace-id and resource-column caches, a drop counter.
 
-    def __init__(self) -> None:
+    ``allowed``: the attribute allowlist (key -> ``attributes.Attr``) of that process; None: this
+    process's own (:data:`pdtrace.instrument.attributes.ALLOWED`). The sink gives each client its own.
+    """
+
+    def __init__(self, allowed: dict | None = None) -> None:
+        self.allowed = allowed
         self.dropped_attributes = 0
         self._trace_ids: dict[str, str] = {}
         self._res_cache: tuple | None = None
@@ -88,7 +93,107 @@ class Converter:
         arrays = [cols[c].cast(_T[c]) if cols[c].type != _T[c] else cols[c] for c, _, _ in schema.COLUMNS]
         return pa.Table.from_arrays(arrays, schema=schema.SCHEMA)
 
-    def _attr_maps(self, recs: list[tuple]) -> tuple[pa.Array, pa.Array, pa.Array]:
+    def table_joint(self, segments: list[tuple[list[tuple], dict, int, dict | None]]) -> tuple[pa.Table, list[int]]:
+        """One table of the records of several processes; and the attributes dropped per segment.
+
+        ``segments``: ``[(records, resource, offset_ns, allowed)]``, each as :meth:`table` takes
+        them (``allowed``: that process's allowlist, None: this converter's). The rows keep the
+        segments' order, each with its own resource columns, clock offset and default ``tp_rank``.
+        The host's sink converts all its clients' records of one part file in one call: the fixed
+        cost of a table (~0.23 ms: one Arrow array per column) is then paid once per file, not
+        once per client (BENCHMARKS.md, Collector). ``dropped_attributes`` is not changed: the
+        caller credits each segment's count to its process. Raises ValueError when there is no
+        record, and what :meth:`table` raises for a record it cannot convert.
+        """
+        segs = [s for s in segments if s[0]]
+        if not segs:
+            raise ValueError("Converter.table_joint: no records")
+        recs = [r for s in segs for r in s[0]]
+        n = len(recs)
+        counts = np.asarray([len(s[0]) for s in segs], dtype=np.int64)
+        (rtype, record_id, span_id, parent, name, kind, start, end, status, msg,
+         rid, pidx, attempt, rank, thread) = itertools.islice(zip(*recs), N_FIXED)
+        cols: dict[str, pa.Array] = self._joint_resource_columns([s[1] for s in segs], counts, n)
+        cols["record"] = pa.DictionaryArray.from_arrays(pa.array(rtype, pa.int32()), _RTYPES)
+        cols["record_id"] = pa.array(record_id, pa.uint64())
+        cols["span_id"] = pa.array(span_id, pa.uint64())
+        cols["parent_span_id"] = pa.array(parent, pa.uint64())
+        cols["name"] = pa.array(name, pa.string()).dictionary_encode()
+        cols["kind"] = pa.array(kind, pa.int8())
+        offs = np.repeat(np.asarray([s[2] for s in segs], dtype=np.int64), counts)
+        cols["start_ns"] = pa.array(np.asarray(start, dtype=np.int64) + offs)
+        cols["end_ns"] = pa.array(np.asarray(end, dtype=np.int64) + offs)
+        cols["status_code"] = pa.array(status, pa.int8())
+        cols["status_message"] = pa.array(msg, pa.string())
+        rid_arr = pa.array(rid, pa.string())
+        cols["request_id"] = rid_arr
+        d = rid_arr.dictionary_encode()
+        tids = pa.array([self._trace_id(x) for x in d.dictionary.to_pylist()], pa.string())
+        cols["trace_id"] = tids.take(d.indices) if len(tids) else pa.nulls(n, pa.string())
+        cols["prompt_index"] = pa.array(pidx, pa.int32())
+        cols["attempt"] = pa.array(attempt, pa.int32())
+        if any(s[1].get("tp_rank") is not None for s in segs):
+            rank = list(rank)
+            pos = 0
+            for s in segs:
+                dr = s[1].get("tp_rank")
+                if dr is not None:
+                    rank[pos:pos + len(s[0])] = [dr if r is None else r for r in rank[pos:pos + len(s[0])]]
+                pos += len(s[0])
+        cols["tp_rank"] = pa.array(rank, pa.int16())
+        cols["thread"] = pa.array(thread, pa.string()).dictionary_encode()
+        # attribute maps: one call per run of segments sharing an allowlist object (the sink interns
+        # equal allowlists); a run that dropped attributes is counted again segment by segment
+        maps: tuple[list, list, list] = ([], [], [])
+        dropped = []
+        i = 0
+        while i < len(segs):
+            j = i + 1
+            while j < len(segs) and segs[j][3] is segs[i][3]:
+                j += 1
+            run = segs[i:j]
+            before = self.dropped_attributes
+            for t, m in enumerate(self._attr_maps(run[0][0] if j - i == 1 else [r for s in run for r in s[0]],
+                                                   run[0][3])):
+                maps[t].append(m)
+            if self.dropped_attributes == before or j - i == 1:
+                dropped += [self.dropped_attributes - before] + [0] * (j - i - 1)
+            else:
+                for s in run:
+                    b = self.dropped_attributes
+                    self._attr_maps(s[0], s[3])
+                    dropped.append(self.dropped_attributes - b)
+            self.dropped_attributes = before
+            i = j
+        for t, c in enumerate(("attr_int", "attr_float", "attr_str")):
+            cols[c] = maps[t][0] if len(maps[t]) == 1 else pa.concat_arrays(maps[t])
+        arrays = [cols[c].cast(_T[c]) if cols[c].type != _T[c] else cols[c] for c, _, _ in schema.COLUMNS]
+        out = pa.Table.from_arrays(arrays, schema=schema.SCHEMA)
+        it = iter(dropped)
+        return out, [next(it) if s[0] else 0 for s in segments]
+
+    def _joint_resource_columns(self, resources: list[dict], counts: np.ndarray, n: int) -> dict[str, pa.Array]:
+        """The resource columns (and schema_version) of segments of ``counts`` rows, each its ``resources`` entry."""
+        if all(r is resources[0] for r in resources):
+            return dict(self._resource_columns(resources[0], n))
+        cols = {"schema_version": _const(schema.SCHEMA_VERSION, n)}
+        for name in schema.RESOURCE_COLUMNS:
+            vals = [r.get(name) for r in resources]
+            if name == "pid":
+                cols[name] = pa.array([v for v, k in zip(vals, counts) for _ in range(int(k))], _T[name])
+                continue
+            if all(v == vals[0] for v in vals):
+                cols[name] = _const(vals[0], n)
+                continue
+            words = sorted({str(v) for v in vals if v is not None})
+            code = {w: i for i, w in enumerate(words)}
+            idx = np.repeat(np.asarray([code.get(str(v), 0) if v is not None else 0 for v in vals], dtype=np.int32),
+                            counts)
+            mask = np.repeat(np.asarray([v is None for v in vals]), counts)
+            cols[name] = pa.DictionaryArray.from_arrays(pa.array(idx, mask=mask), pa.array(words, pa.string()))
+        return cols
+
+    def _attr_maps(self, recs: list[tuple], allowed: dict | None = None) -> tuple[pa.Array, pa.Array, pa.Array]:
         """The three typed attribute map columns (int64, float64, string values) of one batch.
 
         ``recs``: record tuples; a record's slots after the :data:`N_FIXED` fixed ones hold its
@@ -101,7 +206,8 @@ class Converter:
         record's key order.
         """
         n = len(recs)
-        allowed = attributes.ALLOWED
+        if allowed is None:
+            allowed = attributes.ALLOWED if self.allowed is None else self.allowed
         groups: dict[tuple, list[int]] = {}
         for j, r in enumerate(recs if n >= GROUP_MIN else ()):
             w = len(r)

@@ -3,8 +3,9 @@
 Contract (the *processor* role of OpenTelemetry's SDK): every method is
 thread-safe, never blocks on I/O and never raises into the caller. A record is
 a tuple appended to a bounded deque; a background thread
-(:mod:`pdtrace.instrument.writer`) hands the records to a helper process
-(:mod:`pdtrace.instrument.sink`) that converts and writes. When the deque is
+(:mod:`pdtrace.instrument.writer`) hands the records to the host's helper
+process (:mod:`pdtrace.instrument.sink`, one per host and trace directory)
+that converts and writes. When the deque is
 full the record is dropped and counted.
 
 Nothing starts on import: a process that traces calls :meth:`Tracer.activate`
@@ -457,9 +458,10 @@ class Tracer:
 
     # --------------------------------------------------------------- fork/signals
     def _after_fork_in_child(self) -> None:
-        # A forked child never writes into its parent's file: new ids, new buffer,
-        # its own writer and sink (the parent's thread does not exist in the child;
-        # its pipe ends are closed here so the parent's sink still sees end of file).
+        # A forked child is a client of its own: new ids, new buffer, its own writer and
+        # connection to the host's sink, its own pid on its rows (the parent's thread does
+        # not exist in the child; the child's copy of the parent's socket is closed here,
+        # without a shutdown, so the parent's connection is unaffected).
         self._lock = threading.Lock()
         self._activate_lock = threading.Lock()
         if self._writer is not None:

@@ -24,8 +24,13 @@ import pyarrow.parquet as pq
 
 from . import schema
 
-#: Parquet compression of every store file.
+#: Parquet compression of every store file but the sink's part files.
 COMPRESSION = "zstd"
+
+#: Parquet compression of the sink's *part* files, which live until their merge into a zstd segment
+#: (PDTRACE_ROTATE_S): with ~35 columns a small part's zstd encoding cost 3.6 ms against 1.9 ms for lz4
+#: (120 rows; sizes 1.4x zstd's), and the sink writes one every flush interval (BENCHMARKS.md, Collector).
+PART_COMPRESSION = "lz4"
 
 _RECORD_DEFAULTS = {
     "kind": schema.KIND_INTERNAL,
@@ -116,13 +121,16 @@ def write_table(directory: str | os.PathLike, table: pa.Table, name: str | None 
     return write_tables(directory, [table], name)
 
 
-def write_tables(directory: str | os.PathLike, tables: Iterable[pa.Table], name: str | None = None) -> Path:
+def write_tables(directory: str | os.PathLike, tables: Iterable[pa.Table], name: str | None = None,
+                 compression: str = COMPRESSION) -> Path:
     """Write the tables (same schema, in order) as one complete store file; return its path.
 
     Like :func:`write_table`, through a temporary name and a rename; each
     table becomes one or more row groups (the recorder's writer passes groups
     of ~8,192 rows, so no step has to join a whole flush into one table).
-    Encoding runs in pyarrow without the GIL. Raises OSError on I/O failure
+    Encoding runs in pyarrow without the GIL. ``compression``: a Parquet codec name
+    (default :data:`COMPRESSION`; the sink writes its short-lived part files with
+    :data:`PART_COMPRESSION`). Raises OSError on I/O failure
     and ValueError for an empty ``tables`` (the temporary file is removed).
     """
     d = Path(directory)
@@ -136,7 +144,7 @@ def write_tables(directory: str | os.PathLike, tables: Iterable[pa.Table], name:
         try:
             for t in tables:
                 if w is None:
-                    w = pq.ParquetWriter(tmp, t.schema, compression=COMPRESSION)
+                    w = pq.ParquetWriter(tmp, t.schema, compression=compression)
                 w.write_table(t)
         finally:
             if w is not None:
@@ -257,10 +265,11 @@ def check_file(path: str | os.PathLike) -> FileCheck:
     return FileCheck(p, True, "", version)
 
 
-#: Name of a *part* file, as the sink writes it (``<role>-<host>-<pid>-<start>-p<seq>.parquet``: pid,
-#: start time ``%Y%m%dT%H%M%S`` with ``r<n>`` after a restarted sink (writer.py), a sequence of 6
-#: or more digits): the sink deletes its parts once they are merged into a segment (``-s<seq>``),
-#: so a reader may see one vanish. Other names are never parts.
+#: Name of a *part* file, as the host's sink writes it (``sink-<host>-<sink pid>-<start>-p<seq>.parquet``,
+#: sink.py) or ``pdtrace collect`` (``collect-<host>-<pid>-<start>-p<seq>.parquet``): pid, start time
+#: ``%Y%m%dT%H%M%S`` (optionally ``r<n>``), a sequence of 6 or more digits. The writer deletes its parts
+#: once they are merged into a segment (``-s<seq>``), so a reader may see one vanish. Other names are
+#: never parts.
 PART_FILE = re.compile(r"-\d+-\d{8}T\d{6}(?:r\d+)?-p\d{6,}\.parquet$")
 
 

@@ -1,35 +1,43 @@
-"""The ``pdtrace-writer`` thread: drains the recorder's buffer and hands the records to the sink process.
+"""The ``pdtrace-writer`` thread: drains the recorder's buffer and hands the records to the host's sink.
 
 Contract (the *exporter* role of OpenTelemetry's SDK): no caller's thread
 ever waits for it. It pickles records in chunks sized to hold the GIL about
-:data:`HOLD_NS` and sends them over a pipe to the process's sink
-(:mod:`pdtrace.instrument.sink`), started at the first use; the sink converts
-them to Arrow and writes Parquet.
-Conversion is ~10× the CPU of pickling, and pyarrow's work in a traced process
+:data:`HOLD_NS` and sends them over a local socket to the sink of its trace
+directory (:mod:`pdtrace.instrument.sink`, one process per host and directory,
+shared by every traced process there; :mod:`pdtrace.instrument.hostsink` finds
+or starts it at the first use); the sink converts them to Arrow and writes
+Parquet. Conversion is ~10× the CPU of pickling, and pyarrow's work in a traced process
 held its GIL for up to 5 ms at a time (page faults in fresh Arrow buffers);
 here the writer holds the GIL only to pickle one chunk (~0.25 ms), releases
-it while the pipe write blocks, and pauses :data:`YIELD_S` after a chunk
+it while the socket write blocks, and pauses :data:`YIELD_S` after a chunk
 whose write returned at once, so that a thread waiting for the GIL gets it.
 BENCHMARKS.md (Recorder) has the figures.
 
-Every flush interval (PDTRACE_FLUSH_INTERVAL_S, default 1 s), on a flush
-request and at stop, the writer sends the ``open`` records of the spans open
-at least PDTRACE_OPEN_AFTER_S (:meth:`Tracer.open_records`), then a *tick*; the sink writes one part file
-and answers with its counters, which :meth:`Writer.stats` reports. A SIGKILL
-of the traced process loses only the records not yet sent (at most one
-interval): the sink sees end of file and writes what it has.
+Every flush interval (PDTRACE_FLUSH_INTERVAL_S, default 1 s) the writer sends
+the ``open`` records of the spans open at least PDTRACE_OPEN_AFTER_S
+(:meth:`Tracer.open_records`), then a *periodic tick* with its counters; the
+sink writes the records of all its clients every flush interval of its own and
+answers each client with its counters, which :meth:`Writer.stats` reports. On
+a flush request and at stop the tick asks the sink to write now, and the
+writer waits for that answer. A SIGKILL of the traced process loses only the
+records not yet sent (at most one interval): the sink sees end of file and
+writes what it has. A SIGKILL of the sink loses what it had not written (at
+most one of its intervals): the writer counts what it sent since the sink's
+last answer as dropped.
 
 The writer thread first moves itself off the CPU its creator may be pinned
-to (an engine's forward thread), and the sink inherits that
+to (an engine's forward thread), and a sink it starts inherits that
 (:mod:`pdtrace.instrument.cpus`, ``PDTRACE_HELPER_CPUS``).
 
 Values the sink could not rebuild (objects of non-builtin types among a
 record's attribute values) are pickled as None and so dropped and counted as wrong-typed
 attributes. The allowlist is the traced process's: keys that plug-ins
 register there are sent to the sink before the next records. If the sink
-cannot start or dies, records are dropped and counted (``dropped``) with one
-warning; the next send starts a new sink (after a failed start, one flush
-interval later).
+cannot be reached or started, or dies, records are dropped and counted
+(``dropped``) with one warning; the next send connects again (or starts a new
+sink; after a failed start, one flush interval later). Warnings of the sink
+about this process's records (a directory it cannot write) come back with its
+answers and are logged here, once each.
 """
 from __future__ import annotations
 
@@ -37,14 +45,13 @@ import io
 import logging
 import os
 import pickle
+import select
 import signal
-import subprocess
-import sys
+import socket
 import threading
 import time
-from multiprocessing.connection import Connection
 
-from . import attributes, cpus
+from . import attributes, cpus, hostsink
 
 log = logging.getLogger("pdtrace")
 
@@ -55,7 +62,7 @@ log = logging.getLogger("pdtrace")
 HOLD_NS = 250_000
 CHUNK_MIN, CHUNK_MAX = 32, 512
 
-#: Pause (s) after a chunk whose pipe write returned sooner than this (not the
+#: Pause (s) after a chunk whose socket write returned sooner than this (not the
 #: last chunk of a drain), without the GIL. CPython hands the GIL over only when
 #: a waiter has waited its switch interval (5 ms); a pipe write that returns at
 #: once lets the writer re-take the GIL before the waiting thread has woken, so
@@ -64,7 +71,8 @@ CHUNK_MIN, CHUNK_MAX = 32, 512
 #: pipe has already given waiters that time.
 YIELD_S = 0.0002
 
-#: Seconds the writer waits for the sink's answer to a tick before going on.
+#: Seconds the writer waits for the sink's answer to a flush or final tick before going on, and
+#: the longest a socket write may block (a sink that stops reading is then given up: dropped and counted).
 ACK_TIMEOUT_S = 30.0
 
 
@@ -97,7 +105,8 @@ def stats(traced: dict, sink: dict) -> dict[str, int]:
 
     recorded (records offered to the recorder) = dropped + written + pending;
     dropped = dropped in the traced process (buffer full, sink unreachable) +
-    rows of failed writes; sink_cpu_ns is the current sink process's CPU time.
+    rows of failed writes; sink_cpu_ns is the CPU time of the current sink process
+    (the host's, shared with the other traced processes writing into the same directory).
     ``traced["base"]`` holds the counters of earlier sinks of the same
     process (a sink that died is replaced), added in.
     """
@@ -123,7 +132,7 @@ def _name_os_thread(name: str) -> None:
 
 
 class Writer(threading.Thread):
-    """The ``pdtrace-writer`` thread of one recorder (one per process), and its sink process."""
+    """The ``pdtrace-writer`` thread of one recorder (one per process), and its connection to the host's sink."""
 
     def __init__(self, tracer, cfg) -> None:
         super().__init__(name="pdtrace-writer", daemon=True)
@@ -134,9 +143,10 @@ class Writer(threading.Thread):
         self._flush_done = threading.Condition()
         self._flush_gen = 0
         self._start_tag = time.strftime("%Y%m%dT%H%M%S")
-        self._proc: subprocess.Popen | None = None
-        self._out: Connection | None = None
-        self._in: Connection | None = None
+        self._sock: socket.socket | None = None
+        self._inbuf = bytearray()  # the sink's answers, read and not yet a whole frame
+        self.sink_pid: int | None = None  # pid of the sink this writer is connected to (SO_PEERCRED)
+        self._flush_ok = True  # the last flush or final tick was answered
         self._res_sent = None
         self._attrs_sent = -1  # attributes.registrations when the allowlist was last sent
         self._sink_retry_at = 0.0
@@ -148,7 +158,7 @@ class Writer(threading.Thread):
         self.dropped_in_writer = 0
         self._warned: set[str] = set()
         self.max_stretch_cpu_ns = 0
-        self._send_wall_ns = 0  # wall time of the last pipe write, ns
+        self._send_wall_ns = 0  # wall time of the last socket write, ns
         self._rec_ns = 1000  # CPU per record sent, ns (first guess; then measured by _drain)
         self.cpus: frozenset[int] | None = None  # CPUs this thread and its sink may use (set by run)
 
@@ -172,7 +182,10 @@ class Writer(threading.Thread):
         return stats(self._traced(), self._sink)
 
     def flush(self, timeout: float) -> bool:
-        """Ask for a flush now and wait up to ``timeout`` s for the sink to write it; False on timeout."""
+        """Ask for a flush now and wait up to ``timeout`` s for the sink to write it.
+
+        False on timeout, or when the sink did not answer (unreachable, or gone before writing:
+        the records sent to it are then counted as dropped)."""
         deadline = time.monotonic() + timeout
         with self._flush_done:
             target = self._flush_gen + 1
@@ -183,7 +196,7 @@ class Writer(threading.Thread):
                 if left <= 0 or not self.is_alive():
                     return False
                 self._flush_done.wait(min(left, 0.05))
-        return True
+            return self._flush_ok
 
     def stop(self, timeout: float) -> bool:
         """Final flush (the sink merges parts into a segment and exits), then end the thread; False on timeout."""
@@ -194,14 +207,14 @@ class Writer(threading.Thread):
         return not self.is_alive()
 
     def detach_after_fork(self) -> None:
-        """In a forked child: close the parent's pipe ends without a word to its sink."""
-        for c in (self._out, self._in):
-            if c is not None:
-                try:
-                    os.close(c.fileno())
-                except OSError:
-                    pass
-        self._out = self._in = self._proc = None
+        """In a forked child: close the child's copy of the parent's socket without a word to the sink
+        (no shutdown: the parent's connection stays as it was)."""
+        if self._sock is not None:
+            try:
+                os.close(self._sock.detach())
+            except OSError:
+                pass
+        self._sock = None
 
     def _warn_once(self, key: str, msg: str, *args) -> None:
         if key not in self._warned:
@@ -211,7 +224,7 @@ class Writer(threading.Thread):
     # ---------------------------------------------------------------- loop
     def start(self) -> None:
         """Start the thread with SIGTERM and SIGINT blocked in it (a thread inherits the signal mask
-        of the thread that starts it; the sink process it spawns ignores both anyway). The kernel
+        of the thread that starts it; a sink process it starts ignores SIGINT anyway). The kernel
         then delivers a process-directed signal to a thread that runs Python handlers, the main
         thread: one delivered to this thread only sets Python's flag, and the handler waited,
         unrun, until the main thread woke (a traced process in ``time.sleep(60)`` outlived SIGTERM
@@ -227,7 +240,7 @@ class Writer(threading.Thread):
 
     def run(self) -> None:
         _name_os_thread(self.name)
-        # off the engine thread's pinned core, before the sink is started (it inherits this)
+        # off the engine thread's pinned core, before a sink is started (it inherits this)
         self.cpus = cpus.unpin_current_thread(self.cfg.helper_cpus)
         self._start_sink()  # now, so its start-up (~0.5 s: imports) overlaps the first interval
         interval = self.cfg.flush_interval_s
@@ -241,17 +254,23 @@ class Writer(threading.Thread):
             asked = self._flush_req.is_set()
             if asked:
                 self._flush_req.clear()
+            ok = False
             try:
                 self._drain()
                 now = time.monotonic()
                 if stopping or asked or now >= next_flush:
                     self._send_open()
-                    self._tick(final=stopping)
+                    ok = self._tick(final=stopping, asked=asked)
                     next_flush = now + interval
+                elif self._sock is not None:
+                    self._pump()  # the sink's answers to earlier ticks
+            except (EOFError, OSError) as exc:
+                self._sink_lost(exc)
             except Exception as exc:  # never let the thread die: count and go on
                 self._warn_once(f"loop-{type(exc).__name__}", "pdtrace: writer error %s: %s", type(exc).__name__, exc)
             if asked or stopping:
                 with self._flush_done:
+                    self._flush_ok = ok
                     self._flush_gen += 1
                     self._flush_done.notify_all()
             if stopping:
@@ -275,10 +294,10 @@ class Writer(threading.Thread):
                 self._sent += k
             else:
                 self.dropped_in_writer += k
-            del chunk  # freed here: a second stretch with the GIL, after the pipe write
+            del chunk  # freed here: a second stretch with the GIL, after the socket write
             cpu2 = time.thread_time_ns()
             self.max_stretch_cpu_ns = max(self.max_stretch_cpu_ns, cpu2 - cpu1)
-            # cost per record of this chunk (pop, pickle, free; the pipe write's copy is a few µs), smoothed
+            # cost per record of this chunk (pop, pickle, free; the socket write's copy is a few µs), smoothed
             self._rec_ns = max(1, (3 * self._rec_ns + (cpu2 - cpu0) // k) // 4)
             if n > 0 and self._send_wall_ns < YIELD_S * 1e9:  # a blocked write already let waiters in
                 time.sleep(YIELD_S)
@@ -296,94 +315,141 @@ class Writer(threading.Thread):
             self.dropped_in_writer += len(recs)
 
     def _send(self, msg, cpu0: int | None = None) -> bool:
-        """Send one message to the sink (starting one if needed); False if it is unreachable."""
-        if self._out is None and not self._start_sink():
+        """Send one message to the sink (connecting, or starting one, if needed); False if it is unreachable."""
+        if self._sock is None and not self._start_sink():
             return False
         res = self.tracer.resource
         try:
             if res is not self._res_sent:
-                self._out.send_bytes(_dumps(("res", res)))
+                self._write(_dumps(("res", res)))
                 self._res_sent = res
             if attributes.registrations != self._attrs_sent:  # keys registered by plug-ins in this process
                 n = attributes.registrations
-                self._out.send_bytes(_dumps(("attrs", dict(attributes.ALLOWED))))
+                self._write(_dumps(("attrs", dict(attributes.ALLOWED))))
                 self._attrs_sent = n
             data = _dumps(msg)
             if cpu0 is not None:  # the stretch of GIL-holding work since the last release
                 self.max_stretch_cpu_ns = max(self.max_stretch_cpu_ns, time.thread_time_ns() - cpu0)
             t0 = time.perf_counter_ns()
-            self._out.send_bytes(data)  # blocks while the pipe is full, without the GIL
+            self._write(data)  # blocks while the socket buffer is full, without the GIL
             self._send_wall_ns = time.perf_counter_ns() - t0
             return True
         except (OSError, ValueError) as exc:
             self._sink_lost(exc)
             return False
 
-    def _tick(self, final: bool) -> None:
-        """Ask the sink to write a part file (and, if ``final``, to merge and exit); wait for its counters."""
-        gen = self._flush_gen + 1
-        if not self._send(("tick", gen, self._traced(), final)):
-            return
-        deadline = time.monotonic() + ACK_TIMEOUT_S
-        try:
-            while time.monotonic() < deadline:
-                if not self._in.poll(min(1.0, max(0.0, deadline - time.monotonic()))):
+    def _write(self, data: bytes) -> None:
+        """One frame to the sink (:func:`pdtrace.instrument.hostsink.frame`), waiting (without the GIL)
+        while the socket buffer is full. Raises OSError: TimeoutError after :data:`ACK_TIMEOUT_S`
+        without room (a sink that stopped reading), BrokenPipeError when the sink is gone (no SIGPIPE)."""
+        s = self._sock
+        deadline = None
+        for part in (len(data).to_bytes(4, "big"), data):
+            view = memoryview(part)
+            while view:
+                try:
+                    n = s.send(view, socket.MSG_NOSIGNAL)
+                except (BlockingIOError, InterruptedError):
+                    if deadline is None:
+                        deadline = time.monotonic() + ACK_TIMEOUT_S
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError("the sink has not read for %.0f s" % ACK_TIMEOUT_S)
+                    select.select([], [s], [], min(left, 1.0))
                     continue
-                kind, g, counters = pickle.loads(self._in.recv_bytes())
-                self._sink = counters
-                if g >= gen:
-                    return
+                view = view[n:]
+
+    def _pump(self, want: int = 0, timeout: float = 0.0) -> bool:
+        """Read the sink's answers that have arrived (counters, warnings to log).
+
+        With ``want`` > 0, wait up to ``timeout`` s for an answer to tick generation ``want`` or
+        later; returns whether one came. Raises EOFError when the sink closed the connection.
+        """
+        s = self._sock
+        deadline = time.monotonic() + timeout
+        got = False
+        while True:
+            try:
+                data = s.recv(65536)
+            except (BlockingIOError, InterruptedError):
+                data = None
+            if data == b"":
+                raise EOFError("the sink closed the connection")
+            if data:
+                self._inbuf += data
+                for m in hostsink.unframe(self._inbuf):
+                    kind, g, counters, warnings = pickle.loads(m)
+                    self._sink = counters
+                    for w in warnings:
+                        self._warn_once("sink:" + w, "%s", w)
+                    if want and g >= want:
+                        got = True
+                if got:  # answered: what follows (end of file after a final answer) is not read here
+                    return True
+                continue
+            if not want or got:
+                return got
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            select.select([s], [], [], min(left, 1.0))
+
+    def _tick(self, final: bool, asked: bool = False) -> bool:
+        """Send the counters; on a flush request or at stop (``final``), ask the sink to write now and wait for
+        its answer. True when the sink answered such a tick."""
+        gen = self._flush_gen + 1
+        mode = "final" if final else "flush" if asked else "periodic"
+        if not self._send(("tick", gen, self._traced(), mode)):
+            return False
+        try:
+            if mode == "periodic":
+                self._pump()
+                return True
+            if self._pump(gen, ACK_TIMEOUT_S):
+                return True
             self._warn_once("ack-timeout", "pdtrace: the sink did not answer within %.0f s", ACK_TIMEOUT_S)
         except (EOFError, OSError) as exc:
             self._sink_lost(exc)
+        return False
 
     def _start_sink(self) -> bool:
-        """Start this process's sink; False (records dropped, one warning) if it cannot start now.
-
-        After a failed start the next try waits one flush interval.
-        """
+        """Connect to the host's sink of this trace directory, starting one if none runs; False (records
+        dropped, one warning) if it cannot be reached now. After a failure the next try waits one flush
+        interval."""
         now = time.monotonic()
         if now < self._sink_retry_at:
             return False
         self._sink_retry_at = now + self.cfg.flush_interval_s
-        r1 = w1 = r2 = w2 = -1
+        s = None
         try:
-            r1, w1 = os.pipe()
-            r2, w2 = os.pipe()
             env = cpus.helper_env(os.environ)  # not traced, and not bound to the engine's cores by OpenMP
-            self._proc = subprocess.Popen(
-                [sys.executable, "-m", "pdtrace.instrument.sink", str(r1), str(w2)],
-                pass_fds=(r1, w2), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=env, close_fds=True)
-            os.close(r1)
-            os.close(w2)
-            r1 = w2 = -1
-            self._out = Connection(w1, readable=False)
-            self._in = Connection(r2, writable=False)
-            w1 = r2 = -1  # owned by the connections now: never closed twice (the number may be reused)
+            s, _started = hostsink.connect(self.cfg.trace_dir, env)
+            self.sink_pid = hostsink.peer_cred(s)[0]
+            s.setblocking(False)  # reads never wait; writes wait in _write, bounded
+            self._sock, self._inbuf = s, bytearray()
             self._sinks_started += 1
-            tag = self._start_tag + (f"r{self._sinks_started}" if self._sinks_started > 1 else "")  # unique names
-            self._out.send_bytes(_dumps(("init", self.cfg, self.tracer.resource, os.getpid(), tag,
-                                         self.tracer.activation)))
+            tag = self._start_tag + (f"r{self._sinks_started}" if self._sinks_started > 1 else "")
+            self._write(_dumps(("init", self.cfg, self.tracer.resource, os.getpid(), tag, self.tracer.activation)))
             self._res_sent = self.tracer.resource
             self._attrs_sent = -1
             return True
-        except (OSError, ValueError, subprocess.SubprocessError) as exc:
-            if self._proc is not None:
-                self._proc.kill()
-            for fd in (r1, w1, r2, w2):  # the ends no connection owns yet
-                if fd >= 0:
-                    try:
-                        os.close(fd)
-                    except OSError:
-                        pass
-            self._close()  # the connections, and reaping the killed sink
+        except (OSError, ValueError) as exc:
+            if s is not None:
+                s.close()
+            self._sock = None
             self._warn_once("sink-start", "pdtrace: cannot start the sink process (%s: %s); "
                             "spans are dropped and counted", type(exc).__name__, exc)
             return False
 
     def _sink_lost(self, exc: BaseException) -> None:
-        """The sink went away: close our ends, warn once; the next send starts a new sink."""
-        code = self._proc.poll() if self._proc is not None else None
+        """The sink went away: read its last answers, count what it had not answered for as dropped, warn
+        once; the next send connects again (or starts a new sink)."""
+        if self._sock is None:
+            return
+        try:
+            self._pump()
+        except (EOFError, OSError, ValueError, pickle.UnpicklingError):
+            pass
         # what the lost sink had not answered for is lost with it; its counters carry over
         last = self._sink
         self.dropped_in_writer += max(0, self._sent - last.get("written", 0) - last.get("dropped", 0))
@@ -391,20 +457,17 @@ class Writer(threading.Thread):
             if k != "sink_cpu_ns":
                 self._base[k] = self._base.get(k, 0) + v
         self._sink, self._sent = {}, 0
-        self._sink_retry_at = 0.0  # the next send may start a new sink at once; a failed start waits
-        self._warn_once("sink-lost", "pdtrace: the sink process is gone (exit code %s, %s: %s); "
-                        "spans are dropped and counted until a new one starts", code, type(exc).__name__, exc)
+        self._sink_retry_at = 0.0  # the next send may reconnect at once; a failed start waits
+        self._warn_once("sink-lost", "pdtrace: the sink process is gone (pid %s, %s: %s); "
+                        "spans are dropped and counted until a new one starts", self.sink_pid,
+                        type(exc).__name__, exc)
         self._close()
 
     def _close(self) -> None:
-        """Close our pipe ends (the sink sees end of file) and reap a sink that has exited."""
-        for c in (self._out, self._in):
-            if c is not None:
-                c.close()
-        self._out = self._in = None
-        if self._proc is not None:
+        """Close the socket (the sink sees end of file)."""
+        if self._sock is not None:
             try:
-                self._proc.wait(timeout=1.0)
-            except subprocess.TimeoutExpired:
-                pass  # still writing after end of file; it finishes on its own
-        self._proc = None
+                self._sock.close()
+            except OSError:
+                pass
+        self._sock = None

@@ -384,13 +384,19 @@ class Lab:
     def stop(self) -> None:
         """Stop every process this lab started (router first). Safe to call twice.
 
-        Traced engines get :meth:`flush_grace_s` first, so their last records reach the store.
+        Traced engines get :meth:`flush_grace_s` first, so their last records reach the store; then
+        the host's sink (detached, it outlives them) is asked to write everything it holds
+        (:func:`pdtrace.instrument.hostsink.sync`).
         """
         if any(n != "router" and p.poll() is None for n, p in self.procs.items()):
             time.sleep(self.flush_grace_s())
         for name in sorted(self.procs, key=lambda n: n != "router"):
             procs.stop_group(self.procs[name])
         self.procs.clear()
+        if self.cfg.trace_dir:  # the host's sink outlives them: let it write what they sent before the store is read
+            from pdtrace.instrument import hostsink
+
+            hostsink.sync(self.cfg.trace_dir, timeout=30.0)
 
     # -- helpers for tests and the CLI -----------------------------------
     def pids(self) -> dict[str, int]:

@@ -54,24 +54,28 @@ def plugin_cfg(model: Path, run_dir: Path, trace: bool, mode: str = "pull", env:
 
 
 def pdtrace_in_processes(lab: Lab) -> dict:
-    """What of pdtrace runs in the lab's engine process trees, read from ``/proc`` while the lab runs.
+    """What of pdtrace runs for the lab's engine process trees, read from ``/proc`` while the lab runs.
 
     Returns ``{"writers": [(pid, process name)], "sinks": [pid], "processes": n}``: every process
     with a thread named ``pdtrace-writer`` (the writer names its kernel thread), every
-    ``pdtrace.instrument.sink`` process, and how many engine processes were read (API servers,
-    EngineCores, workers; the router is not an engine).
+    ``pdtrace.instrument.sink`` process of the lab's trace directory or started by one of the
+    lab's processes (the host's sink is detached, not in their trees: ``hostsink.find``,
+    ``hostsink.starter``), and how many engine processes were read (API servers, EngineCores,
+    workers; the router is not an engine).
     """
     import psutil
 
-    writers, sinks, n = [], [], 0
+    from pdtrace.instrument import hostsink
+
+    writers, n, tree = [], 0, set()
     for name, pid in lab.pids().items():
-        if name == "router":
-            continue
         root = psutil.Process(pid)
         for p in [root] + root.children(recursive=True):
+            tree.add(p.pid)
+            if name == "router":
+                continue
             try:
                 if "pdtrace.instrument.sink" in " ".join(p.cmdline()):
-                    sinks.append(p.pid)
                     continue
                 n += 1
                 for tid in os.listdir(f"/proc/{p.pid}/task"):
@@ -81,6 +85,8 @@ def pdtrace_in_processes(lab: Lab) -> dict:
                             break
             except (psutil.NoSuchProcess, FileNotFoundError, ProcessLookupError):
                 continue
+    mine = set(hostsink.find(lab.cfg.trace_dir)) if lab.cfg.trace_dir else set()
+    sinks = sorted(s for s in hostsink.find() if s in mine or hostsink.starter(s) in tree)
     return {"writers": writers, "sinks": sinks, "processes": n}
 
 
@@ -382,24 +388,35 @@ def check_no_tracing_errors(run_dir: Path) -> None:
 def helper_affinities(lab: Lab) -> dict:
     """CPU affinity of the lab's processes while it runs (psutil), to check pdtrace's helpers are not pinned.
 
-    Returns ``{"sinks": [(parent name, cpus)], "pinned_engine_procs": [(name, cpus)], "allowed": cpus}``:
-    every ``pdtrace.instrument.sink`` process in the lab's trees with its parent's process name, the
-    engine processes (vLLM's ``VLLM::Worker``) whose main thread is pinned to fewer CPUs than this test
-    may use, and the CPUs this test may use.
+    Returns ``{"sinks": [(starter name, cpus)], "pinned_engine_procs": [(name, cpus)], "allowed": cpus}``:
+    the host's ``pdtrace.instrument.sink`` process of the lab's trace directory with the name of the
+    traced process that started it (``--by``; '?' if it has exited), the engine processes (vLLM's
+    ``VLLM::Worker``) whose main thread is pinned to fewer CPUs than this test may use, and the CPUs
+    this test may use.
     """
     import os
 
     import psutil
 
+    from pdtrace.instrument import hostsink
+
     allowed = set(os.sched_getaffinity(0))
     sinks, pinned = [], []
+    for pid in (hostsink.find(lab.cfg.trace_dir) if lab.cfg.trace_dir else []):
+        try:
+            by = hostsink.starter(pid)
+            try:
+                who = psutil.Process(by).name() if by else "?"
+            except psutil.NoSuchProcess:
+                who = "?"
+            sinks.append((who, set(psutil.Process(pid).cpu_affinity())))
+        except psutil.NoSuchProcess:
+            continue
     for pid in lab.pids().values():
         root = psutil.Process(pid)
         for p in [root] + root.children(recursive=True):
             try:
-                if "pdtrace.instrument.sink" in " ".join(p.cmdline()):
-                    sinks.append((p.parent().name(), set(p.cpu_affinity())))
-                elif set(p.cpu_affinity()) < allowed:
+                if "pdtrace.instrument.sink" not in " ".join(p.cmdline()) and set(p.cpu_affinity()) < allowed:
                     pinned.append((p.name(), set(p.cpu_affinity())))
             except psutil.NoSuchProcess:
                 continue

@@ -136,8 +136,9 @@ def test_sinks_are_not_pinned_to_an_engine_core(traced_run):
     if len(a["allowed"]) < 2:
         pytest.skip("one CPU: nothing to leave")
     assert any(name.startswith("VLLM::Worker") and len(cpus) == 1 for name, cpus in a["pinned_engine_procs"]), a
-    # one sink per traced process: router, 2 API servers, 2 engine cores, 2 workers
-    assert len(a["sinks"]) >= 7 and all(cpus == a["allowed"] for _, cpus in a["sinks"]), a
+    # one sink for the host, whatever the number of traced processes (router, 2 API servers, 2 engine
+    # cores, 2 workers)
+    assert len(a["sinks"]) == 1 and all(cpus == a["allowed"] for _, cpus in a["sinks"]), a
 
 
 def test_no_tracing_errors_logged(traced_run):
@@ -151,7 +152,7 @@ def test_engines_traced_through_the_plugin(traced_run):
     print(by, traced_run["in_procs"])
     log = (traced_run["dir"] / "logs" / "decode-0.log").read_text(errors="replace")
     assert "Creating v1 connector with name: TracedNixlPullConnector" in log
-    assert len(traced_run["in_procs"]["writers"]) >= 4 and len(traced_run["in_procs"]["sinks"]) >= 4
+    assert len(traced_run["in_procs"]["writers"]) >= 4 and len(traced_run["in_procs"]["sinks"]) == 1
 
 
 @pytest.fixture(scope="module")

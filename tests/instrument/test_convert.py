@@ -108,3 +108,29 @@ def test_an_int_that_rounds_to_the_largest_float_is_kept_both_ways(monkeypatch, 
     floats = conv.table(recs, RES, 0).column("attr_float").to_pylist()
     assert floats[0] == [("test.convert_ratio", 1.7976931348623157e308)] and conv.dropped_attributes == 0
     assert floats[299] == [("test.convert_ratio", 299.0)]
+
+
+def test_joint_conversion_of_several_processes_equals_converting_each(monkeypatch):
+    """The host's sink converts every client's records of a part file in one call: each row keeps its
+    own process's resource columns, clock offset and default tp_rank, its attributes pass its own
+    process's allowlist, and the attributes dropped are counted per process."""
+    a_allowed = dict(attributes.ALLOWED)
+    b_allowed = {k: v for k, v in attributes.ALLOWED.items() if k != "kv.op"}  # B's allowlist lacks kv.op
+    res = [dict(RES, pid=1, role="prefill"), dict(RES, pid=2, role="decode", engine_id=None, tp_rank=3),
+           dict(RES, pid=3)]
+    segs = [([_rec(i, {"kv.bytes": i, "kv.op": "READ"}) for i in range(5)], res[0], 10, a_allowed),
+            ([_rec(i, {"kv.bytes": i, "kv.op": "READ", "prompt": "x"}) for i in range(5, 9)], res[1], 20, b_allowed),
+            ([], res[2], 30, a_allowed),  # a client with nothing to convert
+            ([_rec(9, {"kv.bytes": 9})], res[2], 40, a_allowed)]
+    joint, dropped = convert.Converter().table_joint(segs)
+    assert dropped == [0, 8, 0, 0]  # kv.op and prompt, four records of B
+    each = [convert.Converter(s[3]).table(s[0], s[1], s[2]) for s in segs if s[0]]
+    import pyarrow as pa
+    assert joint.to_pylist() == pa.concat_tables(each).to_pylist()
+    rows = joint.to_pylist()
+    assert [r["pid"] for r in rows] == [1] * 5 + [2] * 4 + [3]
+    assert [r["start_ns"] - 1000 - i for i, r in enumerate(rows)] == [10] * 5 + [20] * 4 + [40]
+    assert [r["tp_rank"] for r in rows] == [None] * 5 + [3] * 4 + [None]
+    assert rows[5]["attr_str"] == [] and rows[0]["attr_str"] == [("kv.op", "READ")]
+    with pytest.raises(ValueError):
+        convert.Converter().table_joint([([], res[0], 0, None)])

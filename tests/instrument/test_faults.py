@@ -13,7 +13,7 @@ import time
 
 import duckdb
 
-from pdtrace.instrument import store
+from pdtrace.instrument import hostsink, store
 
 PRELUDE = """
 import os, sys, time, json
@@ -118,6 +118,9 @@ print(json.dumps(st))
 
 
 def test_sigkill_mid_write_leaves_only_readable_files(tmp_path):
+    """SIGKILL of traced processes at three moments, one after the other: the host's sink outlives each
+    (it is not their child: its own session), writes what it received, serves the next one, and exits
+    once no client is left (PDTRACE_SINK_IDLE_S); every file left is readable."""
     d = tmp_path / "t"
     code = PRELUDE + """
 i = 0
@@ -128,21 +131,30 @@ while True:
     time.sleep(0.001)
 """
     env = {k: v for k, v in os.environ.items() if not k.startswith("PDTRACE_")}
-    env.update({"PDTRACE_DIR": str(d), "PDTRACE_FLUSH_INTERVAL_S": "0.05", "PDTRACE_ROTATE_S": "0.3"})
+    env.update({"PDTRACE_DIR": str(d), "PDTRACE_FLUSH_INTERVAL_S": "0.05", "PDTRACE_ROTATE_S": "0.3",
+                "PDTRACE_SINK_IDLE_S": "3"})
+    seen = set()
     for delay in (0.7, 1.3, 2.1):
         p = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], env=env, stdout=subprocess.PIPE)
-        p.stdout.readline()
-        time.sleep(delay)
-        sinks = [int(c) for t in os.listdir(f"/proc/{p.pid}/task")
-                 for c in open(f"/proc/{p.pid}/task/{t}/children").read().split()]
-        assert len(sinks) == 1, sinks
-        p.send_signal(signal.SIGKILL)
-        p.wait()
-        # the sink outlives its traced process: it writes what it received, merges, exits
-        deadline = time.time() + 60
-        while os.path.exists(f"/proc/{sinks[0]}") and time.time() < deadline:
-            time.sleep(0.05)
-        assert not os.path.exists(f"/proc/{sinks[0]}"), "the sink did not exit after its traced process died"
+        try:
+            p.stdout.readline()
+            time.sleep(delay)
+            sinks = hostsink.find(d)
+            assert len(sinks) == 1, sinks
+            kids = [int(c) for t in os.listdir(f"/proc/{p.pid}/task")
+                    for c in open(f"/proc/{p.pid}/task/{t}/children").read().split()]
+            assert sinks[0] not in kids  # detached: not killed with its starter
+            seen.add(sinks[0])
+        finally:  # the traced process records forever: never leave it running
+            p.send_signal(signal.SIGKILL)
+            p.wait()
+        assert hostsink.sync(d, 60)  # the sink takes in what the killed process sent and writes it
+        _all_readable(d)
+    assert len(seen) == 1  # one sink served all three (each came within the idle time)
+    deadline = time.time() + 60
+    while hostsink.find(d) and time.time() < deadline:
+        time.sleep(0.05)
+    assert not hostsink.find(d), "the sink did not exit after its last client died"
     files = _all_readable(d)
     assert files, "flushes before the kill must have left files"
     assert _count(d) > 0
@@ -196,6 +208,8 @@ def test_exit_flushes(child, tmp_path):
 
 
 def test_fork_child_writes_its_own_files(child, tmp_path):
+    """A forked child is its own client of the host's sink: its rows carry its own pid (never the
+    parent's), it has its own recorder.stats rows, and record ids stay unique."""
     code = PRELUDE + """
 tracer.record('decode.step', 'parent', 1, 2)
 pid = os.fork()
@@ -210,11 +224,12 @@ print(os.getpid(), pid)
     r = child(code, {"PDTRACE_DIR": str(tmp_path), "PDTRACE_FLUSH_INTERVAL_S": "30"})
     assert r.returncode == 0, r.stderr
     ppid, cpid = map(int, r.stdout.split())
-    rows = duckdb.sql(f"select request_id, pid, filename from read_parquet('{tmp_path}/*.parquet', filename=true) "
+    rows = duckdb.sql(f"select request_id, pid from read_parquet('{tmp_path}/*.parquet') "
                       "where name='decode.step'").fetchall()
-    assert sorted((a, b) for a, b, _ in rows) == sorted([("parent", ppid), ("parent", ppid), ("child", cpid)])
-    for rid, pid, fn in rows:
-        assert f"-{pid}-" in os.path.basename(fn)  # never in the other process's file
+    assert sorted(rows) == sorted([("parent", ppid), ("parent", ppid), ("child", cpid)])
+    stats = dict(duckdb.sql(f"select pid, max(attr_int['recorder.written']) from read_parquet('{tmp_path}/*.parquet') "
+                            "where record='stats' group by 1").fetchall())
+    assert stats == {ppid: 2, cpid: 1}
     (u,), = duckdb.sql(f"select count(distinct record_id) = count(*) from read_parquet('{tmp_path}/*.parquet')").fetchall()
     assert u
 
@@ -260,7 +275,7 @@ w = tracer._writer
 for i in range(100):
     tracer.record('decode.step', 'a', i, i + 1)
 tracer.force_flush(30)
-sink = w._proc.pid
+sink = w.sink_pid
 nice = os.getpriority(os.PRIO_PROCESS, sink) - os.getpriority(os.PRIO_PROCESS, 0)
 grandchildren = open(f'/proc/{sink}/task/{sink}/children').read().split()
 os.kill(sink, signal.SIGKILL)
@@ -273,7 +288,7 @@ for i in range(30):
     tracer.record('decode.step', 'c', i, i + 1)
 tracer.force_flush(30)
 print(json.dumps({"stats": tracer.stats(), "nice": nice, "grandchildren": grandchildren,
-                  "new_sink": w._proc.pid != sink}))
+                  "new_sink": w.sink_pid != sink}))
 """
     r = child(code, {"PDTRACE_DIR": str(tmp_path), "PDTRACE_FLUSH_INTERVAL_S": "60"})
     assert r.returncode == 0, r.stderr

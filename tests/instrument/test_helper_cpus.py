@@ -45,7 +45,7 @@ def _affinities_when_started_from_a_thread_pinned_to(cpu: int, tmp_path, **env) 
         assert t.force_flush(timeout=30)
         w = t._writer
         assert w.cpus == os.sched_getaffinity(w.native_id)  # what the writer reports is what the kernel applied
-        return (os.sched_getaffinity(w.native_id), os.sched_getaffinity(w._proc.pid), os.sched_getaffinity(0))
+        return (os.sched_getaffinity(w.native_id), os.sched_getaffinity(w.sink_pid), os.sched_getaffinity(0))
     finally:
         t.shutdown()
         os.sched_setaffinity(0, before)

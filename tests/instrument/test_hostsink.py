@@ -1,0 +1,195 @@
+"""One sink per host and trace directory: real traced processes, a real sink process, real signals.
+
+Each traced process is a fresh interpreter (``subprocess``) that records at a known pace and
+prints what it saw; the sink is found from outside through ``/proc`` (``hostsink.find``) and,
+independently, through psutil's process table.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import duckdb
+import psutil
+
+from pdtrace.instrument import hostsink, store
+
+#: A traced process: records ``decode.step`` spans with real monotonic times (one every ~``GAP`` s,
+#: ``step.id`` counting up), prints its sink's pid after its first flush, and on a line on stdin
+#: shuts the recorder down and prints its counters.
+WORKER = """
+import json, os, sys, threading, time
+from pdtrace.instrument import tracer
+tracer.activate()
+tracer.set_resource(role=sys.argv[1])
+GAP = float(sys.argv[2])
+stop = threading.Event()
+def rec():
+    i = 0
+    while not stop.is_set():
+        t = tracer.now()
+        tracer.record('decode.step', None, t, t + 1000, {'step.id': i}); i += 1
+        time.sleep(GAP)
+th = threading.Thread(target=rec); th.start()
+tracer.force_flush(30)
+print(json.dumps({"sink": tracer._writer.sink_pid, "pid": os.getpid()}), flush=True)
+sys.stdin.readline()
+stop.set(); th.join()
+ok = tracer.shutdown(30)
+print(json.dumps({"ok": ok, "stats": tracer.stats(), "pid": os.getpid()}), flush=True)
+"""
+
+
+def _env(d, **kw):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PDTRACE_", "OTEL_"))}
+    env.update({"PDTRACE_DIR": str(d), "PDTRACE_SINK_IDLE_S": "1"})
+    env.update({k: str(v) for k, v in kw.items()})
+    return env
+
+
+def _start(d, role, gap=0.001, **kw):
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(WORKER), role, str(gap)], env=_env(d, **kw),
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(p):
+    out, err = p.communicate("\n", timeout=120)
+    assert p.returncode == 0, err
+    return json.loads(out.strip().splitlines()[-1]), err
+
+
+def _psutil_sinks(d):
+    """The sink processes of ``d`` from psutil's process table (independent of hostsink.find's /proc reading)."""
+    real = os.path.realpath(d)
+    out = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        cmd = p.info["cmdline"] or []
+        if hostsink.MODULE in cmd and real in cmd and p.info["status"] != psutil.STATUS_ZOMBIE:
+            try:
+                if os.getsid(p.pid) != p.pid:  # not the starter that forks the sink and exits
+                    out.append(p.pid)
+            except ProcessLookupError:
+                pass
+    return sorted(out)
+
+
+def _readable(d):
+    files = store.store_files(d)
+    for f in files:
+        assert store.check_file(f).ok, f
+        duckdb.sql(f"select count(*) from read_parquet('{f}')").fetchall()
+    return files
+
+
+def _wait_gone(d, timeout=60):
+    deadline = time.time() + timeout
+    while hostsink.find(d) and time.time() < deadline:
+        time.sleep(0.05)
+    return hostsink.find(d)
+
+
+def test_traced_processes_started_together_share_one_sink(tmp_path):
+    """Three traced processes started at the same moment (they race to start the sink): one sink
+    process serves them all, each has its own rows and stats rows, the files are the sink's (not
+    per process), and the processes view lists every traced process with its counters."""
+    d = tmp_path / "t"
+    procs = [_start(d, role) for role in ("router", "prefill", "decode")]
+    hello = [json.loads(p.stdout.readline()) for p in procs]
+    sinks = {h["sink"] for h in hello}
+    assert len(sinks) == 1 and None not in sinks, hello
+    assert hostsink.find(d) == sorted(sinks) == _psutil_sinks(d)
+    assert all(h["sink"] != h["pid"] for h in hello)
+    time.sleep(1.0)
+    outs = [_finish(p)[0] for p in procs]
+    assert all(o["ok"] for o in outs)
+    assert hostsink.sync(d, 30)
+    files = _readable(d)
+    assert files and all(f.name.startswith("sink-") and f"-{sinks.pop()}-" in f.name for f in files)
+    rows = dict(duckdb.sql(f"select pid, count(*) from read_parquet('{d}/*.parquet') where name='decode.step' "
+                           "group by 1").fetchall())
+    for o in outs:
+        st = o["stats"]
+        assert st["dropped"] == 0 and st["recorded"] == st["written"] == rows[o["pid"]] > 100, (st, rows)
+    from pdtrace.analysis import db
+
+    with db.open_trace(d) as tr:
+        got = tr.con.execute("select pid, role, recorded, written, dropped from processes order by pid").fetchall()
+    assert got == sorted((o["pid"], role, o["stats"]["recorded"], o["stats"]["written"], 0)
+                         for o, role in zip(outs, ("router", "prefill", "decode")))
+    assert _wait_gone(d) == []  # idle (PDTRACE_SINK_IDLE_S=1) after its last client: it exits
+
+
+def test_sink_killed_mid_run_loses_at_most_one_interval_counted_and_restarts(tmp_path):
+    """SIGKILL of the shared sink while two traced processes record (a record every ~2 ms each,
+    flush interval 0.2 s): each writer counts what the sink had not answered for as dropped, the
+    next send starts a new sink (one, for both), writing resumes, and every file is readable. The
+    records missing from the store are at most what was counted as dropped, and they fall in one
+    gap per process no longer than about one flush interval (plus scheduling slack)."""
+    d = tmp_path / "t"
+    interval = 0.2
+    procs = [_start(d, role, gap=0.002, PDTRACE_FLUSH_INTERVAL_S=interval) for role in ("prefill", "decode")]
+    hello = [json.loads(p.stdout.readline()) for p in procs]
+    (first,) = {h["sink"] for h in hello}
+    time.sleep(1.5)
+    os.kill(first, signal.SIGKILL)
+    kill_wall = time.time_ns()
+    deadline = time.time() + 60
+    while (not hostsink.find(d) or hostsink.find(d) == [first]) and time.time() < deadline:
+        time.sleep(0.05)
+    (second,) = hostsink.find(d)
+    assert second != first
+    time.sleep(1.5)
+    assert hostsink.find(d) == [second] == _psutil_sinks(d)  # one new sink for both
+    outs = [_finish(p) for p in procs]
+    assert hostsink.sync(d, 30)
+    _readable(d)
+    for (o, err) in outs:
+        st = o["stats"]
+        assert o["ok"] and st["recorded"] == st["written"] + st["dropped"], st
+        assert err.count("sink process is gone") == 1, err
+        ids = [r[0] for r in duckdb.sql(
+            f"select attr_int['step.id'] from read_parquet('{d}/*.parquet') where name='decode.step' "
+            f"and pid={o['pid']} order by 1").fetchall()]
+        missing = sorted(set(range(max(ids) + 1)) - set(ids))
+        assert len(missing) <= st["dropped"], (len(missing), st)
+        assert len(ids) == st["written"] <= st["recorded"]  # every record of the worker is a decode.step
+        if missing:  # one contiguous run around the kill, at most ~one interval of records
+            times = dict(duckdb.sql(
+                f"select attr_int['step.id'], start_ns from read_parquet('{d}/*.parquet') where name='decode.step' "
+                f"and pid={o['pid']}").fetchall())
+            before, after = times[missing[0] - 1], times[missing[-1] + 1]
+            assert after - before < (interval + 1.0) * 1e9, (missing[0], missing[-1], (after - before) / 1e9)
+            assert before < kill_wall + 1e9 and after > kill_wall - (interval + 1.0) * 1e9
+    assert _wait_gone(d) == []
+
+
+def test_sigterm_to_the_sink_writes_what_it_holds_and_clients_go_on(tmp_path):
+    """SIGTERM to the sink: it writes and answers before exiting, so its clients lose nothing; the
+    next send starts a new one."""
+    d = tmp_path / "t"
+    p = _start(d, "decode", gap=0.002, PDTRACE_FLUSH_INTERVAL_S=0.2)
+    first = json.loads(p.stdout.readline())["sink"]
+    time.sleep(1.0)
+    os.kill(first, signal.SIGTERM)
+    deadline = time.time() + 60
+    while hostsink.find(d) in ([], [first]) and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)
+    o, err = _finish(p)
+    st = o["stats"]
+    assert hostsink.sync(d, 30)
+    _readable(d)
+    (n,), = duckdb.sql(f"select count(*) from read_parquet('{d}/*.parquet') where name='decode.step'").fetchall()
+    assert st["dropped"] == 0 and st["recorded"] == st["written"] == n, st
+    assert _wait_gone(d) == []
+
+
+def test_sink_address_fits_any_directory_length(tmp_path):
+    """The socket name does not grow with the directory's path (an abstract name of fixed length,
+    far below the 108-byte sun_path limit), and differs between directories."""
+    deep = tmp_path / ("x" * 200) / ("y" * 200)
+    a, b = hostsink.address(deep), hostsink.address(tmp_path)
+    assert len(a) == len(b) < 108 and a != b and a.startswith(b"\0")
