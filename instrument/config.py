@@ -120,6 +120,7 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
     Variable("PDTRACE_OPEN_AFTER_S", "1.0", "[0, 86400]", "recorder", "open spans at least this old (s) are written"),
     Variable("PDTRACE_ROTATE_S", "60", "[0, 86400]", "recorder", "merge part files into a segment this often (s)"),
     Variable("PDTRACE_ROTATE_BYTES", str(64 << 20), "[2^16, 2^34]", "recorder", "... or at this many bytes of parts"),
+    Variable("PDTRACE_SINK_IDLE_S", "5", "[0.1, 86400]", "recorder", "the host's sink exits this long after its last client"),
     Variable("PDTRACE_ANCHOR_INTERVAL_S", "10", "[0.01, 86400]", "recorder", "clock anchor interval (s)"),
     Variable("PDTRACE_RUN_ID", None, "text", "recorder", "run id written on every row"),
     Variable("PDTRACE_ROLE", None, "text", "recorder", "role resource if the process sets none"),
