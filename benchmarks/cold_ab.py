@@ -10,8 +10,10 @@ interpreter A and once with interpreter B (default: this interpreter), in
 alternating order (A B, B A, A B, ...) so drift in the machine's load falls
 on both. Each build runs in its own child process; its time is measured
 inside the child (process start and imports excluded) and its peak RSS is the
-child's. The end prints every round's pair, the median ratio B/A with the
-min-max of the per-round ratios, and whose pdtrace each interpreter imports
+child's, and so is its CPU time (user + sys of all its threads, from
+``resource.getrusage``: less sensitive to the machine's load than wall time).
+The end prints every round's pair, the median ratios B/A (wall and CPU) with
+the min-max of the per-round ratios, and whose pdtrace each interpreter imports
 (the git revision of the tree holding its ``pdtrace.analysis``).
 
 A ratio, not a time, is the figure: on a shared 2-core machine a cold build
@@ -35,6 +37,7 @@ store = Path(sys.argv[1]); mem = sys.argv[2] or None
 d = Path(tempfile.mkdtemp(prefix="pdtrace-coldab-"))
 try:
     t = time.perf_counter()
+    ru0 = resource.getrusage(resource.RUSAGE_SELF); cpu0 = ru0.ru_utime + ru0.ru_stime
     tr = db.Trace(store, cache=d / "cache.duckdb")
     if mem:
         tr.con.execute(f"SET memory_limit = '{mem}'")
@@ -46,8 +49,9 @@ try:
     tr.close()
 finally:
     shutil.rmtree(d, ignore_errors=True)
-print(json.dumps({"s": s, "rows": n, "requests": r.dirty_requests,
-                  "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+ru = resource.getrusage(resource.RUSAGE_SELF)
+print(json.dumps({"s": s, "cpu_s": ru.ru_utime + ru.ru_stime - cpu0, "rows": n, "requests": r.dirty_requests,
+                  "rss_mib": ru.ru_maxrss / 1024}))
 """
 
 _WHERE = "import pdtrace.analysis as a, pathlib; print(pathlib.Path(a.__file__).resolve().parent.parent)"
@@ -80,18 +84,22 @@ def main() -> None:
     a = ap.parse_args()
     print(f"A: {_tree(a.python_a)}")
     print(f"B: {_tree(a.python_b)}")
-    ratios = []
+    ratios, cpu_ratios = [], []
     for i in range(a.rounds):
         order = ("A", "B") if i % 2 == 0 else ("B", "A")
         res = {k: _build(a.python_a if k == "A" else a.python_b, a.store, a.memory_limit) for k in order}
         if res["A"]["rows"] != res["B"]["rows"]:
             print(f"  note: ttft_breakdown rows differ: A {res['A']['rows']:,}, B {res['B']['rows']:,}")
         ratios.append(res["B"]["s"] / res["A"]["s"])
+        cpu_ratios.append(res["B"]["cpu_s"] / res["A"]["cpu_s"])
         print(f"round {i + 1}/{a.rounds} ({' then '.join(order)}): A {res['A']['s']:.1f} s "
-              f"({res['A']['rss_mib']:.0f} MiB), B {res['B']['s']:.1f} s ({res['B']['rss_mib']:.0f} MiB), "
-              f"B/A {ratios[-1]:.3f}", flush=True)
+              f"({res['A']['cpu_s']:.1f} s CPU, {res['A']['rss_mib']:.0f} MiB), B {res['B']['s']:.1f} s "
+              f"({res['B']['cpu_s']:.1f} s CPU, {res['B']['rss_mib']:.0f} MiB), "
+              f"B/A {ratios[-1]:.3f} wall, {cpu_ratios[-1]:.3f} CPU", flush=True)
     print(f"cold build B/A: median {statistics.median(ratios):.3f} over {len(ratios)} rounds "
           f"(per-round {min(ratios):.3f}-{max(ratios):.3f}); a regression above 10 % is a median above 1.100")
+    print(f"cold build B/A process CPU time (user + sys, every thread): median {statistics.median(cpu_ratios):.3f} "
+          f"(per-round {min(cpu_ratios):.3f}-{max(cpu_ratios):.3f})")
 
 
 if __name__ == "__main__":

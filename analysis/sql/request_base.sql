@@ -127,13 +127,10 @@ WITH rt AS (
            max(attempt) AS attempt,
            bool_or(name IN ('handoff.handshake', 'handoff.agent_load') OR attr_int['kv.first_contact'] = 1) AS first_contact,
            bool_or(name IN ('kv.load_failed', 'request.preempted')) AS recomputed,
-           -- for wasted_compute_ns (see the header): resets, and the compute spans (the compute stages of
-           -- pdtrace.instrument.stages) with start (corrected), duration, side, engine, rank, ids
+           -- for wasted_compute_ns (see the header): the resets (the compute spans are read in w_spans,
+           -- for the few requests with a reset only)
            list(c_start_ns) FILTER (WHERE record = 'event' AND name IN ('kv.load_failed', 'request.preempted'))
                AS reset_events,
-           list({'s': c_start_ns, 'd': end_ns - start_ns, 'dec': role = 'decode', 'eng': engine_id,
-                 'rank': tp_rank, 'sid': span_id, 'par': parent_span_id})
-               FILTER (WHERE record = 'span' AND name IN ('prefill.compute', 'decode.first_step')) AS compute_spans,
            CASE WHEN bool_or(connector ILIKE '%push%') THEN 'push'
                 WHEN bool_or(connector ILIKE '%nixl%') THEN 'pull' END AS connector_mode,
            bool_or(name = 'dest.register') AS saw_registration,
@@ -167,7 +164,7 @@ WITH rt AS (
     SELECT coalesce(rt.rkey, en.rkey) AS rkey,
            CASE WHEN rt.rkey IS NOT NULL THEN rt.first_token_ns
                 WHEN en.p_fe_in_ns IS NOT NULL THEN en.d_token_ns END AS ft,
-           rt.p_redispatch_ns, rt.d_redispatch_ns, en.reset_events, en.compute_spans
+           rt.p_redispatch_ns, rt.d_redispatch_ns, en.reset_events
     FROM rt FULL OUTER JOIN en ON rt.rkey = en.rkey
     WHERE rt.p_redispatch_ns IS NOT NULL OR rt.d_redispatch_ns IS NOT NULL OR len(en.reset_events) > 0
 ), w_reset AS (
@@ -182,8 +179,14 @@ WITH rt AS (
     FROM w_ft f JOIN w_reset r ON r.rkey = f.rkey AND (f.ft IS NULL OR r.t <= f.ft)
     GROUP BY f.rkey
 ), w_spans AS (
-    SELECT f.rkey, unnest(f.compute_spans) AS c, l.reset_all_ns, l.reset_decode_ns
+    -- the compute spans (the compute stages of pdtrace.instrument.stages) of a request with a reset:
+    -- start (corrected), duration, side, engine, rank, ids
+    SELECT f.rkey, {'s': t.c_start_ns, 'd': t.end_ns - t.start_ns, 'dec': t.role = 'decode', 'eng': t.engine_id,
+                    'rank': t.tp_rank, 'sid': t.span_id, 'par': t.parent_span_id} AS c,
+           l.reset_all_ns, l.reset_decode_ns
     FROM w_ft f JOIN w_last l ON l.rkey = f.rkey
+    JOIN _timed t ON t.rkey = f.rkey
+    WHERE t.record = 'span' AND t.name IN ('prefill.compute', 'decode.first_step') AND t.role IN ('prefill', 'decode')
 ), w_comp AS (
     -- leaf compute spans (a prefill.compute parent's chunks stand for it) started before the reset on their side
     SELECT c.rkey, c.c.eng AS engine_id, c.c.rank AS tp_rank, sum(c.c.d) AS dur_ns

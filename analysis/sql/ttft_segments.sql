@@ -179,7 +179,7 @@ SELECT t.rkey, t.span_id, t.parent_span_id, t.name::_stage_name AS stage,
        CASE WHEN t.name = 'dest.register' THEN 'decode' ELSE coalesce(m.leg, t.role) END AS branch,
        greatest(t.c_start_ns, q.arrival_ns) AS s0,
        least(t.c_end_ns, q.first_token_ns, CASE WHEN t.role = 'prefill' THEN q.prefill_response_ns END) AS e0,
-       q.arrival_ns, q.first_token_ns
+       q.arrival_ns, q.first_token_ns, q.attempt_start_ns
 FROM _timed t
 JOIN _tt_req q ON q.rkey = t.rkey
 JOIN stages s ON s.stage = t.name
@@ -192,8 +192,8 @@ UNION ALL
 SELECT u.rkey, NULL::UBIGINT, NULL::UBIGINT, 'router.unseen'::_stage_name, s.category,
        s.stage_group::_stage_name, s.is_filler, 'router', NULL::VARCHAR, NULL::SMALLINT, 0, u.e0,
        NULL::UBIGINT, NULL::UBIGINT,
-       'router', u.s0, u.e0, u.arrival_ns, u.first_token_ns
-FROM (SELECT rkey, arrival_ns, first_token_ns,
+       'router', u.s0, u.e0, u.arrival_ns, u.first_token_ns, u.attempt_start_ns
+FROM (SELECT rkey, arrival_ns, first_token_ns, attempt_start_ns,
              greatest(CASE WHEN mode = 'pull' THEN prefill_response_ns ELSE arrival_ns END, arrival_ns) AS s0,
              least(decode_arrival_ns, first_token_ns) AS e0
       FROM _tt_req WHERE ttft_source = 'engine') u
@@ -202,18 +202,16 @@ WHERE u.e0 > u.s0;
 
 -- Candidates after the rank and branch rules; `kept` = may own time.
 CREATE OR REPLACE VIEW _calc_tt_cand AS
-WITH allc0 AS MATERIALIZED (
+WITH allc AS MATERIALIZED (
     SELECT * FROM _tt_all
-), allc AS MATERIALIZED (
-    -- parent links: kept only to a candidate of the same recorder and trace (header, "Parent links")
-    SELECT a.* EXCLUDE (proc_key, trace_key) REPLACE (
-               CASE WHEN a.parent_span_id IS NOT NULL AND EXISTS (
-                        SELECT 1 FROM allc0 p
-                        WHERE p.rkey = a.rkey AND p.span_id = a.parent_span_id AND p.attempt = a.attempt
-                          AND p.proc_key = a.proc_key
-                          AND (a.trace_key IS NULL OR p.trace_key IS NULL OR a.trace_key = p.trace_key))
-                    THEN a.parent_span_id END AS parent_span_id)
-    FROM allc0 a
+), par_ok AS (
+    -- parent links kept: to a candidate of the same recorder and trace (header, "Parent links");
+    -- one row per (request, parent, attempt, recorder, trace) of a child whose parent qualifies
+    SELECT DISTINCT a.rkey, a.parent_span_id, a.attempt, a.proc_key, a.trace_key
+    FROM allc a JOIN allc p
+      ON p.rkey = a.rkey AND p.span_id = a.parent_span_id AND p.attempt = a.attempt AND p.proc_key = a.proc_key
+    WHERE a.parent_span_id IS NOT NULL
+      AND (a.trace_key IS NULL OR p.trace_key IS NULL OR a.trace_key = p.trace_key)
 ), ranks AS (
     SELECT rkey, engine_id, arg_max(tp_rank, (end_c, -tp_rank)) AS crit_rank
     FROM allc WHERE tp_rank IS NOT NULL
@@ -230,23 +228,28 @@ WITH allc0 AS MATERIALIZED (
      AND f.s0 <= q.s0 AND q.s0 < f.e0
     GROUP BY q.rkey, q.span_id
 ), ranked AS MATERIALIZED (
-    SELECT a.* REPLACE (CASE WHEN h.in_end_ns IS NOT NULL THEN least(h.in_end_ns, a.e0) ELSE a.s0 END AS s0)
+    -- (a parent link that does not qualify is dropped here: par_ok)
+    SELECT a.* EXCLUDE (proc_key, trace_key) REPLACE (
+               CASE WHEN h.in_end_ns IS NOT NULL THEN least(h.in_end_ns, a.e0) ELSE a.s0 END AS s0,
+               CASE WHEN k.rkey IS NOT NULL THEN a.parent_span_id END AS parent_span_id)
     FROM allc a LEFT JOIN ranks r ON r.rkey = a.rkey AND r.engine_id IS NOT DISTINCT FROM a.engine_id
     LEFT JOIN handover h ON h.rkey = a.rkey AND h.span_id = a.span_id
+    LEFT JOIN par_ok k ON k.rkey = a.rkey AND k.parent_span_id = a.parent_span_id AND k.attempt = a.attempt
+          AND k.proc_key = a.proc_key AND k.trace_key IS NOT DISTINCT FROM a.trace_key
     WHERE a.tp_rank IS NULL OR a.tp_rank = r.crit_rank
 ), j0 AS (
     -- the handoff of the attempt that delivered the first token (request_base.attempt_start_ns:
     -- a retry): only stages starting at or after the retry's dispatch
     SELECT r.rkey,
-           min(r.s0) FILTER (WHERE _post_join_stage(r.stage_group) AND r.s0 >= coalesce(q.attempt_start_ns, r.s0)) AS post_start_ns,
-           max(r.e0) FILTER (WHERE _post_join_stage(r.stage_group) AND r.s0 >= coalesce(q.attempt_start_ns, r.s0)) AS chain_end_ns,
-           max(r.e0) FILTER (WHERE r.stage = 'kv.transfer' AND r.s0 >= coalesce(q.attempt_start_ns, r.s0)) AS xfer_end_ns,
+           min(r.s0) FILTER (WHERE _post_join_stage(r.stage_group) AND r.s0 >= coalesce(r.attempt_start_ns, r.s0)) AS post_start_ns,
+           max(r.e0) FILTER (WHERE _post_join_stage(r.stage_group) AND r.s0 >= coalesce(r.attempt_start_ns, r.s0)) AS chain_end_ns,
+           max(r.e0) FILTER (WHERE r.stage = 'kv.transfer' AND r.s0 >= coalesce(r.attempt_start_ns, r.s0)) AS xfer_end_ns,
            -- rule 10: the handoff's last input (greatest ignores NULL: pull has no dest.register)
            greatest(max(r.e0) FILTER (WHERE r.branch = 'prefill' AND r.stage_group = 'prefill.compute'
-                                            AND r.s0 >= coalesce(q.attempt_start_ns, r.s0)),
-                    max(r.e0) FILTER (WHERE r.stage = 'dest.register' AND r.s0 >= coalesce(q.attempt_start_ns, r.s0))) AS input_ns,
-           any_value(q.attempt_start_ns) AS att_ns
-    FROM ranked r JOIN _tt_req q ON q.rkey = r.rkey GROUP BY r.rkey
+                                            AND r.s0 >= coalesce(r.attempt_start_ns, r.s0)),
+                    max(r.e0) FILTER (WHERE r.stage = 'dest.register' AND r.s0 >= coalesce(r.attempt_start_ns, r.s0))) AS input_ns,
+           any_value(r.attempt_start_ns) AS att_ns
+    FROM ranked r GROUP BY r.rkey
 ), j AS (
     SELECT rkey, greatest(post_start_ns, input_ns) AS join_ns, chain_end_ns, xfer_end_ns, input_ns, att_ns
     FROM j0 WHERE post_start_ns IS NOT NULL
