@@ -29,7 +29,7 @@ polling; ``get_finished`` legacy)
 """
 from __future__ import annotations
 
-from pdtrace.instrument import activate, tracer
+from pdtrace.instrument import activate, selfcpu, tracer
 
 from .. import vllm_compat
 from .safety import safe
@@ -102,6 +102,15 @@ class TracedFacadeMixin:
             parent = None
         if rids:
             a["connector.request_ids"] = ";".join(rids)
+        if selfcpu.enabled and name == "connector.load":
+            # the forward thread's pdtrace CPU and whole CPU since the previous recorded connector.load
+            # (one engine step of this rank; the hook running now is charged to the next one)
+            pd, th = selfcpu.thread_pair()
+            m = w._pdt_cpu_mark
+            if m is not None:
+                a["step.pdtrace_cpu_ns"] = pd - m[0]
+                a["step.thread_cpu_ns"] = th - m[1]
+            w._pdt_cpu_mark = (pd, th)
         tracer.record(name, None, t0, t1, a, parent=parent, tp_rank=w._pdt_rank)
 
     def start_load_kv(self, forward_context, **kwargs) -> None:

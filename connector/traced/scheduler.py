@@ -103,11 +103,10 @@ class SReq:
 
 
 class PendingStep:
-    __slots__ = ("step", "sid", "t0", "batch", "chunks", "promoted", "attrs", "empty")
+    __slots__ = ("step", "sid", "t0", "chunks", "promoted", "attrs", "empty")
 
     def __init__(self, step, sid, t0):
         self.step, self.sid, self.t0 = step, sid, t0
-        self.batch = None
         self.chunks = []      # (SReq, tokens, chunk_index, last)
         self.promoted = []    # SReq
         self.attrs = None
@@ -128,7 +127,7 @@ class TracedSchedulerMixin:
         self._pdt_step_id = 0
         self._pdt_holds: dict[str, tuple[int, SReq]] = {}
         self._pdt_idle = 0
-        self._pdt_cpu_mark = 0  # selfcpu.total_ns() when the last step span was written
+        self._pdt_cpu_mark = None  # (pdtrace ns, thread ns) of this thread when the last step span was written
 
     # ------------------------------------------------------------ arrivals
     def on_new_request(self, request):
@@ -302,12 +301,13 @@ class TracedSchedulerMixin:
             parts.append(f"{st.x}:{kind}{n}")
         ps.empty = not parts
         if keep_step:
-            ps.batch = ";".join(parts)
+            # built once: the open span holds this dict (never changed afterwards: the writer thread may be
+            # reading it for an `open` row), and the step's row copies it once more at the end
             ps.attrs = {"step.id": step, "step.num_reqs": len(parts), "step.prefill_tokens": n_p,
-                        "step.decode_tokens": n_d, "step.recompute_tokens": n_r}
+                        "step.decode_tokens": n_d, "step.recompute_tokens": n_r, "step.batch": ";".join(parts)}
             # open while it runs: a step that never returns (a hung forward, a stuck collective) is
             # written as `open` rows at each flush and read as an engine stall (analysis engine_stalls)
-            tracer.start(self._pdt_step_name, None, t0, attrs={**ps.attrs, "step.batch": ps.batch}, span_id=sid)
+            tracer.start(self._pdt_step_name, None, t0, attrs=ps.attrs, span_id=sid)
         self._pdt_pending.append(ps)
         if len(self._pdt_pending) > 64:  # a step never paired: do not grow without bound
             tracer.abandon(self._pdt_pending.popleft().sid)
@@ -405,14 +405,18 @@ class TracedSchedulerMixin:
     def _pdt_close_step(self, ps: PendingStep, t1: int) -> None:
         if ps.sid:
             tracer.close(ps.sid)
-            a = dict(ps.attrs or {})
-            a["step.batch"] = ps.batch or ""
+            a = dict(ps.attrs) if ps.attrs else {"step.batch": ""}
             a["step.idle_before"] = self._pdt_idle
             self._pdt_idle = 0
             if selfcpu.enabled:
-                cpu = selfcpu.total_ns()
-                a["step.pdtrace_cpu_ns"] = cpu - self._pdt_cpu_mark
-                self._pdt_cpu_mark = cpu
+                # this (EngineCore) thread's pdtrace CPU and whole CPU since the previous recorded step span
+                # (the hook running now is charged to the next step: it is still running)
+                pd, th = selfcpu.thread_pair()
+                m = self._pdt_cpu_mark
+                if m is not None:
+                    a["step.pdtrace_cpu_ns"] = pd - m[0]
+                    a["step.thread_cpu_ns"] = th - m[1]
+                self._pdt_cpu_mark = (pd, th)
             tracer.record(self._pdt_step_name, None, ps.t0, t1, a, span_id=ps.sid)
         for st, n, idx, last in ps.chunks:
             end = t1

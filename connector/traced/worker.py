@@ -94,6 +94,7 @@ class TracedWorkerMixin:
         self._pdt_report = None
         self._pdt_step = None
         self._pdt_lock = threading.Lock()
+        self._pdt_cpu_mark = None  # (pdtrace ns, thread ns) of the forward thread at the last connector.load
         self._pdt_backend = (list(self.nixl_backends) or ["UCX"])[0]
         if tracer.on:
             self.nixl_wrapper = TracedAgent(self.nixl_wrapper, self)
