@@ -152,8 +152,10 @@ class TracedFacadeMixin:
 
     def _pdt_after_poll(self, method, t0, t1, recving, sending) -> None:
         w = self.connector_worker
-        w._pdt_finished_recv(recving, t1)
-        rids = [w._pdt_x(r) for r in (recving or ())] + [w._pdt_x(r) for r in (sending or ())]
+        if recving:
+            w._pdt_finished_recv(recving, t1)
+        rids = [w._pdt_x(r) for r in (recving or ())] + [w._pdt_x(r) for r in (sending or ())] \
+            if recving or sending else ()
         self._pdt_span("connector.poll", method, t0, t1, rids)
 
     def build_connector_worker_meta(self):

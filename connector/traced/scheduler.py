@@ -67,6 +67,10 @@ from .common import split_id
 from .safety import safe
 
 
+#: Shared empty mapping for the common case (no receive, no hold this step): never written to.
+_NONE: dict = {}
+
+
 class SReq:
     """Per-request scheduler-side state (monotonic ns)."""
 
@@ -235,17 +239,27 @@ class TracedSchedulerMixin:
         sid = tracer.new_id() if keep_step else 0
         ps = PendingStep(step, sid, t0)
         # metadata → worker: step id, step span id, per-request times the worker needs
-        recv_alloc = {}
-        for rid in getattr(meta, "reqs_to_recv", {}) or {}:
-            st = self._pdt_reqs.get(rid)
-            if st is not None and st.t_alloc:
-                recv_alloc[rid] = st.t_alloc
-        kv_ready = {}
-        for rid in list(getattr(meta, "push_finished_blocks", {}) or {}) + list(getattr(meta, "reqs_to_send", {}) or {}):
-            h = self._pdt_holds.get(rid)
-            if h is not None:
-                kv_ready[rid] = h[0]
-        meta._pdtrace = (step, sid, recv_alloc, kv_ready, not so.num_scheduled_tokens)
+        reqs = self._pdt_reqs
+        recv_alloc = _NONE
+        to_recv = getattr(meta, "reqs_to_recv", None)
+        if to_recv:
+            recv_alloc = {}
+            for rid in to_recv:
+                st = reqs.get(rid)
+                if st is not None and st.t_alloc:
+                    recv_alloc[rid] = st.t_alloc
+        kv_ready = _NONE
+        holds = self._pdt_holds
+        if holds:
+            for d in (getattr(meta, "push_finished_blocks", None), getattr(meta, "reqs_to_send", None)):
+                for rid in d or ():
+                    h = holds.get(rid)
+                    if h is not None:
+                        if kv_ready is _NONE:
+                            kv_ready = {}
+                        kv_ready[rid] = h[0]
+        sched = so.num_scheduled_tokens
+        meta._pdtrace = (step, sid, recv_alloc, kv_ready, not sched)
 
         for rid in so.preempted_req_ids or ():
             st = self._pdt_reqs.get(rid)
@@ -263,8 +277,8 @@ class TracedSchedulerMixin:
 
         parts = []
         n_p = n_d = n_r = 0
-        for rid, n in so.num_scheduled_tokens.items():
-            st = self._pdt_reqs.get(rid)
+        for rid, n in sched.items():
+            st = reqs.get(rid)
             if st is None:
                 parts.append(f"{rid}:d{n}")
                 n_d += n
@@ -284,7 +298,7 @@ class TracedSchedulerMixin:
                 # charged to decode.first_step, not prefill.compute
                 kind = "p"
                 n_p += n
-            elif req.num_computed_tokens < req.num_prompt_tokens and not st.awaiting:
+            elif not st.awaiting and req.num_computed_tokens < req.num_prompt_tokens:
                 kind = "r" if st.attempt > 0 else "p"
                 if kind == "r":
                     n_r += n
@@ -371,8 +385,9 @@ class TracedSchedulerMixin:
             else:
                 self._pdt_close_step(ps, t1)
         # per-rank completion times of receives (D)
-        recv = getattr(rep, "recv", None) or {}
-        for rid in out.finished_recving or ():
+        done_recv = out.finished_recving
+        recv = (getattr(rep, "recv", None) or _NONE) if done_recv else _NONE
+        for rid in done_recv or ():
             st = self._pdt_reqs.get(rid)
             if st is None:
                 continue
@@ -388,8 +403,9 @@ class TracedSchedulerMixin:
                 st.attempt += 1
                 st.awaiting = False
                 st.failed = True
-        expired = getattr(rep, "expired", None) or set()
-        for rid in out.finished_sending or ():
+        done_send = out.finished_sending
+        expired = (getattr(rep, "expired", None) or _NONE) if done_send else _NONE
+        for rid in done_send or ():
             h = self._pdt_holds.pop(rid, None)
             if h is None:
                 continue
