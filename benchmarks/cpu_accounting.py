@@ -100,14 +100,15 @@ def show(f: dict) -> None:
     print(f"traced requests {req}, records written {f['store']['records']}")
     print("\nhot path, per engine thread (share = pdtrace CPU / the thread's CPU; per step or per flush window)")
     print(f"{'engine':<8}{'thread':<20}{'n':>6}{'median %':>10}{'p99 %':>9}{'total %':>9}{'us/step':>9}"
-          f"{'us/request':>12}")
-    tot = {(t["role"], t["service_name"], t["thread"]): t for t in f["threads"]}
+          f"{'us/request':>12}   (total %: view thread_cpu, the busy flush windows)")
+    tot = {(t["role"], t["service_name"], t["thread"], t["pid"]): t for t in f["threads"]}
     for (role, kind), v in f["steps"].items():
-        svc = f"pdtrace-{role}-api" if kind == "API event loop" else f"pdtrace-{role}"
-        cands = [t for (r, s, th), t in tot.items() if r == role and s == svc and th == "MainThread"]
-        if kind != "API event loop" and v.get("thread"):
-            pids = {p for p, _ in v["thread"]}
-            cands = [t for t in cands if t["pid"] in pids]
+        api = f"pdtrace-{role}-api"
+        if kind == "API event loop":
+            cands = [t for (r, s, th, _), t in tot.items() if r == role and s == api and th == "MainThread"]
+        else:  # EngineCore and worker processes: told apart by the pid on their stamped spans
+            pids = {p for p, _ in v.get("thread") or ()}
+            cands = [t for t in f["threads"] if t["role"] == role and t["pid"] in pids and t["thread"] == "MainThread"]
         t = cands[0] if cands else None
         share = (t["hot_path_share"] * 100) if t and t["hot_path_share"] is not None else v.get("total_pct")
         us_req = (t["pdtrace_ns"] / 1e3 / req) if t and req else None
