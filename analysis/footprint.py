@@ -19,9 +19,9 @@ field                          meaning (source)
                                at the end of the run; the store's ``sink_cpu_ns`` when no reading was
                                taken), divided by the traced requests (distinct request ids with a
                                span in the store)
-``processes``                  pdtrace's helper processes on the host (psutil: a command line running
-                               the module :data:`HELPER_MODULE`, with the run's ``PDTRACE_DIR`` when
-                               its environment is readable)
+``processes``                  pdtrace's helper processes of the run on the host (psutil: a command line
+                               running the module :data:`HELPER_MODULE`, descending from the lab's
+                               process or with the run's ``PDTRACE_DIR``; :func:`sample_helpers`)
 ``rss_mib``                    their total resident set size, MiB (psutil)
 ``files_per_min``              store files created per minute of the run: files created (each helper's
                                highest file sequence number in the names it wrote, see
@@ -75,40 +75,39 @@ class Footprint:
     run_s: float
 
 
-def _is_helper(p, trace_dir: str | None) -> bool:
-    import psutil
-
-    try:
-        cmd = p.cmdline()
-    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-        return False
-    if HELPER_MODULE not in cmd:
-        return False
-    if trace_dir is None:
-        return True
-    try:
-        d = p.environ().get("PDTRACE_DIR")
-    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-        return True  # environment unreadable: counted (the module name is pdtrace's)
-    return d is None or os.path.realpath(d) == os.path.realpath(trace_dir)
-
-
-def sample_helpers(trace_dir: str | os.PathLike | None = None) -> Helpers:
+def sample_helpers(trace_dir: str | os.PathLike | None = None, root_pid: int | None = None) -> Helpers:
     """Read pdtrace's helper processes on this host now (psutil).
 
     A process is a helper iff its command line holds :data:`HELPER_MODULE` as
-    one argument (``-m pdtrace.instrument.sink``); with ``trace_dir``, only
-    those whose ``PDTRACE_DIR`` is that directory (or is unset or unreadable).
-    A process that exits during the scan is skipped.
+    one argument (``-m pdtrace.instrument.sink``). With neither ``trace_dir``
+    nor ``root_pid`` every such process on the host counts; otherwise only
+    those that descend from ``root_pid`` (the lab's own process: every engine,
+    API server and router, and the helpers they start, are its descendants) or
+    whose environment's ``PDTRACE_DIR`` is ``trace_dir`` (a helper that detached
+    from the tree but serves this run). A process that exits during the scan
+    is skipped.
     """
     import psutil
 
-    td = None if trace_dir is None else str(trace_dir)
+    td = None if trace_dir is None else os.path.realpath(trace_dir)
+    tree: set[int] = set()
+    if root_pid is not None:
+        try:
+            tree = {c.pid for c in psutil.Process(root_pid).children(recursive=True)}
+        except psutil.NoSuchProcess:
+            pass
     pids, rss, cpu = [], 0, 0.0
     for p in psutil.process_iter():
-        if not _is_helper(p, td):
-            continue
         try:
+            if HELPER_MODULE not in p.cmdline():
+                continue
+            if td is not None or root_pid is not None:
+                mine = p.pid in tree
+                if not mine and td is not None:
+                    d = p.environ().get("PDTRACE_DIR")
+                    mine = d is not None and os.path.realpath(d) == td
+                if not mine:
+                    continue
             with p.oneshot():
                 m, t = p.memory_info(), p.cpu_times()
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):

@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
 import statistics
 import sys
 import time
@@ -226,7 +227,7 @@ def run_lab(o: LabOptions, echo=print) -> dict:
         summary["replay_wall_s"] = round(time.monotonic() - t_replay, 3)
         d_after = [metrics.prompt_tokens_by_source(e.url) for e in lab.decodes]
         rows = metrics.router_stats(lab.router_url) if o.router == "pdtrace" else []  # only ours has /_lab/stats
-        helpers = footprint.sample_helpers(cfg.trace_dir) if cfg.trace_dir else None  # while they live
+        helpers = footprint.sample_helpers(cfg.trace_dir, os.getpid()) if cfg.trace_dir else None  # alive
         run_s = time.monotonic() - t_start
     summary["decode_prompt_tokens_by_source"] = {
         k: sum(a[k] - b[k] for a, b in zip(d_after, d_before)) for k in d_after[0]}

@@ -67,6 +67,9 @@ def test_sample_helpers_finds_a_helper_by_module_name_and_trace_dir(tmp_path):
         assert rss * 0.95 <= h.rss_bytes
         assert p.pid not in fpm.sample_helpers(tmp_path / "elsewhere").pids
         assert p.pid in fpm.sample_helpers(None).pids
+        # a descendant of the given root counts whatever its environment
+        assert p.pid in fpm.sample_helpers(tmp_path / "elsewhere", root_pid=os.getpid()).pids
+        assert p.pid not in fpm.sample_helpers(tmp_path / "elsewhere", root_pid=p.pid).pids
     finally:
         p.kill()
         p.wait()

@@ -3,8 +3,8 @@
 One real lab (``run_lab``: real vLLM CPU engines, NIXL, the pdtrace router),
 pull mode, 10 requests, pdtrace's class names (``--connector traced``). While
 it runs, a thread of this test reads the helper processes itself with psutil
-(every process whose command line holds ``pdtrace.instrument.sink`` and whose
-``PDTRACE_DIR`` is the run's) and lists the run directory. Then:
+(every process whose command line holds ``pdtrace.instrument.sink`` and that
+descends from this test's process, where the lab runs, or has the run's ``PDTRACE_DIR``) and lists the run directory. Then:
 
 - exactly one footprint line is printed, the last line of the run's output;
 - ``processes`` equals the count this test read at the reading nearest before
@@ -46,13 +46,19 @@ class _Sampler(threading.Thread):
         self.stop = threading.Event()
 
     def run(self):
+        me = psutil.Process(os.getpid())
         while not self.stop.wait(0.3):
             seen = {}
+            try:
+                tree = {c.pid for c in me.children(recursive=True)}  # the lab runs in this process
+            except psutil.NoSuchProcess:
+                tree = set()
             for p in psutil.process_iter():
                 try:
                     if "pdtrace.instrument.sink" not in p.cmdline():
                         continue
-                    if os.path.realpath(p.environ().get("PDTRACE_DIR", "")) != self.run_dir:
+                    if p.pid not in tree and \
+                            os.path.realpath(p.environ().get("PDTRACE_DIR", "")) != self.run_dir:
                         continue
                     t = p.cpu_times()
                     seen[p.pid] = (p.memory_info().rss, t.user + t.system)
