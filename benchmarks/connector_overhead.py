@@ -38,8 +38,8 @@ untraced labs' rounds that ran beside it; with more than two labs up the order r
 that lab, matched by arrival order and prompt length: :func:`paired_in_lab`,
 ``benchmarks/paired_overhead.py`` for the method); at 0 and 1 it is undefined (all untraced / all
 traced) and printed as such. ``--on-env`` and ``PDTRACE_SAMPLE`` reach the traced labs' router as
-well as their engines. The footprint line of each traced lab (CPU accounting, issue 18 item 2) is
-printed when ``pdtrace lab`` provides it (hook :func:`footprint_of`).
+well as their engines. Each traced lab's ``pdtrace footprint:`` line (CPU accounting, issue 18 item 2;
+:func:`footprint_of`) is printed beside its figures.
 
 Also printed: vLLM's own per-request means inside each engine (TTFT as the
 engine sees it, queue, prefill, decode, end to end; from its Prometheus
@@ -65,6 +65,7 @@ import asyncio
 import contextlib
 import json
 import random
+import tempfile
 import time
 from pathlib import Path
 
@@ -275,19 +276,22 @@ def paired_in_lab(per_request: dict, sample: float) -> dict | None:
 
 
 def footprint_of(lab) -> str | None:
-    """The ``pdtrace footprint:`` line of one traced lab (issue 18 item 2, CPU accounting), if this branch has it.
-
-    Hook: the footprint (thread CPU clocks of pdtrace's code paths, helper processes, RSS, files) is computed
-    by ``pdtrace lab`` (connector/lab/run.py) when its helper lands; until then there is none and this
-    returns None (the caller prints that it is missing).
+    """The ``pdtrace footprint:`` line of one traced lab (issue 18 item 2; :mod:`pdtrace.analysis.footprint`),
+    read while its processes still run: the host's sink of its directory (psutil), the store's thread CPU
+    and writer rows, over the lab's life so far (since its first process started). None for an untraced lab;
+    a failure is returned as the line's text, never raised.
     """
-    from pdtrace.connector.lab import run
+    import psutil
 
-    fn = getattr(run, "footprint_line", None)
-    if fn is None:
+    from pdtrace.analysis import footprint
+
+    if not lab.cfg.trace_dir:
         return None
     try:
-        return fn(lab)
+        helpers = footprint.sample_helpers(lab.cfg.trace_dir)
+        started = min(psutil.Process(p.pid).create_time() for p in lab.procs.values())
+        return footprint.line(footprint.of_run(lab.cfg.trace_dir, helpers, time.time() - started,
+                                               cache=Path(tempfile.mkdtemp(prefix="pdtrace-fp-")) / "c.duckdb"))
     except Exception as exc:  # noqa: BLE001 - a benchmark's side figure; say what failed
         return f"pdtrace footprint: failed ({type(exc).__name__}: {exc})"
 
@@ -460,7 +464,7 @@ def main():
                 for k in ("ttft", "tpot")))
         print("\npdtrace's footprint per traced lab (CPU accounting, issue 18 item 2):")
         for c in traced:
-            print(f"  {c}: {footprints[c] or 'no pdtrace footprint line on this branch (hook: footprint_of)'}")
+            print(f"  {c}: {footprints[c] or 'untraced: no footprint'}")
         out["footprint"] = footprints
     print("\nvLLM's own per-request means inside each engine (ms; from its Prometheus histograms, all requests):")
     print(f"{'engine':<9}{'histogram':<32}" + "".join(f"{c:>10}" for c in conds))

@@ -41,10 +41,13 @@ variable                       default    meaning
 ``OTEL_EXPORTER_OTLP_TRACES_TIMEOUT``     ``OTEL_EXPORTER_OTLP_TRACES_TIMEOUT`` wins)
 ``OTEL_SDK_DISABLED``                     ``true``: no OTLP export (standard)
 ``OTEL_TRACES_EXPORTER``                  ``none``: no OTLP export (standard)
-``PDTRACE_SELF_CPU``           ``0``      ``1``: the traced connectors measure pdtrace's own CPU
-                                          time per engine step (thread CPU clock around each
-                                          hook) and write it as ``step.pdtrace_cpu_ns`` on the
-                                          step spans; for overhead measurements
+``PDTRACE_SELF_CPU``           ``0``      ``1``: measure pdtrace's own CPU on every engine thread
+                                          (thread CPU clock around each hook: EngineCore/forward
+                                          thread, API-server event loop): per thread at every
+                                          flush (``pdtrace.thread_cpu`` stats rows, view
+                                          ``thread_cpu``) and per step (``step.pdtrace_cpu_ns``,
+                                          ``step.thread_cpu_ns`` on the step spans); ``pdtrace
+                                          lab`` sets it unless given
                                           (:mod:`pdtrace.instrument.selfcpu`)
 ``PDTRACE_HELPER_CPUS``        (unset)    CPUs for pdtrace's writer thread and sink process
                                           (cpulist, e.g. ``2-3``); unset: every CPU the process
@@ -230,6 +233,12 @@ def requested(env=None) -> bool:
     dictionary lookup, nothing else read, started or imported.
     """
     return bool((os.environ if env is None else env).get("PDTRACE_DIR"))
+
+
+def self_cpu_given(env=None) -> bool:
+    """True iff ``PDTRACE_SELF_CPU`` is set (to anything) in ``env`` (default ``os.environ``): ``pdtrace
+    lab`` switches the self-measurement on for its engines unless the caller chose."""
+    return "PDTRACE_SELF_CPU" in (os.environ if env is None else env)
 
 
 def from_env(env: dict | None = None) -> Config:

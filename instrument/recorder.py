@@ -54,6 +54,7 @@ from typing import Iterator, Mapping
 from . import ACTIVATIONS as _ACTIVATIONS
 from . import config as _config
 from . import ids as _ids
+from . import selfcpu as _selfcpu
 from .schema import KIND_INTERNAL, STATUS_ERROR, STATUS_UNSET
 
 log = logging.getLogger("pdtrace")
@@ -366,17 +367,21 @@ class Tracer:
 
         Called by the writer thread at each flush; a snapshot of the open set
         (``dict.copy`` runs without releasing the GIL, so callers on other
-        threads may start and end spans meanwhile). Never raises.
+        threads may start and end spans meanwhile). With ``PDTRACE_SELF_CPU=1``
+        the list also holds one ``pdtrace.thread_cpu`` stats record per thread
+        that ran a pdtrace hook (:func:`pdtrace.instrument.selfcpu.records`),
+        so that those figures reach the store at every flush. Never raises.
         """
-        if not self._open:
-            return []
         t = _now() if now_ns is None else now_ns
+        cpu = _selfcpu.records(t, self.new_id) if _selfcpu.enabled else []
+        if not self._open:
+            return cpu
         cut = t - self._open_after_ns
         try:
             snap = self._open.copy()
         except RuntimeError:  # pragma: no cover - a copy does not iterate in Python
-            return []
-        return [self._open_record(sid, o, t, "open") for sid, o in snap.items() if o[2] <= cut]
+            return cpu
+        return [self._open_record(sid, o, t, "open") for sid, o in snap.items() if o[2] <= cut] + cpu
 
     @contextmanager
     def span(self, name: str, request_id: str | None = None, **kw) -> Iterator[int]:

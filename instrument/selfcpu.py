@@ -1,15 +1,40 @@
 """pdtrace's own CPU time on the traced process's threads (the overhead self-measurement).
 
-Off by default. With ``PDTRACE_SELF_CPU=1`` (see :mod:`.config`) the traced
-connectors time every pdtrace hook with the calling thread's CPU clock
-(``time.thread_time_ns``, CLOCK_THREAD_CPUTIME_ID: CPU the thread used, not
-wall time, so other processes on the machine do not inflate it) and add it to
-a per-thread counter. The step spans carry the process total since the
-previous step span as ``step.pdtrace_cpu_ns``; the overhead benchmark divides
-it by the step's duration (issue 4's goal: ≤ 1 % of a decode step).
+Off by default. With ``PDTRACE_SELF_CPU=1`` (see :mod:`.config`) every pdtrace
+hook that runs on an engine thread (the traced connectors' hooks on the
+EngineCore thread, which also runs the forward pass at TP=1, the worker's
+hooks on the forward thread of a TP rank, the API-server middleware and its two
+engine hooks on the event-loop thread) goes through
+:func:`pdtrace.connector.traced.safety.safe`, which reads the calling thread's
+CPU clock (``time.thread_time_ns``, CLOCK_THREAD_CPUTIME_ID: CPU the thread
+used, not wall time, so other processes do not inflate it) before and after
+the hook and adds the difference to that thread's counter. The recorder calls
+a hook makes (``record``/``start``/``end``/``event``) are inside the hook, so
+they are charged too. This is the *hot path*: CPU pdtrace takes from a thread
+that vLLM needs.
+
+Where the figures land (all cumulative since the thread's first hook, so a
+lost record loses nothing):
+
+- at every flush of the process's writer (:meth:`Tracer.open_records`), one
+  ``stats`` record named ``pdtrace.thread_cpu`` per thread that ran a hook
+  (:func:`records`): ``cpu.pdtrace_ns`` (pdtrace's CPU on that thread),
+  ``cpu.thread_ns`` (the thread's whole CPU, as the thread read its own clock
+  at the end of its last hook), ``cpu.hooks`` (hook calls); the
+  record's ``thread`` column names the thread. Analysis view ``thread_cpu``
+  turns them into per-thread shares;
+- on each recorded step span, the EngineCore thread's figures since the
+  previous recorded step span (``step.pdtrace_cpu_ns``, ``step.thread_cpu_ns``;
+  :func:`thread_pair`).
+
+The *hot-path share* of a thread over an interval is pdtrace's CPU on it
+divided by the thread's whole CPU in the same interval (both thread CPU
+clocks; so ≤ 1 by construction, and independent of how busy the machine is).
 
 Cost when on: two thread-CPU clock reads per hook (≈ 0.2–0.5 µs each here,
-a system call); when off: one module-attribute check per hook.
+a system call), one more per recorded step, and one record per active thread
+per flush on the writer thread; when off: one module-attribute
+check per hook and nothing at a flush.
 
 Counters are per thread (no lock on the hot path); :func:`total_ns` sums
 them. A thread's cell outlives the thread, so the total never goes down.
@@ -19,13 +44,25 @@ from __future__ import annotations
 import threading
 import time
 
+from . import attributes as _attributes
 from . import config as _config
 
 #: True when ``PDTRACE_SELF_CPU=1`` was set at import (re-read by :func:`configure`).
 enabled: bool = False
 
+#: Name of the per-thread stats records (record type ``stats``).
+RECORD_NAME = "pdtrace.thread_cpu"
+
+_attributes.register("cpu.pdtrace_ns", int, "pdtrace's own CPU on this thread since its first pdtrace hook "
+                     "(thread CPU clock around every hook; PDTRACE_SELF_CPU=1), cumulative, ns")
+_attributes.register("cpu.thread_ns", int, "the thread's whole CPU time since it started (its own thread CPU clock, read by "
+                     "the thread at the end of its last hook before the flush that wrote the row), cumulative, ns")
+_attributes.register("cpu.hooks", int, "pdtrace hook calls on this thread so far (count, cumulative)")
+
 _tls = threading.local()
-_cells: list[list[int]] = []
+# one cell per thread that ran a hook:
+# [pdtrace ns, hook calls, the thread's own CPU clock at the end of its last hook, thread name, hooks last reported]
+_cells: list[list] = []
 _cells_lock = threading.Lock()
 thread_time_ns = time.thread_time_ns
 
@@ -36,19 +73,35 @@ def configure(cfg: _config.Config | None = None) -> None:
     enabled = bool((cfg or _config.from_env()).self_cpu)
 
 
-def _cell() -> list[int]:
+def _cell() -> list:
     try:
         return _tls.cell
     except AttributeError:
-        c = _tls.cell = [0]
+        c = _tls.cell = [0, 0, 0, threading.current_thread().name, 0]
         with _cells_lock:
             _cells.append(c)
         return c
 
 
 def add(t0_ns: int) -> None:
-    """Charge this thread with the CPU used since ``t0_ns`` (a :func:`thread_time_ns` reading)."""
-    _cell()[0] += thread_time_ns() - t0_ns
+    """Charge this thread with the CPU used since ``t0_ns`` (a :func:`thread_time_ns` reading); one hook call."""
+    try:
+        c = _tls.cell
+    except AttributeError:
+        c = _cell()
+    t1 = thread_time_ns()
+    c[0] += t1 - t0_ns
+    c[1] += 1
+    c[2] = t1
+
+
+def thread_pair() -> tuple[int, int]:
+    """(pdtrace CPU charged to the calling thread so far, the calling thread's whole CPU now), ns."""
+    try:
+        c = _tls.cell
+    except AttributeError:
+        c = _cell()
+    return c[0], thread_time_ns()
 
 
 def total_ns() -> int:
@@ -57,11 +110,40 @@ def total_ns() -> int:
         return sum(c[0] for c in _cells)
 
 
+def records(now_ns: int, new_id) -> list[tuple]:
+    """One ``pdtrace.thread_cpu`` stats record (recorder.py tuple layout) per thread that ran a hook since
+    the last call.
+
+    ``now_ns``: monotonic ns of the flush (the records' start and end);
+    ``new_id``: a callable returning a fresh record id. Empty when the switch
+    is off. Called on the writer thread. ``cpu.thread_ns`` is the thread's own
+    CPU clock as read by the thread itself at the end of its last hook (no
+    thread reads another's clock: ``pthread_getcpuclockid`` on a thread that has
+    just exited is undefined behaviour), so a window between two records runs
+    from the last hook of one flush interval to the last hook of the next.
+    """
+    if not enabled:
+        return []
+    from .recorder import R_STATS  # deferred: recorder imports this module
+    from .schema import KIND_INTERNAL
+
+    out = []
+    with _cells_lock:
+        for c in _cells:
+            pd_ns, hooks, th_ns, name, seen = c
+            if hooks == seen:
+                continue
+            c[4] = hooks
+            out.append((R_STATS, new_id(), None, None, RECORD_NAME, KIND_INTERNAL, now_ns, now_ns, 0, None,
+                        None, 0, 0, None, name, "cpu.pdtrace_ns", "cpu.thread_ns", "cpu.hooks", pd_ns, th_ns, hooks))
+    return out
+
+
 def reset() -> None:
     """Zero every counter (tests)."""
     with _cells_lock:
         for c in _cells:
-            c[0] = 0
+            c[0] = c[1] = c[2] = c[4] = 0
 
 
 configure()

@@ -15,8 +15,8 @@
 -- by hand or from foreign spans).
 CREATE OR REPLACE VIEW _calc_process_part AS
 SELECT _file, run_id, host, pid,
-       min(start_ns) FILTER (WHERE record = 'stats') AS first_flush_ns,
-       max(start_ns) FILTER (WHERE record = 'stats') AS last_flush_ns,
+       min(start_ns) FILTER (WHERE record = 'stats' AND name = 'recorder.stats') AS first_flush_ns,
+       max(start_ns) FILTER (WHERE record = 'stats' AND name = 'recorder.stats') AS last_flush_ns,
        min(start_ns) AS first_record_ns,
        max(end_ns) AS last_record_ns,
        arg_max({role: role, engine_id: engine_id, service_name: service_name,
@@ -26,8 +26,10 @@ SELECT _file, run_id, host, pid,
                 recorded: attr_int['recorder.recorded'], dropped: attr_int['recorder.dropped'],
                 written: attr_int['recorder.written'], write_errors: attr_int['recorder.write_errors'],
                 export_errors: attr_int['recorder.export_errors'],
-                dropped_attributes: attr_int['recorder.dropped_attributes']}, start_ns)
-           FILTER (WHERE record = 'stats') AS res,
+                dropped_attributes: attr_int['recorder.dropped_attributes'],
+                writer_cpu_ns: attr_int['recorder.writer_cpu_ns'], sink_cpu_ns: attr_int['recorder.sink_cpu_ns']},
+               start_ns)
+           FILTER (WHERE record = 'stats' AND name = 'recorder.stats') AS res,
        arg_max({role: role, engine_id: engine_id, service_name: service_name,
                 pdtrace_version: pdtrace_version, vllm_version: vllm_version, connector: connector,
                 config_hash: config_hash}, end_ns) AS res_any
@@ -60,6 +62,7 @@ SELECT run_id, host, pid,
        res.recorded AS recorded, res.dropped AS dropped, res.written AS written,
        res.write_errors AS write_errors, res.export_errors AS export_errors,
        res.dropped_attributes AS dropped_attributes,
+       res.writer_cpu_ns AS writer_cpu_ns, res.sink_cpu_ns AS sink_cpu_ns,
        files
 FROM p;
 
@@ -87,4 +90,6 @@ COMMENT ON COLUMN processes.written IS 'records written to store files (count, c
 COMMENT ON COLUMN processes.write_errors IS 'failed file writes or merges of its sink (count, cumulative)';
 COMMENT ON COLUMN processes.export_errors IS 'failed OTLP exports (count, cumulative)';
 COMMENT ON COLUMN processes.dropped_attributes IS 'attributes dropped: key not allowlisted or value of the wrong type (count, cumulative)';
+COMMENT ON COLUMN processes.writer_cpu_ns IS 'CPU of its pdtrace-writer thread since it started, as of its last flush (thread CPU clock, ns; background, not on an engine thread); NULL: not recorded';
+COMMENT ON COLUMN processes.sink_cpu_ns IS 'CPU of the host''s sink process (one per host and trace directory, shared by every traced process there: the same sink on each row of a host) as of this process''s last flush (process CPU clock, ns; background); NULL: not recorded';
 COMMENT ON COLUMN processes.files IS 'readable store files holding its rows (count)';

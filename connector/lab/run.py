@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
 import statistics
 import sys
 import time
@@ -43,6 +44,9 @@ import urllib.error
 import urllib.request
 from datetime import datetime, timezone
 from pathlib import Path
+
+from pdtrace.analysis import footprint
+from pdtrace.instrument import config as instrument_config
 
 from . import env as lab_env
 from . import metrics, replay, workload
@@ -185,6 +189,9 @@ def run_lab(o: LabOptions, echo=print) -> dict:
                     max_model_len=o.max_model_len, trace_dir=(out.resolve() if o.trace else None),
                     router_timeout_s=o.request_timeout_s, role_env=dict(o.role_env), router_kind=o.router,
                     role_args={k: list(v) for k, v in o.engine_args.items()})
+    if o.trace and not instrument_config.self_cpu_given():
+        # pdtrace's own CPU per engine thread, for the footprint line (two clock reads per hook)
+        cfg.extra_env["PDTRACE_SELF_CPU"] = "1"
     if o.inject:
         from . import inject as lab_inject
         lab_inject.parse(o.inject)  # raises InjectSpecError before anything starts
@@ -220,6 +227,8 @@ def run_lab(o: LabOptions, echo=print) -> dict:
         summary["replay_wall_s"] = round(time.monotonic() - t_replay, 3)
         d_after = [metrics.prompt_tokens_by_source(e.url) for e in lab.decodes]
         rows = metrics.router_stats(lab.router_url) if o.router == "pdtrace" else []  # only ours has /_lab/stats
+        helpers = footprint.sample_helpers(cfg.trace_dir, os.getpid()) if cfg.trace_dir else None  # alive
+        run_s = time.monotonic() - t_start
     summary["decode_prompt_tokens_by_source"] = {
         k: sum(a[k] - b[k] for a, b in zip(d_after, d_before)) for k in d_after[0]}
     summary["client_records"] = replay.write_records(recs, out / "client", run_id)
@@ -249,7 +258,23 @@ def run_lab(o: LabOptions, echo=print) -> dict:
                  "first-contact handshake)")
         summary["report"] = print_report(out, o, echo)
         (out / "run.json").write_text(json.dumps(summary, indent=2, default=str))
+    if helpers is not None:
+        summary["footprint"] = print_footprint(out, helpers, run_s, echo)
+        (out / "run.json").write_text(json.dumps(summary, indent=2, default=str))
     return summary
+
+
+def print_footprint(out: Path, helpers, run_s: float, echo=print) -> dict | None:
+    """Echo the ``pdtrace footprint:`` line of run directory ``out`` (:mod:`pdtrace.analysis.footprint`);
+    return its figures, with the helper reading's pids and time. A failure is reported, never raised."""
+    from pdtrace.analysis import footprint as fpm
+    try:
+        fp = fpm.of_run(out, helpers, run_s)
+    except Exception as exc:  # noqa: BLE001 - the run is done
+        echo(f"pdtrace footprint: failed ({type(exc).__name__}: {exc})")
+        return None
+    echo(fpm.line(fp))
+    return {**dataclasses.asdict(fp), "helper_pids": helpers.pids, "helper_reading_time_s": helpers.time_s}
 
 
 def activation(o: LabOptions) -> str | None:

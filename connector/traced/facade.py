@@ -29,7 +29,7 @@ polling; ``get_finished`` legacy)
 """
 from __future__ import annotations
 
-from pdtrace.instrument import activate, tracer
+from pdtrace.instrument import activate, selfcpu, tracer
 
 from .. import vllm_compat
 from .safety import safe
@@ -102,6 +102,15 @@ class TracedFacadeMixin:
             parent = None
         if rids:
             a["connector.request_ids"] = ";".join(rids)
+        if selfcpu.enabled and name == "connector.load":
+            # the forward thread's pdtrace CPU and whole CPU since the previous recorded connector.load
+            # (one engine step of this rank; the hook running now is charged to the next one)
+            pd, th = selfcpu.thread_pair()
+            m = w._pdt_cpu_mark
+            if m is not None:
+                a["step.pdtrace_cpu_ns"] = pd - m[0]
+                a["step.thread_cpu_ns"] = th - m[1]
+            w._pdt_cpu_mark = (pd, th)
         tracer.record(name, None, t0, t1, a, parent=parent, tp_rank=w._pdt_rank)
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
@@ -143,8 +152,10 @@ class TracedFacadeMixin:
 
     def _pdt_after_poll(self, method, t0, t1, recving, sending) -> None:
         w = self.connector_worker
-        w._pdt_finished_recv(recving, t1)
-        rids = [w._pdt_x(r) for r in (recving or ())] + [w._pdt_x(r) for r in (sending or ())]
+        if recving:
+            w._pdt_finished_recv(recving, t1)
+        rids = [w._pdt_x(r) for r in (recving or ())] + [w._pdt_x(r) for r in (sending or ())] \
+            if recving or sending else ()
         self._pdt_span("connector.poll", method, t0, t1, rids)
 
     def build_connector_worker_meta(self):

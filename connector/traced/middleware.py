@@ -52,6 +52,7 @@ from pdtrace.instrument import activate, tracer
 from pdtrace.instrument import attributes as _attrs
 from pdtrace.instrument import config
 
+from .common import split_id
 from .safety import safe
 
 _PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -110,7 +111,6 @@ _installed = False
 
 
 def _x_of(request_id) -> str | None:
-    from .common import split_id
     return split_id(str(request_id))[0]
 
 

@@ -50,12 +50,16 @@ class TracedNixlPullConnectorWorker(TracedWorkerMixin, NixlPullConnectorWorker):
 
     def _pdt_before_load(self, metadata, t0):
         info = getattr(metadata, "_pdtrace", None)
-        if info is not None:
+        if info is not None and info[2]:
             for rid, t_alloc in info[2].items():
                 self._pdt_state(rid).t_alloc = t_alloc
-        rids = [split_id(r)[0] for r in metadata.reqs_to_recv]
+        to_recv = metadata.reqs_to_recv
+        ready = getattr(getattr(self, "_ready_requests", None), "queue", None)
+        if not to_recv and not ready:
+            return ()  # the common step: nothing to read
+        rids = [split_id(r)[0] for r in to_recv]
         try:
-            rids += [split_id(r)[0] for r, _ in list(self._ready_requests.queue)]
+            rids += [split_id(r)[0] for r, _ in list(ready or ())]
         except Exception:  # noqa: BLE001
             pass
         return rids

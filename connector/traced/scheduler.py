@@ -67,6 +67,10 @@ from .common import split_id
 from .safety import safe
 
 
+#: Shared empty mapping for the common case (no receive, no hold this step): never written to.
+_NONE: dict = {}
+
+
 class SReq:
     """Per-request scheduler-side state (monotonic ns)."""
 
@@ -103,11 +107,10 @@ class SReq:
 
 
 class PendingStep:
-    __slots__ = ("step", "sid", "t0", "batch", "chunks", "promoted", "attrs", "empty")
+    __slots__ = ("step", "sid", "t0", "chunks", "promoted", "attrs", "empty")
 
     def __init__(self, step, sid, t0):
         self.step, self.sid, self.t0 = step, sid, t0
-        self.batch = None
         self.chunks = []      # (SReq, tokens, chunk_index, last)
         self.promoted = []    # SReq
         self.attrs = None
@@ -128,7 +131,7 @@ class TracedSchedulerMixin:
         self._pdt_step_id = 0
         self._pdt_holds: dict[str, tuple[int, SReq]] = {}
         self._pdt_idle = 0
-        self._pdt_cpu_mark = 0  # selfcpu.total_ns() when the last step span was written
+        self._pdt_cpu_mark = None  # (pdtrace ns, thread ns) of this thread when the last step span was written
 
     # ------------------------------------------------------------ arrivals
     def on_new_request(self, request):
@@ -236,17 +239,27 @@ class TracedSchedulerMixin:
         sid = tracer.new_id() if keep_step else 0
         ps = PendingStep(step, sid, t0)
         # metadata → worker: step id, step span id, per-request times the worker needs
-        recv_alloc = {}
-        for rid in getattr(meta, "reqs_to_recv", {}) or {}:
-            st = self._pdt_reqs.get(rid)
-            if st is not None and st.t_alloc:
-                recv_alloc[rid] = st.t_alloc
-        kv_ready = {}
-        for rid in list(getattr(meta, "push_finished_blocks", {}) or {}) + list(getattr(meta, "reqs_to_send", {}) or {}):
-            h = self._pdt_holds.get(rid)
-            if h is not None:
-                kv_ready[rid] = h[0]
-        meta._pdtrace = (step, sid, recv_alloc, kv_ready, not so.num_scheduled_tokens)
+        reqs = self._pdt_reqs
+        recv_alloc = _NONE
+        to_recv = getattr(meta, "reqs_to_recv", None)
+        if to_recv:
+            recv_alloc = {}
+            for rid in to_recv:
+                st = reqs.get(rid)
+                if st is not None and st.t_alloc:
+                    recv_alloc[rid] = st.t_alloc
+        kv_ready = _NONE
+        holds = self._pdt_holds
+        if holds:
+            for d in (getattr(meta, "push_finished_blocks", None), getattr(meta, "reqs_to_send", None)):
+                for rid in d or ():
+                    h = holds.get(rid)
+                    if h is not None:
+                        if kv_ready is _NONE:
+                            kv_ready = {}
+                        kv_ready[rid] = h[0]
+        sched = so.num_scheduled_tokens
+        meta._pdtrace = (step, sid, recv_alloc, kv_ready, not sched)
 
         for rid in so.preempted_req_ids or ():
             st = self._pdt_reqs.get(rid)
@@ -264,8 +277,8 @@ class TracedSchedulerMixin:
 
         parts = []
         n_p = n_d = n_r = 0
-        for rid, n in so.num_scheduled_tokens.items():
-            st = self._pdt_reqs.get(rid)
+        for rid, n in sched.items():
+            st = reqs.get(rid)
             if st is None:
                 parts.append(f"{rid}:d{n}")
                 n_d += n
@@ -285,7 +298,7 @@ class TracedSchedulerMixin:
                 # charged to decode.first_step, not prefill.compute
                 kind = "p"
                 n_p += n
-            elif req.num_computed_tokens < req.num_prompt_tokens and not st.awaiting:
+            elif not st.awaiting and req.num_computed_tokens < req.num_prompt_tokens:
                 kind = "r" if st.attempt > 0 else "p"
                 if kind == "r":
                     n_r += n
@@ -302,12 +315,13 @@ class TracedSchedulerMixin:
             parts.append(f"{st.x}:{kind}{n}")
         ps.empty = not parts
         if keep_step:
-            ps.batch = ";".join(parts)
+            # built once: the open span holds this dict (never changed afterwards: the writer thread may be
+            # reading it for an `open` row), and the step's row copies it once more at the end
             ps.attrs = {"step.id": step, "step.num_reqs": len(parts), "step.prefill_tokens": n_p,
-                        "step.decode_tokens": n_d, "step.recompute_tokens": n_r}
+                        "step.decode_tokens": n_d, "step.recompute_tokens": n_r, "step.batch": ";".join(parts)}
             # open while it runs: a step that never returns (a hung forward, a stuck collective) is
             # written as `open` rows at each flush and read as an engine stall (analysis engine_stalls)
-            tracer.start(self._pdt_step_name, None, t0, attrs={**ps.attrs, "step.batch": ps.batch}, span_id=sid)
+            tracer.start(self._pdt_step_name, None, t0, attrs=ps.attrs, span_id=sid)
         self._pdt_pending.append(ps)
         if len(self._pdt_pending) > 64:  # a step never paired: do not grow without bound
             tracer.abandon(self._pdt_pending.popleft().sid)
@@ -371,8 +385,9 @@ class TracedSchedulerMixin:
             else:
                 self._pdt_close_step(ps, t1)
         # per-rank completion times of receives (D)
-        recv = getattr(rep, "recv", None) or {}
-        for rid in out.finished_recving or ():
+        done_recv = out.finished_recving
+        recv = (getattr(rep, "recv", None) or _NONE) if done_recv else _NONE
+        for rid in done_recv or ():
             st = self._pdt_reqs.get(rid)
             if st is None:
                 continue
@@ -388,8 +403,9 @@ class TracedSchedulerMixin:
                 st.attempt += 1
                 st.awaiting = False
                 st.failed = True
-        expired = getattr(rep, "expired", None) or set()
-        for rid in out.finished_sending or ():
+        done_send = out.finished_sending
+        expired = (getattr(rep, "expired", None) or _NONE) if done_send else _NONE
+        for rid in done_send or ():
             h = self._pdt_holds.pop(rid, None)
             if h is None:
                 continue
@@ -405,14 +421,18 @@ class TracedSchedulerMixin:
     def _pdt_close_step(self, ps: PendingStep, t1: int) -> None:
         if ps.sid:
             tracer.close(ps.sid)
-            a = dict(ps.attrs or {})
-            a["step.batch"] = ps.batch or ""
+            a = dict(ps.attrs) if ps.attrs else {"step.batch": ""}
             a["step.idle_before"] = self._pdt_idle
             self._pdt_idle = 0
             if selfcpu.enabled:
-                cpu = selfcpu.total_ns()
-                a["step.pdtrace_cpu_ns"] = cpu - self._pdt_cpu_mark
-                self._pdt_cpu_mark = cpu
+                # this (EngineCore) thread's pdtrace CPU and whole CPU since the previous recorded step span
+                # (the hook running now is charged to the next step: it is still running)
+                pd, th = selfcpu.thread_pair()
+                m = self._pdt_cpu_mark
+                if m is not None:
+                    a["step.pdtrace_cpu_ns"] = pd - m[0]
+                    a["step.thread_cpu_ns"] = th - m[1]
+                self._pdt_cpu_mark = (pd, th)
             tracer.record(self._pdt_step_name, None, ps.t0, t1, a, span_id=ps.sid)
         for st, n, idx, last in ps.chunks:
             end = t1

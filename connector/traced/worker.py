@@ -94,6 +94,7 @@ class TracedWorkerMixin:
         self._pdt_report = None
         self._pdt_step = None
         self._pdt_lock = threading.Lock()
+        self._pdt_cpu_mark = None  # (pdtrace ns, thread ns) of the forward thread at the last connector.load
         self._pdt_backend = (list(self.nixl_backends) or ["UCX"])[0]
         if tracer.on:
             self.nixl_wrapper = TracedAgent(self.nixl_wrapper, self)
@@ -215,9 +216,12 @@ class TracedWorkerMixin:
     def _reap_expired_send_leases(self, done_sending, *args, **kwargs):
         if not tracer.on or not self._reqs_to_send:
             return super()._reap_expired_send_leases(done_sending, *args, **kwargs)
-        before = set(done_sending)
+        # the reaper adds the expired requests to done_sending: only a step where it grew has any
+        n0 = len(done_sending)
+        before = set(done_sending) if n0 else ()
         r = super()._reap_expired_send_leases(done_sending, *args, **kwargs)
-        safe(self._pdt_expired, set(done_sending) - before)
+        if len(done_sending) != n0:
+            safe(self._pdt_expired, set(done_sending) - set(before))
         return r
 
     def _pdt_expired(self, rids) -> None:

@@ -77,3 +77,70 @@ def test_writer_cpu_counter_grows_and_reaches_the_store(tmp_path):
         f"SELECT max(attr_int['recorder.writer_cpu_ns']) FROM read_parquet('{tmp_path}/*.parquet') "
         "WHERE record = 'stats'").fetchall()
     assert rows[0][0] >= cpu
+
+
+def test_thread_cpu_records_per_thread_and_only_when_active(self_cpu_on):
+    ids = iter(range(1, 100)).__next__
+    used = []
+    th = threading.Thread(target=lambda: used.append(safety.safe(_burn, 20_000_000)), name="hook-thread")
+    th.start()
+    th.join()
+    safety.safe(_burn, 10_000_000)
+    recs = {r[14]: r for r in selfcpu.records(123, ids)}
+    assert set(recs) >= {"hook-thread", threading.current_thread().name}
+    r = recs["hook-thread"]
+    assert r[0] == recorder.R_STATS and r[4] == selfcpu.RECORD_NAME and r[6] == r[7] == 123
+    kv = dict(zip(r[15:18], r[18:21]))
+    assert kv["cpu.hooks"] == 1
+    assert used[0] <= kv["cpu.pdtrace_ns"] <= used[0] + 1_000_000
+    # the thread's own clock at the end of its hook: at least the hook's CPU
+    assert kv["cpu.thread_ns"] >= kv["cpu.pdtrace_ns"]
+    # nothing new on either thread: no rows at the next flush
+    assert selfcpu.records(124, ids) == []
+    safety.safe(_burn, 1_000_000)
+    again = selfcpu.records(125, ids)
+    assert [r[14] for r in again] == [threading.current_thread().name]
+
+
+def test_thread_cpu_off_writes_nothing():
+    selfcpu.configure(config.from_env({}))
+    assert selfcpu.records(1, iter(range(9)).__next__) == []
+
+
+def test_thread_cpu_view_share_over_busy_windows(tmp_path, self_cpu_on):
+    """Real recorder, real store, the analysis view: two flush windows with hooks on a worker thread."""
+    from pdtrace.analysis import db
+
+    t = recorder.Tracer()
+    t.configure(config.from_env({"PDTRACE_DIR": str(tmp_path), "PDTRACE_ROLE": "decode",
+                                 "PDTRACE_SELF_CPU": "1", "PDTRACE_FLUSH_INTERVAL_S": "60"}))
+    hot, other = [], []
+    go, done = threading.Event(), threading.Event()
+
+    def worker():
+        for _ in range(3):  # window k: one hook of 5 ms, 15 ms of other work; flush after each
+            go.wait()
+            go.clear()
+            hot.append(safety.safe(_burn, 5_000_000))
+            other.append(_burn(15_000_000))
+            safety.safe(lambda: None)
+            done.set()
+
+    th = threading.Thread(target=worker, name="fwd")
+    th.start()
+    for _ in range(3):
+        go.set()
+        done.wait()
+        done.clear()
+        assert t.force_flush(30)
+    th.join()
+    t.shutdown(30)
+    with db.open_trace(tmp_path) as tr:
+        rows = tr.query("SELECT thread, busy_windows, hooks, pdtrace_ns, thread_ns, hot_path_share "
+                        "FROM thread_cpu WHERE thread = 'fwd'")
+    assert len(rows) == 1
+    r = rows[0]
+    # the first row (window from thread start) is left out: windows 2 and 3 remain, 2 hooks each
+    assert r["busy_windows"] == 2 and r["hooks"] == 4
+    assert sum(hot[1:]) <= r["pdtrace_ns"] <= sum(hot[1:]) + 2_000_000
+    assert 0.15 < r["hot_path_share"] < 0.35  # 5 ms of 20 ms per window

@@ -1,0 +1,143 @@
+"""The ``pdtrace footprint:`` line of a traced ``pdtrace lab`` run, against independent readings.
+
+One real lab (``run_lab``: real vLLM CPU engines, NIXL, the pdtrace router),
+pull mode, 10 requests, pdtrace's class names (``--connector traced``). While
+it runs, a thread of this test reads the helper processes itself with psutil
+(every process whose command line holds ``pdtrace.instrument.sink`` and that
+descends from this test's process, where the lab runs, or names the run directory after ``--dir``:
+the host's sink) and lists the run directory. Then:
+
+- exactly one footprint line is printed, the last line of the run's output;
+- ``processes`` equals the count this test read at the reading nearest before
+  the lab's own reading; ``rss_mib`` is within 15 % of this test's total RSS
+  there;
+- ``background_ms_per_request`` equals (writer threads' CPU from the raw stats
+  rows + this test's helper CPU reading) / traced requests (raw rows) within
+  15 % + 1 ms (the two psutil readings are up to 0.3 s apart);
+- ``hot_path_share_max`` equals the same share computed here from the raw
+  ``pdtrace.thread_cpu`` rows (own SQL, not the analysis views) within 0.01
+  percentage points; it lies in (0, 100);
+- ``files_per_min`` × run minutes ≥ the files this test saw (each was created).
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import duckdb
+import psutil
+import pytest
+
+import labtrace as lt
+from pdtrace.analysis import footprint as fpm
+from pdtrace.connector.lab import run as lab_run
+
+pytestmark = [pytest.mark.lab, pytest.mark.timeout(1200)]
+
+
+class _Sampler(threading.Thread):
+    """Reads the run's helper processes (psutil) and store file names every 0.3 s."""
+
+    def __init__(self, run_dir):
+        super().__init__(daemon=True)
+        self.run_dir = os.path.realpath(run_dir)
+        self.readings: list[tuple[float, dict[int, tuple[int, float]]]] = []  # (time, {pid: (rss, cpu s)})
+        self.files: set[str] = set()
+        self.stop = threading.Event()
+
+    def run(self):
+        me = psutil.Process(os.getpid())
+        while not self.stop.wait(0.3):
+            seen = {}
+            try:
+                tree = {c.pid for c in me.children(recursive=True)}  # the lab runs in this process
+            except psutil.NoSuchProcess:
+                tree = set()
+            for p in psutil.process_iter():
+                try:
+                    args = p.cmdline()
+                    if "pdtrace.instrument.sink" not in args:
+                        continue
+                    # the host's sink of this directory is detached from the lab's tree; its command
+                    # line names the directory (read here from the process table, not via hostsink.find)
+                    serves = "--dir" in args and args.index("--dir") + 1 < len(args) and \
+                        os.path.realpath(args[args.index("--dir") + 1]) == self.run_dir
+                    if p.pid not in tree and not serves:
+                        continue
+                    t = p.cpu_times()
+                    seen[p.pid] = (p.memory_info().rss, t.user + t.system)
+                except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                    continue
+            self.readings.append((time.time(), seen))
+            try:
+                self.files |= {f for _, _, fs in os.walk(self.run_dir) for f in fs
+                               if f.endswith(".parquet") and not f.startswith(".")}
+            except OSError:
+                pass
+
+
+def _raw(run_dir, sql):
+    con = duckdb.connect()
+    con.execute(f"CREATE VIEW r AS SELECT * FROM read_parquet('{run_dir}/**/*.parquet', union_by_name = true)")
+    return con.execute(sql).fetchall()
+
+
+def test_footprint_line_agrees_with_independent_readings(tmp_path):
+    lt.lab_model("default")
+    out = tmp_path / "run"
+    out.mkdir()
+    lines: list[str] = []
+    sampler = _Sampler(out)
+    sampler.start()
+    try:
+        s = lab_run.run_lab(lab_run.LabOptions(mode="pull", connector="traced", max_requests=10, out=out,
+                                               progress=False, report=False), echo=lines.append)
+    finally:
+        sampler.stop.set()
+        sampler.join()
+    assert s["client"]["failed"] == 0
+    fl = [ln for ln in lines if ln.startswith("pdtrace footprint:")]
+    assert len(fl) == 1 and lines[-1] == fl[0], lines[-5:]
+    got = fpm.parse(fl[0])
+    assert got is not None, fl[0]
+    fp = s["footprint"]
+
+    # processes and RSS: this test's own psutil reading nearest before the lab's
+    t_lab = fp["helper_reading_time_s"]
+    before = [r for r in sampler.readings if r[0] <= t_lab and r[1]]
+    assert before, "the sampler saw no helper process before the lab's reading"
+    t_mine, mine = before[-1]
+    assert t_lab - t_mine < 1.0
+    assert got["processes"] == len(mine) == len(fp["helper_pids"]) == 1  # one sink per host and directory
+    assert set(fp["helper_pids"]) == set(mine)
+    rss_mine = sum(v[0] for v in mine.values()) / 2**20
+    assert abs(got["rss_mib"] - rss_mine) <= 0.15 * rss_mine + 1, (got["rss_mib"], rss_mine)
+
+    # background: writer CPU from the raw stats rows + this test's helper CPU, per traced request (raw rows)
+    writer_ns = _raw(out, "SELECT sum(w) FROM (SELECT pid, max(attr_int['recorder.writer_cpu_ns']) AS w FROM r "
+                          "WHERE record = 'stats' AND name = 'recorder.stats' GROUP BY pid)")[0][0]
+    requests = _raw(out, "SELECT count(DISTINCT request_id) FROM r WHERE record = 'span' "
+                         "AND request_id IS NOT NULL")[0][0]
+    assert requests >= 10
+    helper_cpu = sum(v[1] for v in mine.values())
+    bg = (writer_ns / 1e9 + helper_cpu) * 1e3 / requests
+    assert abs(got["background_ms_per_request"] - bg) <= 0.15 * bg + 1.0, (got["background_ms_per_request"], bg)
+
+    # hot path: the largest engine-thread share, recomputed from the raw per-thread rows
+    share = _raw(out, """
+        WITH d AS (
+            SELECT pid, thread, role,
+                   attr_int['cpu.pdtrace_ns'] - lag(attr_int['cpu.pdtrace_ns']) OVER w AS pd,
+                   attr_int['cpu.thread_ns'] - lag(attr_int['cpu.thread_ns']) OVER w AS th,
+                   attr_int['cpu.hooks'] - lag(attr_int['cpu.hooks']) OVER w AS hooks
+            FROM (SELECT DISTINCT record_id, pid, thread, role, start_ns, attr_int FROM r
+                  WHERE record = 'stats' AND name = 'pdtrace.thread_cpu')
+            WINDOW w AS (PARTITION BY pid, thread ORDER BY start_ns))
+        SELECT max(s) FROM (SELECT sum(pd) / sum(th) * 100 AS s FROM d
+                            WHERE hooks > 0 AND role IN ('prefill', 'decode') GROUP BY pid, thread)""")[0][0]
+    assert share is not None and 0 < got["hot_path_share_max"] < 100
+    assert abs(got["hot_path_share_max"] - share) <= 0.01, (got["hot_path_share_max"], share)
+
+    # files: every file this test saw was created
+    assert got["files_per_min"] * fp["run_s"] / 60 >= len(sampler.files) * 0.99 > 0
