@@ -20,8 +20,8 @@ bootstrap confidence intervals (2000 resamples) three ways: *paired* (each
 trace request is replayed in both labs every round; pairs are resampled, so
 both conditions get the same requests), *by round* (whole rounds of pairs
 resampled: also carries a round's shared slowdown; the goal is judged on this
-one) and *unpaired* (the conditions resampled apart, as printed before session
-7: it counts the spread between requests' prompt lengths as uncertainty about
+one) and *unpaired* (the conditions resampled apart, as the script first
+printed: it counts the spread between requests' prompt lengths as uncertainty about
 the overhead). Goal (issue 4): the upper bound of the p50 ratios ≤ 1.05.
 ``overhead.json`` keeps every request's TTFT and TPOT per round and condition.
 TPOT is the client's (last token − first token) / (tokens − 1); it is 0 when
@@ -89,7 +89,7 @@ def ratio_ci(on, off, q, n=2000, seed=0):
     """Ratio pct(on, q) / pct(off, q) and its 95 % bootstrap interval, the two samples resampled apart.
 
     Ignores that the same requests were replayed in both conditions (see :func:`paired_ratio_ci`);
-    kept for comparison with the runs before session 7, which printed only this one.
+    kept for comparison with earlier runs, which printed only this one.
     """
     rng = random.Random(seed)
     point = pct(on, q) / pct(off, q) if pct(off, q) > 0 else float("inf")

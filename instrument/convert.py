@@ -37,7 +37,7 @@ _FLOAT_OK = frozenset((float, int))
 _STR_OK = frozenset((str,))
 #: Records of one key tuple from which a batch converts them a column at a time: a column-wise
 #: group costs ~80-110 µs of numpy/pyarrow calls and saves ~0.5-0.7 µs per record against
-#: converting value by value (BENCHMARKS.md, Recorder, session 11), so it pays from ~200 records;
+#: converting value by value (BENCHMARKS.md, "Recorder: sink conversion"), so it pays from ~200 records;
 #: smaller batches (the per-second part files of a lightly loaded engine) keep the per-value path.
 GROUP_MIN = 256
 

@@ -38,8 +38,8 @@ still rejects a span that does not follow the transport.
 Widened to a factor 10 on 2026-12-01: on that day's VM (an AVX2-only AMD
 EPYC, 2-4x slower than before, 0.5-2 % steal time) the lab's 32 MiB READs
 took 140-210 ms at their fastest against 31-46 ms standalone, growth ratios
-4.2 (CI), 6.9 and 5.8 (the last with session 5's recorder, so not a cost of
-session 6's writer change): the lab's CPU contention slows its READs far more
+4.2 (CI), 6.9 and 5.8 (the last with the recorder before the writer's
+chunk-size and pause change, so not a cost of that change): the lab's CPU contention slows its READs far more
 there. A factor 10 still rejects a span that follows the default transport
 (≈ 20 GB/s standalone on the earlier VM: 14-18x the TCP bandwidth measured
 on 2026-12-01) or does not grow with the bytes (post only).
