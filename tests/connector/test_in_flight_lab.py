@@ -14,7 +14,7 @@ registration; nothing else is faked.
    directory): H is in ``in_flight`` with its stage (P's
    ``prefill.block_hold``, waiting for its ``registration``), since when and
    its age, while it is still held, long before any timeout (router 400 s,
-   P's KV lease 480 s); its first open row is in the store within two flush
+   P's KV lease set to 480 s: ``kv_lease_duration``, vLLM's default 30 s); its first open row is in the store within two flush
    intervals of the stage's start;
 3. release: H completes; in the final store it is no longer in ``in_flight``
    and is a complete request.
@@ -49,6 +49,11 @@ def held_run(tmp_path_factory):
     live_cache = tmp_path_factory.mktemp("live-cache") / "live.duckdb"
     cfg = lt.traced_cfg(model, run_dir, trace=True, mode="push", router_test_hooks=True, router_timeout_s=400.0,
                         push_join_timeout_s=60.0,
+                        # P's KV lease (vLLM's kv_lease_duration, 30 s by default): P releases the held
+                        # blocks when it expires, and the live reads below (refreshes, `pdtrace report`)
+                        # take longer than that on a loaded 2-core machine (seen: 40 s), so the released
+                        # request then found no KV and timed out. 480 s outlasts every wait of the test.
+                        connector_extra={"kv_lease_duration": 480},
                         # no compaction while the live store is read: a refresh that takes seconds on this
                         # loaded machine would otherwise meet merged-away part files on every attempt
                         env={"PDTRACE_FLUSH_INTERVAL_S": str(FLUSH_S), "PDTRACE_ROTATE_S": "900"})
