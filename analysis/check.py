@@ -17,6 +17,9 @@ kind                              when
 ``write_errors``                  a live process's sink failed to write or merge files
 ``export_errors``                 a live process's OTLP export failed
 ``dropped_attributes``            a live process dropped attributes (unknown key, wrong type)
+``hook_errors``                   a live process swallowed errors of pdtrace's own code in its
+                                  hooks (``recorder.hook_errors`` > 0; the engine ran on, but
+                                  those hooks' records may be missing)
 ``skipped_file``                  a store file was skipped (``store_files.ok`` false), one per file
 ``clock_bound``                   a clock pair's offset bound exceeds ``max_clock_bound_ms``
 ``clock_unbounded``               a clock pair's offset has no bound (evidence one way only)
@@ -48,7 +51,7 @@ from . import report as _report
 
 #: Every kind of problem :func:`collect` reports (see the module doc).
 PROBLEM_KINDS = ("no_process", "none_recent", "dropped", "write_errors", "export_errors", "dropped_attributes",
-                 "skipped_file", "clock_bound", "clock_unbounded", "clock_inconsistent",
+                 "hook_errors", "skipped_file", "clock_bound", "clock_unbounded", "clock_inconsistent",
                  "prefill_without_decode", "decode_without_prefill", "version_mismatch",
                  "collect_dropped", "collect_write_errors", "collect_bad_bodies")
 
@@ -61,7 +64,10 @@ MAX_CLOCK_BOUND_MS = 50.0
 _COUNTERS = (("dropped", "dropped {n} of {recorded} records (buffer full, sink unreachable or failed writes)"),
              ("write_errors", "had {n} failed file writes (directory not writable, deleted, disk full?)"),
              ("export_errors", "had {n} failed OTLP exports"),
-             ("dropped_attributes", "dropped {n} attributes (key not allowlisted or value of the wrong type)"))
+             ("dropped_attributes", "dropped {n} attributes (key not allowlisted or value of the wrong type)"),
+             ("hook_errors", "swallowed {n} errors of pdtrace's code in its hooks (first: {first}; the engine ran on, "
+                             "those hooks' records may be missing; the process's log has the first traceback of "
+                             "each kind)"))
 #: pdtrace collect's counters judged by the check (view ``collect_stats``): (column, problem kind, text).
 _COLLECT_COUNTERS = (("dropped_spans", "collect_dropped", "dropped {n} spans (queue full or a failed write)"),
                      ("write_errors", "collect_write_errors", "had {n} failed file writes"),
@@ -129,7 +135,7 @@ def collect(con, directory: str = "", recent_s: float = RECENT_S, at_end: bool =
         for col, text in _COUNTERS:
             n = p[col] or 0
             if n > 0:
-                problem(col, f"{_who(p)} " + text.format(n=n, recorded=p["recorded"]))
+                problem(col, f"{_who(p)} " + text.format(n=n, recorded=p["recorded"], first=p["hook_error_first"]))
     for c in _report._rows(con, "SELECT host, pid, time_ns, dropped_spans, write_errors, bad_bodies "
                                 "FROM collect_stats ORDER BY host, pid"):
         if c["time_ns"] is None or (ref - c["time_ns"]) / 1e9 > recent_s:

@@ -19,7 +19,7 @@ starting that sink: address, lock, ``find``, ``sync``), ``sink`` (the helper
 process, one per host and trace directory: conversion through ``convert``,
 Parquet files), ``otlp`` (optional OTLP export), ``store``
 (writing stores by hand, checking files), ``schema`` (columns and version),
-``attributes`` (allowlist), ``stages`` (stage and event vocabulary), ``ids``
+``attributes`` (allowlist), ``hookerrors`` (errors swallowed in hooks, counted), ``stages`` (stage and event vocabulary), ``ids``
 (request ids, trace ids, sampling), ``clock`` (anchors), ``config`` (env vars).
 This package imports none of pdtrace's other parts and never imports vLLM.
 The recorder module is imported on first use of :data:`tracer` (PEP 562), so

@@ -59,39 +59,15 @@ class Converter:
         """A table of ``len(recs)`` rows; monotonic ns times become Unix-epoch ns by adding ``offset_ns``.
 
         ``resource``: the resource columns (schema.RESOURCE_COLUMNS) plus an
-        optional default ``tp_rank``. Raises ValueError on an empty ``recs``.
+        optional default ``tp_rank``. Attributes dropped are added to ``dropped_attributes``.
+        Raises ValueError on an empty ``recs``, and for a record it cannot convert (see the module
+        docstring). One segment of :meth:`table_joint`.
         """
-        n = len(recs)
-        if n == 0:
+        if not recs:
             raise ValueError("Converter.table: no records")
-        (rtype, record_id, span_id, parent, name, kind, start, end, status, msg,
-         rid, pidx, attempt, rank, thread) = itertools.islice(zip(*recs), N_FIXED)  # columns, zip is lazy
-        cols: dict[str, pa.Array] = dict(self._resource_columns(resource, n))
-        cols["record"] = pa.DictionaryArray.from_arrays(pa.array(rtype, pa.int32()), _RTYPES)
-        cols["record_id"] = pa.array(record_id, pa.uint64())
-        cols["span_id"] = pa.array(span_id, pa.uint64())
-        cols["parent_span_id"] = pa.array(parent, pa.uint64())
-        cols["name"] = pa.array(name, pa.string()).dictionary_encode()
-        cols["kind"] = pa.array(kind, pa.int8())
-        cols["start_ns"] = pa.array(np.asarray(start, dtype=np.int64) + offset_ns)
-        cols["end_ns"] = pa.array(np.asarray(end, dtype=np.int64) + offset_ns)
-        cols["status_code"] = pa.array(status, pa.int8())
-        cols["status_message"] = pa.array(msg, pa.string())
-        rid_arr = pa.array(rid, pa.string())
-        cols["request_id"] = rid_arr
-        d = rid_arr.dictionary_encode()
-        tids = pa.array([self._trace_id(x) for x in d.dictionary.to_pylist()], pa.string())
-        cols["trace_id"] = tids.take(d.indices) if len(tids) else pa.nulls(n, pa.string())
-        cols["prompt_index"] = pa.array(pidx, pa.int32())
-        cols["attempt"] = pa.array(attempt, pa.int32())
-        default_rank = resource.get("tp_rank")
-        if default_rank is not None:
-            rank = [default_rank if r is None else r for r in rank]
-        cols["tp_rank"] = pa.array(rank, pa.int16())
-        cols["thread"] = pa.array(thread, pa.string()).dictionary_encode()
-        cols["attr_int"], cols["attr_float"], cols["attr_str"] = self._attr_maps(recs)
-        arrays = [cols[c].cast(_T[c]) if cols[c].type != _T[c] else cols[c] for c, _, _ in schema.COLUMNS]
-        return pa.Table.from_arrays(arrays, schema=schema.SCHEMA)
+        out, dropped = self.table_joint([(recs, resource, offset_ns, None)])
+        self.dropped_attributes += dropped[0]
+        return out
 
     def table_joint(self, segments: list[tuple[list[tuple], dict, int, dict | None]]) -> tuple[pa.Table, list[int]]:
         """One table of the records of several processes; and the attributes dropped per segment.
@@ -108,19 +84,23 @@ class Converter:
         segs = [s for s in segments if s[0]]
         if not segs:
             raise ValueError("Converter.table_joint: no records")
-        recs = [r for s in segs for r in s[0]]
+        one = len(segs) == 1  # table()'s case: no copy of the records, a scalar clock offset
+        recs = segs[0][0] if one else [r for s in segs for r in s[0]]
         n = len(recs)
-        counts = np.asarray([len(s[0]) for s in segs], dtype=np.int64)
         (rtype, record_id, span_id, parent, name, kind, start, end, status, msg,
-         rid, pidx, attempt, rank, thread) = itertools.islice(zip(*recs), N_FIXED)
-        cols: dict[str, pa.Array] = self._joint_resource_columns([s[1] for s in segs], counts, n)
+         rid, pidx, attempt, rank, thread) = itertools.islice(zip(*recs), N_FIXED)  # columns, zip is lazy
+        if one:
+            cols: dict[str, pa.Array] = dict(self._resource_columns(segs[0][1], n))
+        else:
+            counts = np.asarray([len(s[0]) for s in segs], dtype=np.int64)
+            cols = self._joint_resource_columns([s[1] for s in segs], counts, n)
         cols["record"] = pa.DictionaryArray.from_arrays(pa.array(rtype, pa.int32()), _RTYPES)
         cols["record_id"] = pa.array(record_id, pa.uint64())
         cols["span_id"] = pa.array(span_id, pa.uint64())
         cols["parent_span_id"] = pa.array(parent, pa.uint64())
         cols["name"] = pa.array(name, pa.string()).dictionary_encode()
         cols["kind"] = pa.array(kind, pa.int8())
-        offs = np.repeat(np.asarray([s[2] for s in segs], dtype=np.int64), counts)
+        offs = segs[0][2] if one else np.repeat(np.asarray([s[2] for s in segs], dtype=np.int64), counts)
         cols["start_ns"] = pa.array(np.asarray(start, dtype=np.int64) + offs)
         cols["end_ns"] = pa.array(np.asarray(end, dtype=np.int64) + offs)
         cols["status_code"] = pa.array(status, pa.int8())
@@ -132,7 +112,11 @@ class Converter:
         cols["trace_id"] = tids.take(d.indices) if len(tids) else pa.nulls(n, pa.string())
         cols["prompt_index"] = pa.array(pidx, pa.int32())
         cols["attempt"] = pa.array(attempt, pa.int32())
-        if any(s[1].get("tp_rank") is not None for s in segs):
+        if one:
+            dr = segs[0][1].get("tp_rank")
+            if dr is not None:
+                rank = [dr if r is None else r for r in rank]
+        elif any(s[1].get("tp_rank") is not None for s in segs):
             rank = list(rank)
             pos = 0
             for s in segs:
@@ -142,31 +126,37 @@ class Converter:
                 pos += len(s[0])
         cols["tp_rank"] = pa.array(rank, pa.int16())
         cols["thread"] = pa.array(thread, pa.string()).dictionary_encode()
-        # attribute maps: one call per run of segments sharing an allowlist object (the sink interns
-        # equal allowlists); a run that dropped attributes is counted again segment by segment
-        maps: tuple[list, list, list] = ([], [], [])
-        dropped = []
-        i = 0
-        while i < len(segs):
-            j = i + 1
-            while j < len(segs) and segs[j][3] is segs[i][3]:
-                j += 1
-            run = segs[i:j]
+        if one:
             before = self.dropped_attributes
-            for t, m in enumerate(self._attr_maps(run[0][0] if j - i == 1 else [r for s in run for r in s[0]],
-                                                   run[0][3])):
-                maps[t].append(m)
-            if self.dropped_attributes == before or j - i == 1:
-                dropped += [self.dropped_attributes - before] + [0] * (j - i - 1)
-            else:
-                for s in run:
-                    b = self.dropped_attributes
-                    self._attr_maps(s[0], s[3])
-                    dropped.append(self.dropped_attributes - b)
+            cols["attr_int"], cols["attr_float"], cols["attr_str"] = self._attr_maps(recs, segs[0][3])
+            dropped = [self.dropped_attributes - before]
             self.dropped_attributes = before
-            i = j
-        for t, c in enumerate(("attr_int", "attr_float", "attr_str")):
-            cols[c] = maps[t][0] if len(maps[t]) == 1 else pa.concat_arrays(maps[t])
+        else:
+            # attribute maps: one call per run of segments sharing an allowlist object (the sink interns
+            # equal allowlists); a run that dropped attributes is counted again segment by segment
+            maps: tuple[list, list, list] = ([], [], [])
+            dropped = []
+            i = 0
+            while i < len(segs):
+                j = i + 1
+                while j < len(segs) and segs[j][3] is segs[i][3]:
+                    j += 1
+                run = segs[i:j]
+                before = self.dropped_attributes
+                for t, m in enumerate(self._attr_maps(run[0][0] if j - i == 1 else [r for s in run for r in s[0]],
+                                                       run[0][3])):
+                    maps[t].append(m)
+                if self.dropped_attributes == before or j - i == 1:
+                    dropped += [self.dropped_attributes - before] + [0] * (j - i - 1)
+                else:
+                    for s in run:
+                        b = self.dropped_attributes
+                        self._attr_maps(s[0], s[3])
+                        dropped.append(self.dropped_attributes - b)
+                self.dropped_attributes = before
+                i = j
+            for t, c in enumerate(("attr_int", "attr_float", "attr_str")):
+                cols[c] = maps[t][0] if len(maps[t]) == 1 else pa.concat_arrays(maps[t])
         arrays = [cols[c].cast(_T[c]) if cols[c].type != _T[c] else cols[c] for c, _, _ in schema.COLUMNS]
         out = pa.Table.from_arrays(arrays, schema=schema.SCHEMA)
         it = iter(dropped)

@@ -28,9 +28,12 @@ record      meaning of the row
 ``stats``   the recorder's own counters at flush time (``attr_int``:
             ``recorder.recorded``, ``recorder.dropped``, ``recorder.written``,
             ``recorder.write_errors``, ``recorder.export_errors``,
-            ``recorder.dropped_attributes``; cumulative since process start;
-            ``attr_float``: ``recorder.sample``, ``recorder.step_sample``,
-            the sampling in force)
+            ``recorder.dropped_attributes``, ``recorder.writer_cpu_ns``,
+            ``recorder.sink_cpu_ns``, ``recorder.hook_errors``; cumulative
+            since process start; ``attr_float``: ``recorder.sample``,
+            ``recorder.step_sample``, the sampling in force; ``attr_str``:
+            ``pdtrace.activation``, ``recorder.hook_error_first`` once a
+            hook error was swallowed)
 ``open``    (since 1.1) the state of a span still open at a flush: written
             at each flush while a span has been open at least
             ``PDTRACE_OPEN_AFTER_S``; ``span_id`` = the open span's id (its

@@ -17,7 +17,8 @@ Messages from a client (tuples, each connection keeps its own state):
                                              registered there), before records using it
 ``("recs", [record tuple, ...])``            records, recorder.py layout
 ``("tick", gen, traced, mode)``              ``traced``: the writer's counters (recorded,
-                                             dropped, writer_cpu_ns, base); ``mode`` 'periodic'
+                                             dropped, writer_cpu_ns, hook_errors,
+                                             hook_error_first, base); ``mode`` 'periodic'
                                              (counters only), 'flush' (write everything
                                              received now, then answer) or 'final' (the same,
                                              then the client ends)
@@ -126,6 +127,12 @@ attributes.register("recorder.writer_cpu_ns", int,
 attributes.register("recorder.sink_cpu_ns", int,
                     "CPU time of the host's sink process (shared by every traced process of the host that writes "
                     "into the same directory) since it started (process CPU clock), ns")
+attributes.register("recorder.hook_errors", int,
+                    "errors raised by pdtrace's own code inside the traced program's hooks and swallowed there "
+                    "(the program ran on; those hooks' records may be missing), cumulative since process start (count)")
+attributes.register("recorder.hook_error_first", str,
+                    "the process's first swallowed hook error: '<hook qualname>: <exception class>' (names only, "
+                    "never the message); absent while there is none")
 attributes.register("recorder.sample", float, "fraction of requests the process traces (PDTRACE_SAMPLE, 0..1)")
 attributes.register("recorder.step_sample", float,
                     "fraction of engine steps whose step spans the process keeps (PDTRACE_STEP_SAMPLE, 0..1)")
@@ -351,6 +358,8 @@ class Sink:
         t = clock.now_ns()
         attrs = {f"recorder.{k}": v for k, v in st.items()}
         attrs["pdtrace.activation"] = self.activation
+        if traced.get("hook_error_first"):
+            attrs["recorder.hook_error_first"] = traced["hook_error_first"]
         # the sampling in force, so that a reader (pdtrace check, view processes) can say what was traced
         attrs["recorder.sample"], attrs["recorder.step_sample"] = float(self.cfg.sample), float(self.cfg.step_sample)
         out.append((R_STATS, next(self._ids), None, None, "recorder.stats", schema.KIND_INTERNAL,

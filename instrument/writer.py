@@ -51,7 +51,7 @@ import socket
 import threading
 import time
 
-from . import attributes, cpus, hostsink
+from . import attributes, cpus, hookerrors, hostsink
 
 log = logging.getLogger("pdtrace")
 
@@ -106,7 +106,9 @@ def stats(traced: dict, sink: dict) -> dict[str, int]:
     recorded (records offered to the recorder) = dropped + written + pending;
     dropped = dropped in the traced process (buffer full, sink unreachable) +
     rows of failed writes; sink_cpu_ns is the CPU time of the current sink process
-    (the host's, shared with the other traced processes writing into the same directory).
+    (the host's, shared with the other traced processes writing into the same directory);
+    hook_errors counts the errors swallowed in the traced process's hooks
+    (:mod:`pdtrace.instrument.hookerrors`).
     ``traced["base"]`` holds the counters of earlier sinks of the same
     process (a sink that died is replaced), added in.
     """
@@ -118,7 +120,8 @@ def stats(traced: dict, sink: dict) -> dict[str, int]:
     return {"recorded": traced.get("recorded", 0), "dropped": traced.get("dropped", 0) + both("dropped"),
             "written": both("written"), "write_errors": both("write_errors"),
             "export_errors": both("export_errors"), "dropped_attributes": both("dropped_attributes"),
-            "writer_cpu_ns": traced.get("writer_cpu_ns", 0), "sink_cpu_ns": sink.get("sink_cpu_ns", 0)}
+            "writer_cpu_ns": traced.get("writer_cpu_ns", 0), "sink_cpu_ns": sink.get("sink_cpu_ns", 0),
+            "hook_errors": traced.get("hook_errors", 0)}
 
 
 def _name_os_thread(name: str) -> None:
@@ -170,12 +173,13 @@ class Writer(threading.Thread):
         except (AttributeError, OSError, TypeError, OverflowError):
             return 0
 
-    def _traced(self) -> dict[str, int]:
-        """The traced process's half of the counters (see sink.stats)."""
+    def _traced(self) -> dict:
+        """The traced process's half of the counters (see :func:`stats`), and ``hook_error_first`` (str or
+        None: :func:`pdtrace.instrument.hookerrors.first`)."""
         caller_dropped = self.tracer.dropped_count()
         return {"recorded": caller_dropped + len(self.tracer._buf) + self.drained,
                 "dropped": caller_dropped + self.dropped_in_writer, "writer_cpu_ns": self.cpu_ns(),
-                "base": self._base}
+                "hook_errors": hookerrors.total(), "hook_error_first": hookerrors.first(), "base": self._base}
 
     def stats(self) -> dict[str, int]:
         """All recorder counters (see Tracer.stats), the sink's as of its last answer."""

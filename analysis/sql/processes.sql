@@ -27,7 +27,9 @@ SELECT _file, run_id, host, pid,
                 written: attr_int['recorder.written'], write_errors: attr_int['recorder.write_errors'],
                 export_errors: attr_int['recorder.export_errors'],
                 dropped_attributes: attr_int['recorder.dropped_attributes'],
-                writer_cpu_ns: attr_int['recorder.writer_cpu_ns'], sink_cpu_ns: attr_int['recorder.sink_cpu_ns']},
+                writer_cpu_ns: attr_int['recorder.writer_cpu_ns'], sink_cpu_ns: attr_int['recorder.sink_cpu_ns'],
+                hook_errors: attr_int['recorder.hook_errors'],
+                hook_error_first: attr_str['recorder.hook_error_first']},
                start_ns)
            FILTER (WHERE record = 'stats' AND name = 'recorder.stats') AS res,
        arg_max({role: role, engine_id: engine_id, service_name: service_name,
@@ -63,6 +65,7 @@ SELECT run_id, host, pid,
        res.write_errors AS write_errors, res.export_errors AS export_errors,
        res.dropped_attributes AS dropped_attributes,
        res.writer_cpu_ns AS writer_cpu_ns, res.sink_cpu_ns AS sink_cpu_ns,
+       res.hook_errors AS hook_errors, res.hook_error_first AS hook_error_first,
        files
 FROM p;
 
@@ -92,4 +95,6 @@ COMMENT ON COLUMN processes.export_errors IS 'failed OTLP exports (count, cumula
 COMMENT ON COLUMN processes.dropped_attributes IS 'attributes dropped: key not allowlisted or value of the wrong type (count, cumulative)';
 COMMENT ON COLUMN processes.writer_cpu_ns IS 'CPU of its pdtrace-writer thread since it started, as of its last flush (thread CPU clock, ns; background, not on an engine thread); NULL: not recorded';
 COMMENT ON COLUMN processes.sink_cpu_ns IS 'CPU of the host''s sink process (one per host and trace directory, shared by every traced process there: the same sink on each row of a host) as of this process''s last flush (process CPU clock, ns; background); NULL: not recorded';
+COMMENT ON COLUMN processes.hook_errors IS 'errors raised by pdtrace''s own code inside the process''s hooks (the traced connectors'' and API server''s, connector/traced/safety.py safe()) and swallowed there: the engine ran on, but those hook calls may have left records out (count, cumulative at its last flush; 0 on a healthy run); NULL: not recorded (no stats row, or a pdtrace that did not count them)';
+COMMENT ON COLUMN processes.hook_error_first IS 'the first such error: ''<hook qualname>: <exception class>'' (names only, never the message); NULL: none (or not recorded)';
 COMMENT ON COLUMN processes.files IS 'readable store files holding its rows (count)';

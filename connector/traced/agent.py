@@ -18,6 +18,9 @@ Timed calls (thread: whoever calls them — D's forward thread in pull, P's
 - ``send_notif`` / ``get_new_notifs`` → ``notification.sent`` /
   ``notification.received`` events (heartbeats are counted, not recorded),
   and the unmatched-notification check on a pull producer.
+
+Every event that names a request follows the ``PDTRACE_SAMPLE`` rule
+(``tracer.sampled``, cached per request id); one without a request id is kept.
 """
 from __future__ import annotations
 
@@ -114,6 +117,8 @@ class TracedAgent:
         info = self._handles.pop(_key(handle), None)
         rid = info.rid if info else None
         x, pidx = split_id(rid) if rid else (None, 0)
+        if x is not None and not tracer.sampled(x):
+            return
         tracer.event("kv.transfer_failed", x, prompt_index=pidx, tp_rank=self._owner._pdt_rank,
                      attrs={"lifecycle.cause": f"xfer_state:{st}"[:64], "request.internal_id": rid or "",
                             "kv.op": info.op if info else ""})
@@ -149,6 +154,8 @@ class TracedAgent:
             # A notification *we* send completes the other side's wait.
             kind = "read_done" if self._owner._pdt_role == "decode" else "write_done"
         x, pidx = split_id(rid) if rid else (None, 0)
+        if x is not None and not tracer.sampled(x):
+            return
         tracer.event("notification.sent", x, prompt_index=pidx, tp_rank=self._owner._pdt_rank,
                      attrs={"kv.notif_kind": kind, "request.internal_id": rid or ""})
 
@@ -173,9 +180,10 @@ class TracedAgent:
                 if kind == "push_reg":  # recorded as registration.received by the writer hook
                     continue
                 x, pidx = split_id(rid) if rid else (None, 0)
-                tracer.event("notification.received", x, time_ns=t, prompt_index=pidx, tp_rank=own._pdt_rank,
-                             attrs={"kv.notif_kind": kind, "request.internal_id": rid or ""})
-                own._pdt_on_notif(kind, rid, t)
+                if x is None or tracer.sampled(x):
+                    tracer.event("notification.received", x, time_ns=t, prompt_index=pidx, tp_rank=own._pdt_rank,
+                                 attrs={"kv.notif_kind": kind, "request.internal_id": rid or ""})
+                own._pdt_on_notif(kind, rid, t)  # transfer-end bookkeeping, sampled or not
 
 
 def _key(handle) -> int:

@@ -134,6 +134,8 @@ class TracedNixlPullConnectorWorker(TracedWorkerMixin, NixlPullConnectorWorker):
         # P side: a read_done for a request P no longer tracks is unmatched (vLLM drops it).
         if kind == "read_done" and rid and rid not in self._reqs_to_send and rid not in self._reqs_to_process:
             x, pidx = split_id(rid)
+            if not tracer.sampled(x):
+                return
             tracer.event("notification.unmatched", x, time_ns=t, prompt_index=pidx, tp_rank=self._pdt_rank,
                          attrs={"request.internal_id": rid, "kv.notif_kind": kind,
                                 "lifecycle.cause": "unrecognized_or_expired"})

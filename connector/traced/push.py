@@ -97,7 +97,7 @@ class TracedNixlPushConnectorScheduler(TracedSchedulerMixin, NixlPushConnectorSc
     def _pdt_reg_timeouts(self, before) -> None:
         for rid in before - set(self._push_registration_deadlines):
             st = self._pdt_reqs.get(rid)
-            if st is None or st.promoted:
+            if st is None or st.promoted or not st.sampled:
                 continue
             tracer.event("registration.timeout", st.x, prompt_index=st.pidx, attempt=st.attempt,
                          attrs={"request.internal_id": rid, "lifecycle.cause": "registration_timeout",
@@ -146,6 +146,8 @@ class TracedNixlPushConnectorWorker(TracedWorkerMixin, NixlPushConnectorWorker):
 
     def _pdt_reg_sent(self, req_id, reg_data, sent) -> None:
         x, pidx = split_id(req_id)
+        if not tracer.sampled(x):
+            return
         tracer.event("registration.sent", x, prompt_index=pidx, tp_rank=self._pdt_rank,
                      attrs={"request.internal_id": req_id, "kv.notif_kind": "push_reg", "clock.send_ns": sent,
                             "peer.engine_id": str(reg_data.get("remote_engine_id"))})
@@ -162,14 +164,17 @@ class TracedNixlPushConnectorWorker(TracedWorkerMixin, NixlPushConnectorWorker):
         if not isinstance(rid, str):
             return
         x, pidx = split_id(rid)
+        keep = tracer.sampled(x)
         peer = str(reg.get("decode_engine_id"))
         a = {"request.internal_id": rid, "kv.notif_kind": "push_reg", "peer.engine_id": peer,
              "clock.peer_engine_id": peer}
         sent = reg.get(SENT_KEY)
         if isinstance(sent, int):
             a["clock.send_ns"] = sent
-        # the event keeps the read time (a causal upper bound for the clock analysis)
-        tracer.event("registration.received", x, time_ns=t, prompt_index=pidx, tp_rank=self._pdt_rank, attrs=a)
+        if keep:
+            # the event keeps the read time (a causal upper bound for the clock analysis)
+            tracer.event("registration.received", x, time_ns=t, prompt_index=pidx, tp_rank=self._pdt_rank,
+                         attrs=a)
         # t (just after the drain that returned it) bounds the arrival from above
         arrived = reg_arrival(t, getattr(self.nixl_wrapper, "drain_lo", 0),
                               wall_to_mono(sent) if isinstance(sent, int) else None)
@@ -177,7 +182,7 @@ class TracedNixlPushConnectorWorker(TracedWorkerMixin, NixlPushConnectorWorker):
         if len(self._pdt_regs) > 50_000:
             self._pdt_regs.clear()
         alloc = reg.get(ALLOC_KEY)
-        if isinstance(alloc, int) and tracer.sampled(x):
+        if isinstance(alloc, int) and keep:
             # Start is D's wall clock (raw, another process/host); the analysis corrects skew.
             tracer.record("dest.register", x, min(wall_to_mono(alloc), arrived), arrived,
                           {"request.internal_id": rid, "peer.engine_id": peer, "request.mode": "push",

@@ -2,37 +2,41 @@
 
 :func:`safe` runs a pdtrace-side function and swallows (and counts) any
 exception it raises; vLLM's own code is never wrapped by it, so vLLM's
-exceptions propagate exactly as without pdtrace. The first error of each
-kind is logged once (class and code only); :func:`error_count` is read by the
-tests (it must stay 0 on a healthy run) and written as the ``pdtrace.errors``
-counter in the step spans' neighbourhood by nobody else.
+exceptions propagate exactly as without pdtrace. Each swallowed error is
+counted in :mod:`pdtrace.instrument.hookerrors`, which the recorder writes on
+the process's ``recorder.stats`` rows at every flush
+(``recorder.hook_errors``, ``recorder.hook_error_first``; view ``processes``
+columns ``hook_errors``, ``hook_error_first``; ``pdtrace check`` reports a
+live process with errors). The first error of each kind (hook and exception
+class) is logged once: its class and the code it went through (the
+traceback's frames: file, line, function, source line), never its message,
+which can hold prompt text; the store gets the names only. :func:`error_count` must stay 0 on a healthy
+run (the tests read it).
 """
 from __future__ import annotations
 
 import logging
-import threading
+import traceback
 
-from pdtrace.instrument import selfcpu
+from pdtrace.instrument import hookerrors, selfcpu
 
 log = logging.getLogger("pdtrace.connector")
 
-_errors = 0
-_seen: set[str] = set()
-_lock = threading.Lock()
+
+def _where(fn) -> str:
+    """The hook's qualified name; for a callable without one, its class's (never its repr: a bound
+    ``functools.partial`` shows its arguments)."""
+    name = getattr(fn, "__qualname__", None)
+    return name if isinstance(name, str) else type(fn).__qualname__
 
 
 def _count(exc: BaseException, where: str) -> None:
-    global _errors
-    with _lock:
-        _errors += 1
-        key = f"{where}:{type(exc).__name__}"
-        first = key not in _seen
-        if first:
-            _seen.add(key)
-    if first:
+    if hookerrors.count(where, exc):
         try:
-            log.warning("pdtrace: tracing error in %s swallowed (%s); counted, engine unaffected",
-                        where, type(exc).__name__, exc_info=True)
+            frames = "".join(traceback.format_list(traceback.extract_tb(exc.__traceback__)))
+            log.warning("pdtrace: tracing error in %s swallowed (%s; message not logged); counted, engine "
+                        "unaffected. Traceback (most recent call last):\n%s", where, type(exc).__qualname__,
+                        frames.rstrip())
         except Exception:  # noqa: BLE001 - logging must not raise either
             pass
 
@@ -48,25 +52,22 @@ def safe(fn, *args, **kwargs):
         try:
             return fn(*args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - the whole point
-            _count(exc, getattr(fn, "__qualname__", repr(fn)))
+            _count(exc, _where(fn))
             return None
         finally:
             selfcpu.add(t0)
     try:
         return fn(*args, **kwargs)
     except Exception as exc:  # noqa: BLE001 - the whole point
-        _count(exc, getattr(fn, "__qualname__", repr(fn)))
+        _count(exc, _where(fn))
         return None
 
 
 def error_count() -> int:
-    """Tracing errors swallowed in this process so far."""
-    return _errors
+    """Tracing errors swallowed in this process so far (:func:`pdtrace.instrument.hookerrors.total`)."""
+    return hookerrors.total()
 
 
 def reset() -> None:
     """Reset the counter (tests)."""
-    global _errors
-    with _lock:
-        _errors = 0
-        _seen.clear()
+    hookerrors.reset()

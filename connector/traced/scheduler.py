@@ -28,7 +28,8 @@ hook (vLLM contract)            records
 ==============================  ==============================================================
 
 Step spans are kept for every step (``PDTRACE_STEP_SAMPLE``), request spans
-only for sampled requests (``PDTRACE_SAMPLE``). A kept step span is open from
+and events only for sampled requests (``PDTRACE_SAMPLE``; ``SReq.sampled``,
+decided once per request). A kept step span is open from
 ``build_connector_meta`` to ``update_connector_output`` (``tracer.start``), so a
 step that never returns is written as ``open`` rows at each flush (schema 1.1)
 and the analysis reports it as an engine stall (view ``engine_stalls``); an
@@ -264,8 +265,9 @@ class TracedSchedulerMixin:
         for rid in so.preempted_req_ids or ():
             st = self._pdt_reqs.get(rid)
             if st is not None:
-                tracer.event("request.preempted", st.x, time_ns=t0, prompt_index=st.pidx, attempt=st.attempt,
-                             attrs={"request.internal_id": rid, "step.id": step})
+                if st.sampled:
+                    tracer.event("request.preempted", st.x, time_ns=t0, prompt_index=st.pidx, attempt=st.attempt,
+                                 attrs={"request.internal_id": rid, "step.id": step})
                 st.attempt += 1
                 st.queue_open = True
                 st.last_end = t0
@@ -396,9 +398,10 @@ class TracedSchedulerMixin:
         for rid in getattr(out, "failed_recving", None) or ():
             st = self._pdt_reqs.get(rid)
             x, pidx = (st.x, st.pidx) if st else split_id(rid)
-            tracer.event("kv.load_failed", x, time_ns=t1, prompt_index=pidx, attempt=st.attempt if st else 0,
-                         attrs={"request.internal_id": rid, "lifecycle.cause": "load_failed_recompute",
-                                "request.mode": self._pdt_mode})
+            if st.sampled if st else tracer.sampled(x):
+                tracer.event("kv.load_failed", x, time_ns=t1, prompt_index=pidx, attempt=st.attempt if st else 0,
+                             attrs={"request.internal_id": rid, "lifecycle.cause": "load_failed_recompute",
+                                    "request.mode": self._pdt_mode})
             if st is not None:
                 st.attempt += 1
                 st.awaiting = False
@@ -490,7 +493,8 @@ class TracedSchedulerMixin:
                 a["lifecycle.cause"] = "aborted_waiting_for_kv"
                 a["lifecycle.expected"] = 1
                 a["lifecycle.received"] = len(st.ranks or {})
-            tracer.event("request.abort", st.x, time_ns=t, prompt_index=st.pidx, attempt=st.attempt, attrs=a)
+            if st.sampled:
+                tracer.event("request.abort", st.x, time_ns=t, prompt_index=st.pidx, attempt=st.attempt, attrs=a)
         elif self._pdt_role == "decode" and st.sampled:
             # the output length for TPOT (the router sees chunks, not tokens)
             tracer.event("request.finished", st.x, time_ns=t, prompt_index=st.pidx, attempt=st.attempt,

@@ -206,6 +206,8 @@ class TracedWorkerMixin:
     def _pdt_failure(self, failure_type, req_id, error) -> None:
         name, cause, phase = _FAILURES.get(str(failure_type), ("kv.transfer_failed", str(failure_type)[:64], None))
         x, pidx = split_id(req_id) if req_id else (None, 0)
+        if x is not None and not tracer.sampled(x):
+            return
         attrs = {"lifecycle.cause": cause, "request.internal_id": req_id or "", "request.mode": self._pdt_mode}
         if phase:
             attrs["lifecycle.phase"] = phase
@@ -227,10 +229,11 @@ class TracedWorkerMixin:
     def _pdt_expired(self, rids) -> None:
         for rid in rids:
             x, pidx = split_id(rid)
-            tracer.event("kv.lease_expired", x, prompt_index=pidx, tp_rank=self._pdt_rank,
-                         attrs={"request.internal_id": rid, "lifecycle.cause": "lease_expired",
-                                "request.mode": self._pdt_mode})
-            self._pdt_report_obj().expired.add(rid)
+            if tracer.sampled(x):
+                tracer.event("kv.lease_expired", x, prompt_index=pidx, tp_rank=self._pdt_rank,
+                             attrs={"request.internal_id": rid, "lifecycle.cause": "lease_expired",
+                                    "request.mode": self._pdt_mode})
+            self._pdt_report_obj().expired.add(rid)  # the release cause of P's block hold
 
     # ------------------------------------------------------------ transfers
     def _pdt_on_post(self, info) -> None:

@@ -156,6 +156,23 @@ def test_counter_problems(tmp_path, counter, text):
     assert problems(res) == [f"PROBLEM {counter}: decode d0 pid 301@h {text}"]
 
 
+def test_hook_errors_problem_names_the_first(tmp_path):
+    """A live process that swallowed errors in its hooks (connector/traced/safety.py) is a problem; the
+    message names the first error by hook and exception class, as the sink writes it."""
+    healthy(tmp_path)
+    write_process(tmp_path, "prefill", 201, [9.0, 10.0], engine="p1",
+                  counters={"recorded": 40, "hook_errors": 3, "hook_error_first": "TracedScheduler.step: KeyError"})
+    res = run(str(tmp_path), "--at-end")
+    assert res.exit_code == 1
+    assert problems(res) == [
+        "PROBLEM hook_errors: prefill p1 pid 201@h swallowed 3 errors of pdtrace's code in its hooks (first: "
+        "TracedScheduler.step: KeyError; the engine ran on, those hooks' records may be missing; the process's "
+        "log has the first traceback of each kind)"]
+    with db.open_trace(tmp_path) as tr:
+        assert tr.query("SELECT pid, hook_errors, hook_error_first FROM processes WHERE hook_errors > 0") == [
+            {"pid": 201, "hook_errors": 3, "hook_error_first": "TracedScheduler.step: KeyError"}]
+
+
 def test_stale_process_counters_not_judged(tmp_path):
     """A process that stopped flushing 100 s before the trace end (an engine restarted) is listed, not judged."""
     healthy(tmp_path)
@@ -305,9 +322,10 @@ def test_real_recorder_writes_sampling_and_counters(tmp_path, child):
     pid = int(r.stdout.split()[-1])
     with db.open_trace(d) as tr:
         rows = tr.query("SELECT role, engine_id, pid, sample, step_sample, dropped, write_errors, "
-                        "dropped_attributes FROM processes")
+                        "dropped_attributes, hook_errors, hook_error_first FROM processes")
     assert rows == [{"role": "prefill", "engine_id": "p0", "pid": pid, "sample": 0.5, "step_sample": 0.25,
-                     "dropped": 0, "write_errors": 0, "dropped_attributes": 0}]
+                     "dropped": 0, "write_errors": 0, "dropped_attributes": 0, "hook_errors": 0,
+                     "hook_error_first": None}]
 
 
 def _listing(d: Path) -> dict[str, tuple[int, int]]:

@@ -139,3 +139,74 @@ def test_middleware_error_response_is_no_token(tmp_path, child):
         assert ("span", "decode.frontend", "X43") in names and ("event", "token", "X43") not in names
     """, env={"PDTRACE_DIR": str(tmp_path)})
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def _ids_each_side(fraction):
+    """(a sampled id, an unsampled id) at ``fraction`` by the sha256 rule, chosen here rather than hard-coded."""
+    from pdtrace.instrument import ids
+
+    cand = [f"X{i}" for i in range(64)]
+    return (next(x for x in cand if ids.is_sampled(x, fraction)),
+            next(x for x in cand if not ids.is_sampled(x, fraction)))
+
+
+def test_notification_and_registration_events_follow_the_sampling_rule(tmp_path, child):
+    """Issue 18: at PDTRACE_SAMPLE=0.5 an unsampled request leaves no notification.sent/received,
+    registration.sent/received or dest.register row; a sampled one leaves each. The bookkeeping the
+    sampled spans of other requests rely on (D's transfer-end time, P's registration arrival) is kept
+    for both. The workers are the traced push worker built without its vLLM ``__init__`` (no engine,
+    no NIXL agent); the agent under the proxy is a stand-in returning the notifications a real agent
+    would (the real NIXL path at PDTRACE_SAMPLE=0.5 is tests/connector/test_traced_pull_lab.py)."""
+    import json
+
+    keep, drop = _ids_each_side(0.5)
+    r = child(f"""
+        import glob, json, time, msgspec, pyarrow.parquet as pq
+        from pdtrace.instrument import tracer
+        from pdtrace.connector.traced.agent import TracedAgent
+        from pdtrace.connector.traced.common import PUSH_REG_PREFIX
+        from pdtrace.connector.traced.push import ALLOC_KEY, SENT_KEY, TracedNixlPushConnectorWorker as W
+        from pdtrace.connector.traced.worker import ReqState
+        from pdtrace.instrument import activate
+        assert activate("explicit")
+        rids = {{x: f"cmpl-{{x}}-0-0123abcd" for x in ({keep!r}, {drop!r})}}
+
+        class StandInAgent:
+            def __init__(self, notifs): self.notifs = notifs
+            def get_new_notifs(self): return {{"peer": self.notifs}}
+            def send_notif(self, name, msg): return None
+
+        def worker(role, notifs):
+            w = object.__new__(W)  # no vLLM __init__: only the attributes the hooks read
+            w._pdt_role, w._pdt_rank, w._pdt_req, w._pdt_regs = role, 0, {{}}, {{}}
+            w.nixl_wrapper = TracedAgent(StandInAgent(notifs), w)
+            return w
+
+        # D: P's write_done notifications arrive; D sends its registrations
+        d = worker("decode", [f"{{rid}}:1".encode() for rid in rids.values()])
+        for rid in rids.values():
+            d._pdt_req[rid] = ReqState(*rid.split("-")[1:3])
+        d.nixl_wrapper.get_new_notifs()
+        xfer_end = {{rid: d._pdt_req[rid].xfer_end for rid in rids.values()}}
+        for rid in rids.values():
+            d.nixl_wrapper.send_notif("peer", f"{{rid}}:1".encode())
+            d._pdt_reg_sent(rid, {{"remote_engine_id": "P0"}}, time.time_ns())
+        # P: the registrations arrive
+        p = worker("prefill", [])
+        for rid in rids.values():
+            now = time.time_ns()
+            reg = {{"request_id": rid, "decode_engine_id": "D0", SENT_KEY: now, ALLOC_KEY: now - 1000}}
+            p._pdt_reg_received(PUSH_REG_PREFIX + msgspec.msgpack.encode(reg), tracer.now())
+        tracer.shutdown()
+        rows = [r for f in glob.glob("{tmp_path}/*.parquet") for r in pq.read_table(f).to_pylist()]
+        print(json.dumps({{"rows": sorted({{(r["name"], r["request_id"]) for r in rows
+                                           if r["record"] in ("span", "event") and r["request_id"]}}),
+                          "xfer_end": xfer_end, "regs": sorted(p._pdt_regs)}}))
+    """, env={"PDTRACE_DIR": str(tmp_path), "PDTRACE_SAMPLE": "0.5"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    names = ["notification.received", "notification.sent", "registration.sent", "registration.received",
+             "dest.register"]
+    assert sorted(map(tuple, out["rows"])) == sorted((n, keep) for n in names)
+    assert all(v > 0 for v in out["xfer_end"].values()) and len(out["xfer_end"]) == 2
+    assert out["regs"] == sorted(f"{x}\x000" for x in (keep, drop))
