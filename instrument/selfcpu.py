@@ -95,6 +95,17 @@ def add(t0_ns: int) -> None:
     c[2] = t1
 
 
+def stamp(attrs: dict, mark: tuple[int, int] | None) -> tuple[int, int]:
+    """Put the calling thread's pdtrace CPU and whole CPU since ``mark`` (a previous return value; None: none
+    yet, nothing put) into ``attrs`` as ``step.pdtrace_cpu_ns`` / ``step.thread_cpu_ns`` (ns); return the new
+    mark. The recorded step spans (EngineCore thread) and ``connector.load`` spans (forward thread) use it."""
+    pd, th = thread_pair()
+    if mark is not None:
+        attrs["step.pdtrace_cpu_ns"] = pd - mark[0]
+        attrs["step.thread_cpu_ns"] = th - mark[1]
+    return (pd, th)
+
+
 def thread_pair() -> tuple[int, int]:
     """(pdtrace CPU charged to the calling thread so far, the calling thread's whole CPU now), ns."""
     try:

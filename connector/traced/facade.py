@@ -105,12 +105,7 @@ class TracedFacadeMixin:
         if selfcpu.enabled and name == "connector.load":
             # the forward thread's pdtrace CPU and whole CPU since the previous recorded connector.load
             # (one engine step of this rank; the hook running now is charged to the next one)
-            pd, th = selfcpu.thread_pair()
-            m = w._pdt_cpu_mark
-            if m is not None:
-                a["step.pdtrace_cpu_ns"] = pd - m[0]
-                a["step.thread_cpu_ns"] = th - m[1]
-            w._pdt_cpu_mark = (pd, th)
+            w._pdt_cpu_mark = selfcpu.stamp(a, w._pdt_cpu_mark)
         tracer.record(name, None, t0, t1, a, parent=parent, tp_rank=w._pdt_rank)
 
     def start_load_kv(self, forward_context, **kwargs) -> None:

@@ -430,12 +430,7 @@ class TracedSchedulerMixin:
             if selfcpu.enabled:
                 # this (EngineCore) thread's pdtrace CPU and whole CPU since the previous recorded step span
                 # (the hook running now is charged to the next step: it is still running)
-                pd, th = selfcpu.thread_pair()
-                m = self._pdt_cpu_mark
-                if m is not None:
-                    a["step.pdtrace_cpu_ns"] = pd - m[0]
-                    a["step.thread_cpu_ns"] = th - m[1]
-                self._pdt_cpu_mark = (pd, th)
+                self._pdt_cpu_mark = selfcpu.stamp(a, self._pdt_cpu_mark)
             tracer.record(self._pdt_step_name, None, ps.t0, t1, a, span_id=ps.sid)
         for st, n, idx, last in ps.chunks:
             end = t1
