@@ -131,6 +131,7 @@ class TracedSchedulerMixin:
         self._pdt_pending: deque[PendingStep] = deque()
         self._pdt_step_id = 0
         self._pdt_holds: dict[str, tuple[int, SReq]] = {}
+        self._pdt_expired: set[str] = set()  # P: held requests whose lease a worker reported expired
         self._pdt_idle = 0
         self._pdt_cpu_mark = None  # (pdtrace ns, thread ns) of this thread when the last step span was written
 
@@ -386,15 +387,23 @@ class TracedSchedulerMixin:
                 tracer.abandon(ps.sid, t1)
             else:
                 self._pdt_close_step(ps, t1)
-        # per-rank completion times of receives (D)
-        done_recv = out.finished_recving
-        recv = (getattr(rep, "recv", None) or _NONE) if done_recv else _NONE
-        for rid in done_recv or ():
+        # per-rank completion times of receives (D). A rank's report reaches the scheduler in the step in
+        # which that worker saw its receive done; vLLM reports the request in finished_recving later when
+        # other ranks are slower (TP > 1: only once all of them are done) or when the id is held back, so
+        # each rank's (transfer end, seen) is kept on the request as it arrives and read at promotion
+        recv = getattr(rep, "recv", None)
+        if recv:
+            reqs = self._pdt_reqs
+            for rid, ranks in recv.items():
+                st = reqs.get(rid)
+                if st is not None:
+                    if st.ranks is None:
+                        st.ranks = {}
+                    st.ranks.update(ranks)
+        for rid in out.finished_recving or ():
             st = self._pdt_reqs.get(rid)
-            if st is None:
-                continue
-            ranks = recv.get(rid) or {}
-            st.ranks = {k: v for k, v in ranks.items()} if ranks else {0: (t1, t1)}
+            if st is not None and not st.ranks:
+                st.ranks = {0: (t1, t1)}  # no worker report: seen at this step's end
         for rid in getattr(out, "failed_recving", None) or ():
             st = self._pdt_reqs.get(rid)
             x, pidx = (st.x, st.pidx) if st else split_id(rid)
@@ -406,17 +415,24 @@ class TracedSchedulerMixin:
                 st.attempt += 1
                 st.awaiting = False
                 st.failed = True
-        done_send = out.finished_sending
-        expired = (getattr(rep, "expired", None) or _NONE) if done_send else _NONE
-        for rid in done_send or ():
+        # P: a rank's lease expiry, like a receive, can be reported steps before the request is in
+        # finished_sending (TP > 1): kept until its hold is closed
+        exp = getattr(rep, "expired", None)
+        if exp:
+            self._pdt_expired.update(r for r in exp if r in self._pdt_holds)
+        for rid in out.finished_sending or ():
             h = self._pdt_holds.pop(rid, None)
             if h is None:
                 continue
             t_ready, st = h
+            cause = "notification"
+            if rid in self._pdt_expired:
+                self._pdt_expired.discard(rid)
+                cause = "expiry"
             if st.sampled:
                 tracer.record("prefill.block_hold", st.x, t_ready, t1,
                               {"request.internal_id": rid, "request.mode": self._pdt_mode,
-                               "kv.release_cause": "expiry" if rid in expired else "notification"},
+                               "kv.release_cause": cause},
                               prompt_index=st.pidx, attempt=st.attempt, span_id=st.h_sid or None)
                 tracer.close(st.h_sid)
                 st.h_sid = 0
@@ -503,3 +519,4 @@ class TracedSchedulerMixin:
                                           "registration" if self._pdt_mode == "push" else "read_done")
             if len(self._pdt_holds) > 100_000:
                 self._pdt_holds.clear()
+                self._pdt_expired.clear()

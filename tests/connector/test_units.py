@@ -210,3 +210,59 @@ def test_notification_and_registration_events_follow_the_sampling_rule(tmp_path,
     assert sorted(map(tuple, out["rows"])) == sorted((n, keep) for n in names)
     assert all(v > 0 for v in out["xfer_end"].values()) and len(out["xfer_end"]) == 2
     assert out["regs"] == sorted(f"{x}\x000" for x in (keep, drop))
+
+
+def test_kv_ready_starts_at_the_transfer_end_when_vllm_reports_the_receive_later(tmp_path, child):
+    """A worker's receive report (per rank: transfer end, seen) reaches the scheduler in the step in
+    which that rank saw its receive done; vLLM lists the request in ``finished_recving`` in a later
+    step when another rank is slower (TP > 1: only once every rank is done, by vLLM's
+    ``KVOutputAggregator``) or when the id is held back. kv.ready must still start at each rank's
+    transfer end and count both ranks, not start at the step that finally listed the request (the
+    CI failure of the injected kv.ready delay: its whole interval fell outside kv.ready). The
+    scheduler is the traced pull scheduler built without its vLLM ``__init__``; the step outputs are
+    plain objects carrying the fields vLLM's ``KVConnectorOutput`` has."""
+    import json
+
+    r = child(f"""
+        import collections, glob, json, types, pyarrow.parquet as pq
+        from pdtrace.instrument import activate, tracer
+        from pdtrace.connector.traced.pull import TracedNixlPullConnectorScheduler as S
+        from pdtrace.connector.traced.scheduler import SReq
+        from pdtrace.connector.traced.wmeta import StepReport
+        assert activate("explicit")
+        s = object.__new__(S)  # no vLLM __init__: only the attributes the hooks read
+        s._pdt_role, s._pdt_step_name = "decode", "decode.step"
+        s._pdt_reqs, s._pdt_pending, s._pdt_step_id = {{}}, collections.deque(), 3
+        s._pdt_holds, s._pdt_expired, s._pdt_idle, s._pdt_cpu_mark = {{}}, set(), 0, None
+        rid = "cmpl-X7-0-0123abcd"
+        req = types.SimpleNamespace(request_id=rid, num_prompt_tokens=40, arrival_time=None)
+        st = s._pdt_reqs[rid] = SReq(req, "decode")
+        st.t_alloc, st.awaiting = tracer.now() - 5_000_000, True
+        t_end0, t_end1 = tracer.now() - 3_000_000, tracer.now() - 2_000_000
+
+        def out(rep, done=()):
+            return types.SimpleNamespace(kv_connector_worker_meta=rep, finished_recving=set(done),
+                                         finished_sending=set(), failed_recving=set())
+        # step 1: rank 0's receive is done; vLLM does not list the request yet
+        rep = StepReport(1); rep.recv[rid] = {{0: (t_end0, t_end0 + 100)}}
+        s._pdt_step_end(out(rep), tracer.now())
+        # step 2: rank 1 done; vLLM now lists it in finished_recving
+        rep = StepReport(2); rep.recv[rid] = {{1: (t_end1, t_end1 + 100)}}
+        s._pdt_step_end(out(rep, {{rid}}), tracer.now())
+        # step 3: nothing new; the request is promoted
+        s._pdt_step_end(out(StepReport(3)), tracer.now())
+        t_promote = tracer.now()
+        s._pdt_promote(st, t_promote)
+        tracer.shutdown()
+        rows = [r for f in glob.glob("{tmp_path}/*.parquet") for r in pq.read_table(f).to_pylist()]
+        ready = sorted((r["tp_rank"], r["start_ns"], r["end_ns"], dict(r["attr_int"])["kv.ranks_received"])
+                       for r in rows if r["record"] == "span" and r["name"] == "kv.ready")
+        print(json.dumps({{"ready": ready, "ends": [t_end0, t_end1], "promote": t_promote}}))
+    """, env={"PDTRACE_DIR": str(tmp_path)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    (r0, s0, e0, n0), (r1, s1, e1, n1) = out["ready"]
+    assert (r0, r1) == (0, 1) and (n0, n1) == (2, 2)
+    # each rank's kv.ready starts at that rank's transfer end (monotonic ns -> store ns: same offset)
+    assert s1 - s0 == out["ends"][1] - out["ends"][0] and e0 == e1
+    assert e0 - s0 == out["promote"] - out["ends"][0]
