@@ -53,13 +53,14 @@ def configure(**kwargs):
     return tracer.configure(**kwargs)
 
 
-def activate(activation: str = "explicit") -> bool:
+def activate(activation: str = "explicit", **resource: object) -> bool:
     """Start the process-wide recorder if ``PDTRACE_DIR`` is set; True iff tracing is on.
 
     Idempotent (the first call in a process decides; later calls return the state).
     ``activation`` is one of :data:`ACTIVATIONS`; raises ValueError for another.
-    See :meth:`pdtrace.instrument.recorder.Tracer.activate`.
+    ``resource``: the process's resource columns (role, engine_id, ...), in force before
+    its first row is written. See :meth:`pdtrace.instrument.recorder.Tracer.activate`.
     """
     from .recorder import tracer
 
-    return tracer.activate(activation)
+    return tracer.activate(activation, **resource)

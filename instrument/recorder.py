@@ -125,7 +125,7 @@ class Tracer:
         self._open_after_ns = 1_000_000_000
 
     # ------------------------------------------------------------------ setup
-    def activate(self, activation: str = "explicit") -> bool:
+    def activate(self, activation: str = "explicit", **resource: object) -> bool:
         """Start the recorder from the environment if ``PDTRACE_DIR`` is set; return :attr:`on`.
 
         The one start function of a process that traces (never called on import).
@@ -136,21 +136,25 @@ class Tracer:
         a process that stopped tracing, e.g. on SIGTERM, is not restarted). A
         forked child keeps tracing through the fork hook; a spawned one calls
         this again. ``activation``: 'plugin' or 'explicit'; ValueError otherwise.
+        ``resource``: resource columns (:meth:`set_resource`; KeyError for an unknown key) set
+        before the writer starts, so that none of the process's rows (its first
+        ``recorder.stats`` row and clock anchor included) is written without them; on a later
+        call, set when tracing is on.
         """
         if activation not in _ACTIVATIONS:
             raise ValueError(f"activation must be 'plugin' or 'explicit', not {activation!r}")
         pid = os.getpid()
-        if self._activated_pid == pid:
-            return self.on
-        with self._activate_lock:
-            if self._activated_pid == pid:
-                return self.on
-            cfg = _config.from_env()
-            if cfg.enabled and not self.on:
-                self.activation = activation
-                self.configure(cfg)
-            self._activated_pid = pid
-            return self.on
+        if self._activated_pid != pid:
+            with self._activate_lock:
+                if self._activated_pid != pid:
+                    cfg = _config.from_env()
+                    if cfg.enabled and not self.on:
+                        self.activation = activation
+                        self.configure(cfg, **resource)
+                    self._activated_pid = pid
+        if resource and self.on:
+            self.set_resource(**resource)
+        return self.on
 
     def configure(self, cfg: _config.Config | None = None, **resource: object) -> "Tracer":
         """(Re)configure from ``cfg`` (default: the environment) and start the writer.

@@ -597,9 +597,8 @@ def main(argv=None) -> None:
         cfg = json.load(f)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s router %(levelname)s %(message)s")
     if _tracer is not None:
-        _tracer.activate("explicit")  # the router process traces (PDTRACE_DIR set); never on import
-    if _tracer is not None and getattr(_tracer, "on", False):
-        _tracer.set_resource(role="router", service_name="pdtrace-router")
+        # the router process traces (PDTRACE_DIR set); never on import; its role set before any row is written
+        _tracer.activate("explicit", role="router", service_name="pdtrace-router")
     router = Router(cfg)
 
     async def run():

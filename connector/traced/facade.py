@@ -63,10 +63,10 @@ class TracedFacadeMixin:
 
         kvc = vllm_config.kv_transfer_config
         # the recorder starts here, in the process vLLM builds the connector in (never on import)
-        self._pdt_traced = bool(safe(activate, activation_of(kvc)) and tracer.on)
-        if self._pdt_traced:
-            safe(tracer.set_resource, role=_role_name(kvc.kv_role), engine_id=str(self.engine_id),
-                 vllm_version=vllm_compat.vllm_version(), connector=type(self).__name__)
+        # with its resource columns, so that no row of this process is written before it has its role
+        self._pdt_traced = bool(safe(activate, activation_of(kvc), role=_role_name(kvc.kv_role),
+                                     engine_id=str(self.engine_id), vllm_version=vllm_compat.vllm_version(),
+                                     connector=type(self).__name__) and tracer.on)
         self.connector_scheduler = None
         self.connector_worker = None
         if role == KVConnectorRole.SCHEDULER:

@@ -173,7 +173,6 @@ class FrontendMiddleware:
 
         Starts this process's recorder (on iff ``PDTRACE_DIR`` is set)."""
         self.app = app
-        safe(activate, activation)
         self.role = role or _role_from_argv(sys.argv) or config.raw("PDTRACE_ROLE") or "decode"
         if self.role not in ("prefill", "decode"):
             self.role = "decode"
@@ -182,10 +181,12 @@ class FrontendMiddleware:
         # analysis corrects them with the engine's offset: from argv now, else from the app's
         # vLLM config on the first request (set after the middleware is built).
         self.engine_id = _engine_id_from_argv(sys.argv)
+        # the resource goes with the start, so that no row of this process is written without its role
+        res = {"role": self.role, "service_name": f"pdtrace-{self.role}-api"}
+        if self.engine_id:
+            res["engine_id"] = self.engine_id
+        safe(activate, activation, **res)
         if tracer.on:
-            safe(tracer.set_resource, role=self.role, service_name=f"pdtrace-{self.role}-api")
-            if self.engine_id:
-                safe(tracer.set_resource, engine_id=self.engine_id)
             safe(install_engine_hooks)
 
     def _resolve_engine_id(self, scope) -> None:

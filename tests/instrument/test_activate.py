@@ -77,3 +77,30 @@ def test_bad_activation_raises():
     from pdtrace.instrument import tracer
     with pytest.raises(ValueError, match="activation"):
         tracer.activate("sometimes")
+
+
+def test_resource_given_to_activate_is_on_every_row(child, tmp_path):
+    """The process's role and engine id go with the start: the sink may write the process's first
+    ``recorder.stats`` row and clock anchor as soon as its writer connects, before any record (here:
+    five flush intervals with nothing recorded), and none of them is written without the role (the CI
+    failure behind vllm-router: one process's first stats row had role NULL). A later call adds
+    resource columns (here the connector; on the rows converted after it, the final stats row among them)."""
+    d = tmp_path / "t"
+    r = child("""
+        import time
+        from pdtrace.instrument import activate, tracer
+        assert activate('plugin', role='decode', engine_id='E1')
+        time.sleep(0.5)
+        tracer.record('decode.step', None, 1, 2)
+        assert activate('plugin', connector='TracedNixlPullConnector')
+        tracer.record('decode.step', None, 3, 4)
+        tracer.shutdown()
+    """, {"PDTRACE_DIR": str(d), "PDTRACE_FLUSH_INTERVAL_S": "0.1"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = duckdb.sql(f"""SELECT record, name, role, engine_id, connector, start_ns
+                          FROM read_parquet('{d}/*.parquet', union_by_name = true)""").fetchall()
+    kinds = {(rec, name) for rec, name, *_ in rows}
+    assert {("stats", "recorder.stats"), ("clock", "clock.anchor"), ("span", "decode.step")} <= kinds, kinds
+    assert {(role, eng) for _, _, role, eng, _, _ in rows} == {("decode", "E1")}, rows
+    last_stats = max((s, c) for rec, _, _, _, c, s in rows if rec == "stats")
+    assert last_stats[1] == "TracedNixlPullConnector"
