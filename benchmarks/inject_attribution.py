@@ -15,7 +15,9 @@ Per stage and mode, over the complete replayed requests (the warm-up excluded):
 - Each increase is a paired-neighbour estimate: every injected request is compared with the median
   of its nearest uninjected neighbours in arrival order (two before, two after), so slow drifts
   of the noisy 2-core machine cancel; the median of the pairs, 95 % CI by bootstrap over the
-  pairs (2000 resamples).
+  pairs (2000 resamples). A neighbour whose spans of the stage overlap another request's injected
+  interval of that stage is no control for it: the delays sleep in serial threads (D's forward
+  thread, the push writer threads), so such a neighbour waited behind the delay too.
 - ``--isolated``: instead of the public trace, alike requests (``--prompt-tokens``, 16 output
   tokens) ``--gap-s`` apart, so no two overlap; the TTFT of neighbours then differs by a few ms,
   not by the hundreds of ms the public trace's queueing adds, and the TTFT increase is measurable.
@@ -132,7 +134,30 @@ def per_request(run_dir: Path) -> tuple[list[dict], dict[str, float]]:
             FROM e JOIN ttft_segments s ON s.request_id = e.request_id
             WHERE s.end_ns > e.t0 AND s.start_ns < e.t1
             GROUP BY ALL""")
-    rows = {r["request_id"]: {**r, "exposed": {}, "hidden": {}, "injected": {}, "cover": {}} for r in reqs}
+        # each request's extent per stage group (its spans' first start .. last end), for contamination
+        extent = tr.query("""
+            SELECT request_id, CASE WHEN stage LIKE 'handoff.%' THEN 'handoff.prep' ELSE stage END AS stage,
+                   min(start_ns) AS t0, max(end_ns) AS t1
+            FROM spans WHERE request_id IS NOT NULL GROUP BY ALL""")
+        intervals = tr.query("""
+            SELECT request_id, attr_str['lab.stage'] AS stage, time_ns AS t0,
+                   time_ns + CAST(attr_float['lab.injected_ms'] * 1e6 AS BIGINT) AS t1
+            FROM events WHERE event = 'lab.inject'""")
+    rows = {r["request_id"]: {**r, "exposed": {}, "hidden": {}, "injected": {}, "cover": {}, "contaminated": set()}
+            for r in reqs}
+    # an uninjected request whose stage ran while another request's injected delay of that stage ran
+    # waited behind it (the delay sits in a serial thread: D's forward thread, a writer thread), so it
+    # is no control for that stage
+    by_stage: dict[str, list[tuple[str, int, int]]] = {}
+    for iv in intervals:
+        by_stage.setdefault(iv["stage"], []).append((iv["request_id"], iv["t0"], iv["t1"]))
+    for x in extent:
+        r = rows.get(x["request_id"])
+        if r is None:
+            continue
+        for other, t0, t1 in by_stage.get(x["stage"], ()):
+            if other != x["request_id"] and x["t0"] < t1 and t0 < x["t1"]:
+                r["contaminated"].add(x["stage"])
     for s in segs:
         if s["request_id"] in rows:
             g = s["stage_group"] or _group(s["stage"])
@@ -161,14 +186,19 @@ def paired_delta(rows: list[dict], stage: str, value, seed: int = 0, n_boot: int
     """Paired-neighbour increase of ``value(row)`` in rows injected with ``stage``: (median, lo, hi, n).
 
     Each injected request's control is the median of its ``k`` nearest uninjected neighbours on
-    each side in arrival order; the median of the paired differences and its bootstrap CI
+    each side in arrival order, leaving out those contaminated by the injection (their own spans of
+    the stage overlap another request's injected interval of it: they queued behind the delay in the
+    same serial thread); the median of the paired differences and its bootstrap CI
     (:func:`pdtrace.connector.lab.paired.paired_estimate`, single pairs resampled): on the shared
     2-core machine a few requests meet load spikes of hundreds of ms, which would swamp a mean of
     ten pairs."""
     from pdtrace.connector.lab import paired
 
-    e = paired.paired_estimate([stage in r["injected"] for r in rows], [value(r) for r in rows], k=k,
-                               n_boot=n_boot, seed=seed)
+    # an uninjected request contaminated by a neighbour's injection of this stage is neither treated
+    # nor control (value None)
+    e = paired.paired_estimate([stage in r["injected"] for r in rows],
+                               [None if stage not in r["injected"] and stage in r.get("contaminated", ())
+                                else value(r) for r in rows], k=k, n_boot=n_boot, seed=seed)
     return e.median, e.lo, e.hi, e.n
 
 

@@ -1,7 +1,8 @@
 """Proof by intervention on real engines: a delay injected inside a stage shows up where it belongs.
 
-One short lab per mode (pdtrace's traced connectors and router; 16 requests; each listed stage
-injected into about half of them by a hash of the request id, see
+One short lab per mode (pdtrace's traced connectors and router; 16 requests: pull replays the
+public trace, push isolated alike requests, see ``CASES``; each listed stage injected into about
+half of them by a hash of the request id, see
 ``pdtrace.connector.lab.inject``), analysed by ``benchmarks/inject_attribution.py`` (the script
 that prints BENCHMARKS.md's table) with main's analysis. Asserted per stage: the ``lab.inject``
 records agree with the selection rule; on the critical path at least 80 % of the injected
@@ -19,21 +20,30 @@ import pytest
 pytestmark = [pytest.mark.lab, pytest.mark.timeout(1500)]
 
 CASES = {
-    # pull: D's READ preparation and the promotion wait are on the path
+    # pull, the public trace (lengths x0.25): D's READ preparation and the promotion wait are on the path
     "pull": ("handoff.prep=40ms,kv.ready=25ms", {"handoff.prep": "on", "kv.ready": "on"}, None),
-    # push, long prompts (lengths x3: P computes for hundreds of ms): P's WRITE preparation is on the
-    # path; D's registration, delayed 20 ms, usually arrives while P computes (hidden: benchmark run
-    # b3), but under heavy load D's writer is sometimes late enough to be the join's last input, so
-    # the path differs request by request (None): only exposed + hidden is checked
-    "push": ("handoff.prep=40ms,dest.register=20ms", {"handoff.prep": "on", "dest.register": None}, 3.0),
+    # push, isolated alike requests of 4096 prompt tokens 0.8 s apart: P computes for ~100 ms, so D's
+    # registration (delayed 20 ms) arrives while P computes (hidden) and P's WRITE preparation is on
+    # the path. Not the public trace: at lengths x3 it overloads the 2 cores (TTFT p90 2-4 s), the
+    # push writer thread is serial, and the paired-neighbour increase of ~8 pairs swung from -342 to
+    # +34 ms between runs with 100 % of every injected interval charged to handoff.prep (CI run of
+    # 2026-12-04 and a rerun)
+    "push": ("handoff.prep=40ms,dest.register=20ms", {"handoff.prep": "on", "dest.register": "off"},
+             {"isolated": (4096, 0.8)}),
 }
 
 
 @pytest.mark.parametrize("mode", sorted(CASES))
 def test_injected_delay_is_attributed(mode, lab_ready, tmp_path):
     mod = labkit.benchmark("inject_attribution")
-    spec, want, length_scale = CASES[mode]
-    d = mod.run_mode(mode, spec, tmp_path, max_requests=16, length_scale=length_scale, rate_scale=0.5, lock=False)
+    spec, want, shape = CASES[mode]
+    if shape:
+        prompt_tokens, gap_s = shape["isolated"]
+        wl = mod.isolated_workload(tmp_path / "isolated.jsonl", 16, gap_s, prompt_tokens, 16)
+        d = mod.run_mode(mode, spec, tmp_path, max_requests=16, length_scale=1.0, rate_scale=1.0, lock=False,
+                         workload_file=wl)
+    else:
+        d = mod.run_mode(mode, spec, tmp_path, max_requests=16, length_scale=None, rate_scale=0.5, lock=False)
     rows, parsed = mod.per_request(d)
     assert len(rows) >= 14, f"only {len(rows)} complete requests"
     res = mod.evaluate(rows, parsed, mode)
@@ -41,11 +51,6 @@ def test_injected_delay_is_attributed(mode, lab_ready, tmp_path):
     for r in res:
         assert r["record_mismatch"] == 0, f"{r['stage']}: lab.inject events disagree with the selection rule"
         assert r["n_injected"] >= 3, r
-        if want[r["stage"]] is None:
-            # the path differs request by request: the stage's whole length (exposed + hidden) grew
-            lo, hi = r["total_ci"]
-            assert abs(r["total_ms"] - r["injected_ms"]) <= r["tol_ms"] or lo <= r["injected_ms"] <= hi, r
-            continue
         assert r["path"] == want[r["stage"]], r
         if r["path"] == "on":
             # the injected interval itself is charged to the stage (no control group: load-proof) ...
