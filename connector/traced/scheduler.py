@@ -278,6 +278,17 @@ class TracedSchedulerMixin:
                     self._pdt_drop_open(st, t0)
                     self._pdt_open_queue(st, t0)
 
+        if not sched:
+            # nothing scheduled (P stepping while D reads its held blocks, D polling its receives): no
+            # batch to describe and no open span (a hang in its connector calls shows as the waiting
+            # requests' open stages); if the step turns out busy, _pdt_close_step writes its row with
+            # the same attributes a kept step with an empty batch has
+            ps.empty = True
+            self._pdt_pending.append(ps)
+            if len(self._pdt_pending) > 64:
+                tracer.abandon(self._pdt_pending.popleft().sid)
+            return
+
         parts = []
         n_p = n_d = n_r = 0
         for rid, n in sched.items():
@@ -384,7 +395,8 @@ class TracedSchedulerMixin:
                     and not out.finished_sending:
                 # an idle step (nothing scheduled, no connector work): counted, not recorded
                 self._pdt_idle += 1
-                tracer.abandon(ps.sid, t1)
+                if ps.attrs is not None:
+                    tracer.abandon(ps.sid, t1)
             else:
                 self._pdt_close_step(ps, t1)
         # per-rank completion times of receives (D). A rank's report reaches the scheduler in the step in
@@ -440,7 +452,9 @@ class TracedSchedulerMixin:
     def _pdt_close_step(self, ps: PendingStep, t1: int) -> None:
         if ps.sid:
             tracer.close(ps.sid)
-            a = dict(ps.attrs) if ps.attrs else {"step.batch": ""}
+            a = dict(ps.attrs) if ps.attrs else {"step.id": ps.step, "step.num_reqs": 0, "step.prefill_tokens": 0,
+                                                 "step.decode_tokens": 0, "step.recompute_tokens": 0,
+                                                 "step.batch": ""}
             a["step.idle_before"] = self._pdt_idle
             self._pdt_idle = 0
             if selfcpu.enabled:
