@@ -31,7 +31,20 @@ The *hot-path share* of a thread over an interval is pdtrace's CPU on it
 divided by the thread's whole CPU in the same interval (both thread CPU
 clocks; so ≤ 1 by construction, and independent of how busy the machine is).
 
-Cost when on: two thread-CPU clock reads per hook (≈ 0.2–0.5 µs each here,
+The self-measurement is taken out of both figures (timer-overhead
+compensation, as Python's ``profile`` module calibrates and subtracts its own
+per-event cost, "Calibration" in its documentation): each hook's window runs
+from the clock sample of its first read to that of its second, so it holds
+one whole read besides the hook; one read's cost is calibrated per process
+(:func:`read_cost_ns`: the median gap between back-to-back reads on the
+calling thread, taken once, when the first thread charges a hook) and
+subtracted from every hook's charge, and the thread's whole CPU loses the two
+reads per hook it would not spend without the measurement. Without this, an
+idle engine step's two hooks (≈ 2.3 µs of pdtrace) were charged ≈ 4.1 µs on a
+machine whose thread clock read costs ≈ 0.9 µs (``benchmarks/step_hook_cost.py``).
+The thread CPU rows carry the read cost used (``cpu.read_cost_ns``).
+
+Cost when on: two thread-CPU clock reads per hook (≈ 0.2–0.9 µs each here,
 a system call), one more per recorded step, and one record per active thread
 per flush on the writer thread; when off: one module-attribute
 check per hook and nothing at a flush.
@@ -54,10 +67,15 @@ enabled: bool = False
 RECORD_NAME = "pdtrace.thread_cpu"
 
 _attributes.register("cpu.pdtrace_ns", int, "pdtrace's own CPU on this thread since its first pdtrace hook "
-                     "(thread CPU clock around every hook; PDTRACE_SELF_CPU=1), cumulative, ns")
+                     "(thread CPU clock around every hook, less one calibrated clock read per hook; PDTRACE_SELF_CPU=1), "
+                     "cumulative, ns")
 _attributes.register("cpu.thread_ns", int, "the thread's whole CPU time since it started (its own thread CPU clock, read by "
-                     "the thread at the end of its last hook before the flush that wrote the row), cumulative, ns")
+                     "the thread at the end of its last hook before the flush that wrote the row) less the self-measurement's "
+                     "two clock reads per hook, cumulative, ns")
 _attributes.register("cpu.hooks", int, "pdtrace hook calls on this thread so far (count, cumulative)")
+_attributes.register("cpu.read_cost_ns", int, "one thread-CPU clock read as calibrated in this process (median gap "
+                     "between back-to-back reads), subtracted once per hook from cpu.pdtrace_ns and twice per hook "
+                     "from cpu.thread_ns (the self-measurement taken out), ns")
 
 _tls = threading.local()
 # one cell per thread that ran a hook:
@@ -65,6 +83,24 @@ _tls = threading.local()
 _cells: list[list] = []
 _cells_lock = threading.Lock()
 thread_time_ns = time.thread_time_ns
+_read_cost: int | None = None  # ns; calibrated once per process (read_cost_ns)
+
+
+def read_cost_ns() -> int:
+    """One thread-CPU clock read (ns): the median gap between 201 back-to-back reads on the calling
+    thread, taken on the first call in the process and kept (a forked child keeps its parent's)."""
+    global _read_cost
+    if _read_cost is None:
+        r = thread_time_ns
+        prev = r()
+        gaps = []
+        for _ in range(201):
+            t = r()
+            gaps.append(t - prev)
+            prev = t
+        gaps.sort()
+        _read_cost = gaps[100]
+    return _read_cost
 
 
 def configure(cfg: _config.Config | None = None) -> None:
@@ -77,6 +113,7 @@ def _cell() -> list:
     try:
         return _tls.cell
     except AttributeError:
+        read_cost_ns()  # calibrated before the first charge
         c = _tls.cell = [0, 0, 0, threading.current_thread().name, 0]
         with _cells_lock:
             _cells.append(c)
@@ -84,13 +121,14 @@ def _cell() -> list:
 
 
 def add(t0_ns: int) -> None:
-    """Charge this thread with the CPU used since ``t0_ns`` (a :func:`thread_time_ns` reading); one hook call."""
+    """Charge this thread with the CPU used since ``t0_ns`` (a :func:`thread_time_ns` reading) less one
+    clock read (:func:`read_cost_ns`); one hook call."""
     try:
         c = _tls.cell
     except AttributeError:
         c = _cell()
     t1 = thread_time_ns()
-    c[0] += t1 - t0_ns
+    c[0] += t1 - t0_ns - _read_cost
     c[1] += 1
     c[2] = t1
 
@@ -107,12 +145,13 @@ def stamp(attrs: dict, mark: tuple[int, int] | None) -> tuple[int, int]:
 
 
 def thread_pair() -> tuple[int, int]:
-    """(pdtrace CPU charged to the calling thread so far, the calling thread's whole CPU now), ns."""
+    """(pdtrace CPU charged to the calling thread so far, the calling thread's whole CPU now less its
+    self-measurement reads), ns."""
     try:
         c = _tls.cell
     except AttributeError:
         c = _cell()
-    return c[0], thread_time_ns()
+    return c[0], thread_time_ns() - 2 * _read_cost * c[1]
 
 
 def total_ns() -> int:
@@ -146,7 +185,8 @@ def records(now_ns: int, new_id) -> list[tuple]:
                 continue
             c[4] = hooks
             out.append((R_STATS, new_id(), None, None, RECORD_NAME, KIND_INTERNAL, now_ns, now_ns, 0, None,
-                        None, 0, 0, None, name, "cpu.pdtrace_ns", "cpu.thread_ns", "cpu.hooks", pd_ns, th_ns, hooks))
+                        None, 0, 0, None, name, "cpu.pdtrace_ns", "cpu.thread_ns", "cpu.hooks", "cpu.read_cost_ns",
+                        pd_ns, th_ns - 2 * _read_cost * hooks, hooks, _read_cost))
     return out
 
 

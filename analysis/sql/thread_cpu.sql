@@ -4,7 +4,9 @@
 -- `pdtrace.thread_cpu` stats rows that a process with PDTRACE_SELF_CPU=1 writes
 -- at every flush, one per thread that ran a pdtrace hook
 -- (pdtrace.instrument.selfcpu): cumulative cpu.pdtrace_ns (thread CPU clock
--- around every hook), cpu.thread_ns (the thread's whole CPU), cpu.hooks.
+-- around every hook, less one calibrated clock read per hook), cpu.thread_ns
+-- (the thread's whole CPU, less the self-measurement's two reads per hook),
+-- cpu.hooks; cpu.read_cost_ns is the calibrated read.
 --
 -- A *window* is the interval between two consecutive rows of one thread (a row
 -- is written at a flush, PDTRACE_FLUSH_INTERVAL_S, when the thread ran a hook

@@ -90,8 +90,8 @@ def test_thread_cpu_records_per_thread_and_only_when_active(self_cpu_on):
     assert set(recs) >= {"hook-thread", threading.current_thread().name}
     r = recs["hook-thread"]
     assert r[0] == recorder.R_STATS and r[4] == selfcpu.RECORD_NAME and r[6] == r[7] == 123
-    kv = dict(zip(r[15:18], r[18:21]))
-    assert kv["cpu.hooks"] == 1
+    kv = dict(zip(r[15:19], r[19:23]))
+    assert kv["cpu.hooks"] == 1 and kv["cpu.read_cost_ns"] == selfcpu.read_cost_ns() > 0
     assert used[0] <= kv["cpu.pdtrace_ns"] <= used[0] + 1_000_000
     # the thread's own clock at the end of its hook: at least the hook's CPU
     assert kv["cpu.thread_ns"] >= kv["cpu.pdtrace_ns"]
@@ -144,3 +144,20 @@ def test_thread_cpu_view_share_over_busy_windows(tmp_path, self_cpu_on):
     assert r["busy_windows"] == 2 and r["hooks"] == 4
     assert sum(hot[1:]) <= r["pdtrace_ns"] <= sum(hot[1:]) + 2_000_000
     assert 0.15 < r["hot_path_share"] < 0.35  # 5 ms of 20 ms per window
+
+
+def test_self_measurement_is_taken_out(self_cpu_on):
+    """An empty hook is charged about nothing, not one clock read: each hook's window holds one whole
+    thread-CPU clock read besides the hook (from the first read's sample to the second's), which
+    :func:`selfcpu.add` subtracts (calibrated per process), and the thread's CPU loses the two reads
+    per hook."""
+    selfcpu.reset()
+    c = selfcpu.read_cost_ns()
+    n = 20_000
+    noop = lambda: None  # noqa: E731
+    for _ in range(n):
+        safety.safe(noop)
+    per_hook = selfcpu.thread_pair()[0] / n
+    # uncorrected, each window was per_hook + c >= c; corrected, the call of an empty lambda: well
+    # under one read (≈ 0.1 µs against ≈ 0.3-0.9 µs)
+    assert -0.5 * c < per_hook < 0.5 * c, (per_hook, c)
