@@ -17,13 +17,28 @@ from pdtrace.cli.main import main
 pytestmark = pytest.mark.lab
 
 
+def _clock_evidence(d) -> list[tuple]:
+    """The router<->engine messages per (src, dst, kind): count, and how many lack a send or a receipt
+    (what a clock problem is made of; printed with a failure so that it can be diagnosed)."""
+    from pdtrace.analysis import db
+
+    with db.open_trace(d, cache=None) as tr:
+        return [tuple(r.values()) for r in tr.query("""
+            SELECT src, dst, kind, count(*) AS n, count(*) FILTER (WHERE sent_ns IS NULL) AS no_send,
+                   count(*) FILTER (WHERE recv_ns IS NULL) AS no_recv
+            FROM _clock_request_msgs('_mat_clock_router_part') GROUP BY ALL ORDER BY ALL""")]
+
+
 @pytest.mark.parametrize("mode", ["pull", "push"])
 def test_check_lab_store(lab_stores, mode):
     d = lab_stores[mode]["dir"]
     res = CliRunner().invoke(main, ["check", "--no-cache", "--at-end", "--format", "json", str(d)],
                              catch_exceptions=False)
     data = json.loads(res.output)
-    assert data["problems"] == [] and res.exit_code == 0, data["problems"]
+    if data["problems"]:
+        pytest.fail(f"problems: {data['problems']}; clock evidence (src, dst, kind, n, no send, no receipt): "
+                    f"{_clock_evidence(d)}; clock rows: {data['clock']}")
+    assert res.exit_code == 0
     procs = data["processes"]
     # one router; each engine: its API server (middleware) and its engine processes (connector)
     assert sorted({p["role"] for p in procs}) == ["decode", "prefill", "router"]
