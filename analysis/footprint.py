@@ -7,9 +7,10 @@
 =============================  =====================================================================
 field                          meaning (source)
 =============================  =====================================================================
-``hot_path_share_max``         the largest hot-path share over the engine threads (roles prefill and
-                               decode: the EngineCore thread, which also runs the forward pass at
-                               TP=1, and the API server's event loop): pdtrace's CPU on the thread /
+``hot_path_share_max``         the largest hot-path share over the engine threads (every thread of
+                               roles prefill and decode that ran a pdtrace hook: the EngineCore
+                               thread, the worker's forward thread, the API server's event loop,
+                               vLLM's ``nixl-push-writer`` threads): pdtrace's CPU on the thread /
                                the thread's whole CPU over the flush windows in which a pdtrace hook
                                ran, in % (store: view ``thread_cpu``, needs ``PDTRACE_SELF_CPU=1``;
                                ``n/a`` without it)
