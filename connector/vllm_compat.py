@@ -86,6 +86,8 @@ HOOKS: tuple[Hook, ...] = (
     _H("connector", "NixlBaseConnector", "build_connector_worker_meta"),
     _H("connector", "NixlBaseConnector", "shutdown"),
     # --- scheduler objects ---------------------------------------------------
+    # D's TP size: the ranks whose receive reports a request waits for (kv.ranks_expected, lifecycle.expected)
+    _H("vllm.config.parallel", "ParallelConfig", "tensor_parallel_size", kind="attr"),
     _H("base_scheduler", "NixlBaseConnectorScheduler", "on_new_request", ("request",)),
     _H("base_scheduler", "NixlBaseConnectorScheduler", "build_connector_meta", ("scheduler_output",)),
     _H("base_scheduler", "NixlBaseConnectorScheduler", "update_connector_output", ("connector_output",)),

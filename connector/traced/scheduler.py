@@ -29,11 +29,14 @@ hook (vLLM contract)            records
 
 Step spans are kept for every step (``PDTRACE_STEP_SAMPLE``), request spans
 and events only for sampled requests (``PDTRACE_SAMPLE``; ``SReq.sampled``,
-decided once per request). A kept step span is open from
+decided once per request). A kept step span of a step with something
+scheduled is open from
 ``build_connector_meta`` to ``update_connector_output`` (``tracer.start``), so a
 step that never returns is written as ``open`` rows at each flush (schema 1.1)
 and the analysis reports it as an engine stall (view ``engine_stalls``); an
-idle or never-paired step is abandoned.
+idle or never-paired step is abandoned. A step with nothing scheduled (no
+forward pass) is never open: a hang in its connector calls shows as the
+waiting requests' open stages (view ``in_flight``), not in ``engine_stalls``.
 
 Stages that can hang are *open* while they wait (``tracer.start``; the
 recorder writes them as ``open`` rows while they last, view ``in_flight``),
@@ -127,6 +130,8 @@ class TracedSchedulerMixin:
         super().__init__(vllm_config, engine_id, kv_cache_config)
         self._pdt_role = "prefill" if vllm_config.kv_transfer_config.kv_role == "kv_producer" else "decode"
         self._pdt_step_name = "prefill.step" if self._pdt_role == "prefill" else "decode.step"
+        # ranks whose receive report a request waits for (one per TP worker of this engine)
+        self._pdt_tp = max(1, int(vllm_config.parallel_config.tensor_parallel_size))
         self._pdt_reqs: dict[str, SReq] = {}
         self._pdt_pending: deque[PendingStep] = deque()
         self._pdt_step_id = 0
@@ -357,9 +362,8 @@ class TracedSchedulerMixin:
         """D: the scheduler picked the request up after its KV arrived: kv.ready ends (per rank)."""
         self._pdt_drop_open(st, t0)
         ranks = st.ranks or {}
-        expected = max(1, len(ranks))
         a = {"request.internal_id": st.req.request_id, "request.mode": self._pdt_mode,
-             "kv.ranks_expected": expected, "kv.ranks_received": len(ranks)}
+             "kv.ranks_expected": self._pdt_tp, "kv.ranks_received": len(ranks)}
         if ranks:
             for rank, (xfer_end, seen) in ranks.items():
                 tracer.record("kv.ready", st.x, min(xfer_end, t0), t0, {**a, "step.id": self._pdt_step_id - 1},
@@ -516,7 +520,7 @@ class TracedSchedulerMixin:
             if st.awaiting and not st.promoted:
                 # aborted while waiting for its KV: say how many ranks had reported
                 a["lifecycle.cause"] = "aborted_waiting_for_kv"
-                a["lifecycle.expected"] = 1
+                a["lifecycle.expected"] = self._pdt_tp
                 a["lifecycle.received"] = len(st.ranks or {})
             if st.sampled:
                 tracer.event("request.abort", st.x, time_ns=t, prompt_index=st.pidx, attempt=st.attempt, attrs=a)
