@@ -143,7 +143,9 @@ class Tracer:
         """
         if activation not in _ACTIVATIONS:
             raise ValueError(f"activation must be 'plugin' or 'explicit', not {activation!r}")
+        _check_resource_keys(resource)
         pid = os.getpid()
+        started = False
         if self._activated_pid != pid:
             with self._activate_lock:
                 if self._activated_pid != pid:
@@ -151,8 +153,9 @@ class Tracer:
                     if cfg.enabled and not self.on:
                         self.activation = activation
                         self.configure(cfg, **resource)
+                        started = True
                     self._activated_pid = pid
-        if resource and self.on:
+        if resource and self.on and not started:
             self.set_resource(**resource)
         return self.on
 
@@ -201,11 +204,7 @@ class Tracer:
         (the default rank for rows that give none). Raises KeyError for
         another key.
         """
-        from .schema import RESOURCE_COLUMNS
-
-        for k in resource:
-            if k not in RESOURCE_COLUMNS and k != "tp_rank":
-                raise KeyError(f"not a resource column: {k!r}")
+        _check_resource_keys(resource)
         self.resource = {**self.resource, **resource}
 
     def _reset_ids(self) -> None:
@@ -480,11 +479,10 @@ class Tracer:
         if not self.on:
             return
         self.on = False
-        self.resource["pid"] = self._pid
         res = {k: v for k, v in self.resource.items()}
-        self.configure(self.config)
-        self.resource.update(res)
-        self.resource["pid"] = os.getpid()
+        res["pid"] = self._pid
+        # with the parent's resource from the start, so that the child's writer never announces a default one
+        self.configure(self.config, **res)
 
     def _install_sigterm(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -512,6 +510,15 @@ class Tracer:
             signal.signal(signal.SIGTERM, _on_sigterm)
         except (ValueError, OSError):
             pass
+
+
+def _check_resource_keys(resource) -> None:
+    """KeyError unless every key is a resource column (schema.RESOURCE_COLUMNS) or ``tp_rank``."""
+    from .schema import RESOURCE_COLUMNS
+
+    for k in resource:
+        if k not in RESOURCE_COLUMNS and k != "tp_rank":
+            raise KeyError(f"not a resource column: {k!r}")
 
 
 def _default_resource(cfg: _config.Config) -> dict[str, object]:
