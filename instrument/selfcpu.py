@@ -29,7 +29,8 @@ lost record loses nothing):
 
 The *hot-path share* of a thread over an interval is pdtrace's CPU on it
 divided by the thread's whole CPU in the same interval (both thread CPU
-clocks; so ≤ 1 by construction, and independent of how busy the machine is).
+clocks, independent of how busy the machine is; after the correction below a
+window of only trivial hooks can come out slightly below 0).
 
 The self-measurement is taken out of both figures (timer-overhead
 compensation, as Python's ``profile`` module calibrates and subtracts its own
@@ -107,6 +108,8 @@ def configure(cfg: _config.Config | None = None) -> None:
     """(Re)read the switch from ``cfg`` (default: the environment)."""
     global enabled
     enabled = bool((cfg or _config.from_env()).self_cpu)
+    if enabled:
+        read_cost_ns()  # calibrated here, outside any hook's window
 
 
 def _cell() -> list:

@@ -54,8 +54,8 @@ COMMENT ON COLUMN thread_cpu_windows.role IS 'role of the process (prefill | dec
 COMMENT ON COLUMN thread_cpu_windows.service_name IS 'OpenTelemetry service.name (pdtrace-<role>-api: an API server; pdtrace-<role>: EngineCore)';
 COMMENT ON COLUMN thread_cpu_windows.thread IS 'thread name (MainThread in EngineCore: scheduler and, at TP=1, the forward pass; the API server''s event loop: MainThread of the API-server process)';
 COMMENT ON COLUMN thread_cpu_windows.time_ns IS 'end of the window: the flush that wrote the row (ns since the Unix epoch, own wall clock)';
-COMMENT ON COLUMN thread_cpu_windows.pdtrace_ns IS 'pdtrace''s CPU on the thread in the window (thread CPU clock around every hook, ns)';
-COMMENT ON COLUMN thread_cpu_windows.thread_ns IS 'the thread''s whole CPU in the window (thread CPU clock, ns)';
+COMMENT ON COLUMN thread_cpu_windows.pdtrace_ns IS 'pdtrace''s CPU on the thread in the window (thread CPU clock around every hook less one calibrated clock read per hook, ns)';
+COMMENT ON COLUMN thread_cpu_windows.thread_ns IS 'the thread''s whole CPU in the window (thread CPU clock less the self-measurement''s two reads per hook, ns)';
 COMMENT ON COLUMN thread_cpu_windows.hooks IS 'pdtrace hook calls on the thread in the window (count)';
 
 COMMENT ON VIEW thread_cpu IS 'One row per traced thread (run_id, host, pid, thread) that ran a pdtrace hook: pdtrace''s hot-path CPU and its share of the thread''s CPU over the windows in which a hook ran (PDTRACE_SELF_CPU=1; pdtrace.instrument.selfcpu).';
@@ -67,7 +67,7 @@ COMMENT ON COLUMN thread_cpu.service_name IS 'OpenTelemetry service.name (pdtrac
 COMMENT ON COLUMN thread_cpu.thread IS 'thread name';
 COMMENT ON COLUMN thread_cpu.busy_windows IS 'flush windows in which the thread ran at least one pdtrace hook (count)';
 COMMENT ON COLUMN thread_cpu.hooks IS 'pdtrace hook calls in those windows (count)';
-COMMENT ON COLUMN thread_cpu.pdtrace_ns IS 'pdtrace''s CPU on the thread in those windows (thread CPU clock, ns)';
-COMMENT ON COLUMN thread_cpu.thread_ns IS 'the thread''s whole CPU in those windows (thread CPU clock, ns)';
-COMMENT ON COLUMN thread_cpu.hot_path_share IS 'pdtrace_ns / thread_ns: pdtrace''s share of the thread''s CPU (0..1; NULL: no CPU)';
+COMMENT ON COLUMN thread_cpu.pdtrace_ns IS 'pdtrace''s CPU on the thread in those windows (thread CPU clock around every hook less one calibrated read per hook, ns)';
+COMMENT ON COLUMN thread_cpu.thread_ns IS 'the thread''s whole CPU in those windows (thread CPU clock less the self-measurement''s two reads per hook, ns)';
+COMMENT ON COLUMN thread_cpu.hot_path_share IS 'pdtrace_ns / thread_ns: pdtrace''s share of the thread''s CPU (0..1; slightly below 0 possible for trivial hooks after the read correction; NULL: no CPU)';
 COMMENT ON COLUMN thread_cpu.max_window_share IS 'largest share of a single busy window (0..1)';
