@@ -17,7 +17,9 @@ Per stage and mode, over the complete replayed requests (the warm-up excluded):
   of the noisy 2-core machine cancel; the median of the pairs, 95 % CI by bootstrap over the
   pairs (2000 resamples). A neighbour whose spans of the stage overlap another request's injected
   interval of that stage is no control for it: the delays sleep in serial threads (D's forward
-  thread, the push writer threads), so such a neighbour waited behind the delay too.
+  thread, the push writer threads), so such a neighbour waited behind the delay too. An injected
+  request in that position stays treated: its increase may include a neighbour's delay (upward bias
+  under overlap).
 - ``--isolated``: instead of the public trace, alike requests (``--prompt-tokens``, 16 output
   tokens) ``--gap-s`` apart, so no two overlap; the TTFT of neighbours then differs by a few ms,
   not by the hundreds of ms the public trace's queueing adds, and the TTFT increase is measurable.

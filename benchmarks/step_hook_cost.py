@@ -34,7 +34,7 @@ def _scheduler(batch: int):
     from pdtrace.connector.traced.scheduler import SReq
 
     s = object.__new__(S)
-    s._pdt_role, s._pdt_step_name, s._pdt_mode = "decode", "decode.step", "pull"
+    s._pdt_role, s._pdt_step_name, s._pdt_mode, s._pdt_tp = "decode", "decode.step", "pull", 1
     s._pdt_reqs, s._pdt_pending, s._pdt_step_id = {}, collections.deque(), 0
     s._pdt_holds, s._pdt_expired, s._pdt_idle, s._pdt_cpu_mark = {}, set(), 0, None
     sched = {}
@@ -100,7 +100,8 @@ def main(argv=None) -> int:
     os.environ.setdefault("PDTRACE_DIR", tempfile.mkdtemp(prefix="pdtrace-stephook-"))
     from pdtrace.instrument import activate, tracer
 
-    assert activate("explicit", role="decode")
+    if not activate("explicit", role="decode"):
+        raise SystemExit("tracing did not start (PDTRACE_DIR)")
     print(f"{'step':<22} {'true µs':>8} {'charged µs':>11} {'raw µs':>7}   (per step; 2 hooks)")
     for name, b in (("idle (nothing sched.)", 0), (f"decode, batch {a.batch}", a.batch)):
         m = measure(b, a.steps, a.rounds)

@@ -231,7 +231,7 @@ def test_kv_ready_starts_at_the_transfer_end_when_vllm_reports_the_receive_later
         from pdtrace.connector.traced.wmeta import StepReport
         assert activate("explicit")
         s = object.__new__(S)  # no vLLM __init__: only the attributes the hooks read
-        s._pdt_role, s._pdt_step_name = "decode", "decode.step"
+        s._pdt_role, s._pdt_step_name, s._pdt_tp = "decode", "decode.step", 2
         s._pdt_reqs, s._pdt_pending, s._pdt_step_id = {{}}, collections.deque(), 3
         s._pdt_holds, s._pdt_expired, s._pdt_idle, s._pdt_cpu_mark = {{}}, set(), 0, None
         rid = "cmpl-X7-0-0123abcd"
@@ -255,14 +255,74 @@ def test_kv_ready_starts_at_the_transfer_end_when_vllm_reports_the_receive_later
         s._pdt_promote(st, t_promote)
         tracer.shutdown()
         rows = [r for f in glob.glob("{tmp_path}/*.parquet") for r in pq.read_table(f).to_pylist()]
-        ready = sorted((r["tp_rank"], r["start_ns"], r["end_ns"], dict(r["attr_int"])["kv.ranks_received"])
+        ready = sorted((r["tp_rank"], r["start_ns"], r["end_ns"], dict(r["attr_int"])["kv.ranks_received"],
+                        dict(r["attr_int"])["kv.ranks_expected"])
                        for r in rows if r["record"] == "span" and r["name"] == "kv.ready")
         print(json.dumps({{"ready": ready, "ends": [t_end0, t_end1], "promote": t_promote}}))
     """, env={"PDTRACE_DIR": str(tmp_path)})
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    (r0, s0, e0, n0), (r1, s1, e1, n1) = out["ready"]
-    assert (r0, r1) == (0, 1) and (n0, n1) == (2, 2)
+    (r0, s0, e0, n0, x0), (r1, s1, e1, n1, x1) = out["ready"]
+    assert (r0, r1) == (0, 1) and (n0, n1) == (2, 2) and (x0, x1) == (2, 2)  # expected: the engine's TP size
     # each rank's kv.ready starts at that rank's transfer end (monotonic ns -> store ns: same offset)
     assert s1 - s0 == out["ends"][1] - out["ends"][0] and e0 == e1
     assert e0 - s0 == out["promote"] - out["ends"][0]
+
+
+def test_empty_steps_open_nothing_and_a_busy_one_keeps_its_attributes(tmp_path, child):
+    """A step with nothing scheduled opens no step span (the idle-step cost: P steps while D reads
+    its held blocks); an idle one is counted in the next recorded step's ``step.idle_before``; one
+    that turns out busy (a receive finished in it) is recorded with the attributes a kept step with
+    an empty batch has. And a lease expiry a worker reports steps before vLLM lists the request in
+    ``finished_sending`` (TP > 1) still names the hold's release cause. Scheduler built without
+    vLLM's ``__init__``; step outputs are plain objects with ``KVConnectorOutput``'s fields."""
+    import json
+
+    r = child(f"""
+        import collections, glob, json, types, pyarrow.parquet as pq
+        from pdtrace.instrument import activate, tracer
+        from pdtrace.connector.traced.pull import TracedNixlPullConnectorScheduler as S
+        from pdtrace.connector.traced.scheduler import SReq
+        from pdtrace.connector.traced.wmeta import StepReport
+        assert activate("explicit")
+        s = object.__new__(S)
+        s._pdt_role, s._pdt_step_name, s._pdt_tp, s._pdt_mode = "prefill", "prefill.step", 1, "pull"
+        s._pdt_reqs, s._pdt_pending, s._pdt_step_id = {{}}, collections.deque(), 0
+        s._pdt_holds, s._pdt_expired, s._pdt_idle, s._pdt_cpu_mark = {{}}, set(), 0, None
+        rid = "cmpl-X9-0-0123abcd"
+        req = types.SimpleNamespace(request_id=rid, num_prompt_tokens=40, arrival_time=None)
+        st = SReq(req, "prefill")
+        s._pdt_holds[rid] = (tracer.now(), st)
+        so = types.SimpleNamespace(num_scheduled_tokens={{}}, preempted_req_ids=set())
+
+        def step(rep_fill=None, sending=()):
+            meta = types.SimpleNamespace(reqs_to_recv={{}})
+            s._pdt_step_start(so, meta, tracer.now())
+            opened = meta._pdtrace[1] in tracer._open
+            rep = StepReport(meta._pdtrace[0])
+            if rep_fill:
+                rep_fill(rep)
+            s._pdt_step_end(types.SimpleNamespace(kv_connector_worker_meta=rep, finished_recving=set(),
+                                                  finished_sending=set(sending), failed_recving=set()),
+                            tracer.now())
+            return opened
+        opened = [step(), step()]                                   # two idle steps
+        opened.append(step(lambda rep: rep.expired.add(rid)))      # a rank's expiry; vLLM lists it later
+        opened.append(step(sending={{rid}}))                        # busy: the hold is released
+        tracer.shutdown()
+        rows = [r for f in glob.glob("{tmp_path}/*.parquet") for r in pq.read_table(f).to_pylist()]
+        steps = [(dict(r["attr_int"]), dict(r["attr_str"])) for r in rows
+                 if r["record"] == "span" and r["name"] == "prefill.step"]
+        holds = [dict(r["attr_str"])["kv.release_cause"] for r in rows
+                 if r["record"] == "span" and r["name"] == "prefill.block_hold"]
+        print(json.dumps({{"opened": opened, "steps": steps, "holds": holds}}))
+    """, env={"PDTRACE_DIR": str(tmp_path)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["opened"] == [False, False, False, False]
+    # the idle steps and the expiry-only step left no row; the busy one did, counting them
+    (ints, strs), = out["steps"]
+    assert ints == {"step.id": 3, "step.num_reqs": 0, "step.prefill_tokens": 0, "step.decode_tokens": 0,
+                    "step.recompute_tokens": 0, "step.idle_before": 3}, ints
+    assert strs == {"step.batch": ""}, strs
+    assert out["holds"] == ["expiry"]
