@@ -395,7 +395,10 @@ WITH victims AS (
     WHERE e.kind = 'd' AND c.culprit_request_id IS DISTINCT FROM e.request_id
     GROUP BY ALL
 ), per_culprit AS (
-    SELECT request_id, culprit_request_id, sum(ns) AS ns, arg_max(kind, ns) AS kind
+    -- whole ns per culprit: the shares are DOUBLE and a DOUBLE sum depends on the aggregation order,
+    -- which DuckDB does not fix (two builds of one store ranked tied victims differently); sums of
+    -- the rounded values below are exact
+    SELECT request_id, culprit_request_id, round(sum(ns))::BIGINT AS ns, arg_max(kind, ns) AS kind
     FROM victims GROUP BY ALL
 )
 SELECT request_id, sum(ns) AS stall_ns,
@@ -496,7 +499,7 @@ COMMENT ON COLUMN request_stalls.mode IS 'pull | push | unknown';
 COMMENT ON COLUMN request_stalls.output_tokens IS 'generated tokens (requests.output_tokens: router, else D''s request.finished) (tokens)';
 COMMENT ON COLUMN request_stalls.arrival_ns IS 'request received by the router (ns since the Unix epoch, router clock)';
 COMMENT ON COLUMN request_stalls.tpot_ms IS '(last token - first token) / (output tokens - 1); hung: (end of its last decode step - first token) / decode steps (ms per token)';
-COMMENT ON COLUMN request_stalls.stall_ns IS 'excess of stalled steps it decoded in, caused by other requests (duration ns)';
+COMMENT ON COLUMN request_stalls.stall_ns IS 'excess of stalled steps it decoded in, caused by other requests (duration ns; each culprit''s share rounded to the ns, so the sum is exact and the same in every build)';
 COMMENT ON COLUMN request_stalls.stall_ms IS 'stall_ns in ms';
 COMMENT ON COLUMN request_stalls.stall_tpot_ms IS 'stall_ns spread over its token intervals (emitted_tokens - 1) (ms per token)';
 COMMENT ON COLUMN request_stalls.tpot_without_stalls_ms IS 'TPOT minus stall_tpot_ms (ms per token)';
