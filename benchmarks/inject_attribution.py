@@ -138,8 +138,7 @@ def per_request(run_dir: Path) -> tuple[list[dict], dict[str, float]]:
             GROUP BY ALL""")
         # each request's extent per stage group (its spans' first start .. last end), for contamination
         extent = tr.query("""
-            SELECT request_id, CASE WHEN stage LIKE 'handoff.%' THEN 'handoff.prep' ELSE stage END AS stage,
-                   min(start_ns) AS t0, max(end_ns) AS t1
+            SELECT request_id, stage, min(start_ns) AS t0, max(end_ns) AS t1
             FROM spans WHERE request_id IS NOT NULL GROUP BY ALL""")
         intervals = tr.query("""
             SELECT request_id, attr_str['lab.stage'] AS stage, time_ns AS t0,
@@ -157,9 +156,10 @@ def per_request(run_dir: Path) -> tuple[list[dict], dict[str, float]]:
         r = rows.get(x["request_id"])
         if r is None:
             continue
-        for other, t0, t1 in by_stage.get(x["stage"], ()):
+        g = _group(x["stage"])
+        for other, t0, t1 in by_stage.get(g, ()):
             if other != x["request_id"] and x["t0"] < t1 and t0 < x["t1"]:
-                r["contaminated"].add(x["stage"])
+                r["contaminated"].add(g)
     for s in segs:
         if s["request_id"] in rows:
             g = s["stage_group"] or _group(s["stage"])

@@ -37,8 +37,8 @@ compensation, as Python's ``profile`` module calibrates and subtracts its own
 per-event cost, "Calibration" in its documentation): each hook's window runs
 from the clock sample of its first read to that of its second, so it holds
 one whole read besides the hook; one read's cost is calibrated per process
-(:func:`read_cost_ns`: the median gap between back-to-back reads on the
-calling thread, taken once, when the first thread charges a hook) and
+(:func:`read_cost_ns`: the median gap between back-to-back reads, taken once
+when :func:`configure` switches the measurement on) and
 subtracted from every hook's charge, and the thread's whole CPU loses the two
 reads per hook it would not spend without the measurement. Without this, an
 idle engine step's two hooks (≈ 2.3 µs of pdtrace) were charged ≈ 4.1 µs on a

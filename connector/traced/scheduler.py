@@ -75,6 +75,13 @@ from .safety import safe
 _NONE: dict = {}
 
 
+def _step_attrs(step: int, n_reqs: int, n_p: int, n_d: int, n_r: int, batch: str) -> dict:
+    """A step span's attributes: step id, requests in the batch, their scheduled prefill / decode /
+    recompute tokens, and the batch (``<id>:<kind><tokens>;...``)."""
+    return {"step.id": step, "step.num_reqs": n_reqs, "step.prefill_tokens": n_p, "step.decode_tokens": n_d,
+            "step.recompute_tokens": n_r, "step.batch": batch}
+
+
 class SReq:
     """Per-request scheduler-side state (monotonic ns)."""
 
@@ -289,9 +296,7 @@ class TracedSchedulerMixin:
             # requests' open stages); if the step turns out busy, _pdt_close_step writes its row with
             # the same attributes a kept step with an empty batch has
             ps.empty = True
-            self._pdt_pending.append(ps)
-            if len(self._pdt_pending) > 64:
-                tracer.abandon(self._pdt_pending.popleft().sid)
+            self._pdt_pend(ps)
             return
 
         parts = []
@@ -336,11 +341,14 @@ class TracedSchedulerMixin:
         if keep_step:
             # built once: the open span holds this dict (never changed afterwards: the writer thread may be
             # reading it for an `open` row), and the step's row copies it once more at the end
-            ps.attrs = {"step.id": step, "step.num_reqs": len(parts), "step.prefill_tokens": n_p,
-                        "step.decode_tokens": n_d, "step.recompute_tokens": n_r, "step.batch": ";".join(parts)}
+            ps.attrs = _step_attrs(step, len(parts), n_p, n_d, n_r, ";".join(parts))
             # open while it runs: a step that never returns (a hung forward, a stuck collective) is
             # written as `open` rows at each flush and read as an engine stall (analysis engine_stalls)
             tracer.start(self._pdt_step_name, None, t0, attrs=ps.attrs, span_id=sid)
+        self._pdt_pend(ps)
+
+    def _pdt_pend(self, ps: PendingStep) -> None:
+        """Queue ``ps`` until its output is processed (_pdt_step_end)."""
         self._pdt_pending.append(ps)
         if len(self._pdt_pending) > 64:  # a step never paired: do not grow without bound
             tracer.abandon(self._pdt_pending.popleft().sid)
@@ -456,9 +464,7 @@ class TracedSchedulerMixin:
     def _pdt_close_step(self, ps: PendingStep, t1: int) -> None:
         if ps.sid:
             tracer.close(ps.sid)
-            a = dict(ps.attrs) if ps.attrs else {"step.id": ps.step, "step.num_reqs": 0, "step.prefill_tokens": 0,
-                                                 "step.decode_tokens": 0, "step.recompute_tokens": 0,
-                                                 "step.batch": ""}
+            a = dict(ps.attrs) if ps.attrs else _step_attrs(ps.step, 0, 0, 0, 0, "")
             a["step.idle_before"] = self._pdt_idle
             self._pdt_idle = 0
             if selfcpu.enabled:
