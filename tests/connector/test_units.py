@@ -216,7 +216,8 @@ def test_kv_ready_starts_at_the_transfer_end_when_vllm_reports_the_receive_later
     """A worker's receive report (per rank: transfer end, seen) reaches the scheduler in the step in
     which that rank saw its receive done; vLLM lists the request in ``finished_recving`` in a later
     step when another rank is slower (TP > 1: only once every rank is done, by vLLM's
-    ``KVOutputAggregator``) or when the id is held back. kv.ready must still start at each rank's
+    ``KVOutputAggregator``: vllm-project/vllm#19555 moved the aggregation to the scheduler, #56430
+    counts the workers still to finish each request) or when the id is held back. kv.ready must still start at each rank's
     transfer end and count both ranks, not start at the step that finally listed the request (the
     CI failure of the injected kv.ready delay: its whole interval fell outside kv.ready). The
     scheduler is the traced pull scheduler built without its vLLM ``__init__``; the step outputs are
