@@ -43,16 +43,25 @@ SELECT domain, host, pid, role, engine_id, run_id, c_start_ns AS trace_end_ns
 FROM _clock_corrected('_flush_rows');
 
 -- The open spans of the refreshed requests that are not over (rules a-c).
+-- Open rows are few (spans open past PDTRACE_OPEN_AFTER_S): they are read
+-- first, and only the span rows rules (a) and (c) can match -- the same span
+-- id, or the same request as an open row -- are read with their clock
+-- correction (a store without open rows reads no span row here).
 CREATE OR REPLACE VIEW _calc_open_spans AS
-WITH rr AS (
+WITH op AS MATERIALIZED (
     SELECT * FROM _clock_corrected('_records')
-    WHERE record IN ('open', 'span') AND rkey IN (SELECT rkey FROM _scope_keys)
+    WHERE record = 'open' AND rkey IN (SELECT rkey FROM _scope_keys)
 ), latest AS (
     SELECT arg_max(x, x.end_ns) AS r
-    FROM (SELECT rr AS x FROM rr WHERE record = 'open')
+    FROM (SELECT op AS x FROM op)
     GROUP BY x.span_id
 ), o AS (
     SELECT unnest(r) FROM latest
+), sp AS MATERIALIZED (
+    SELECT span_id, rkey, attempt, name, c_end_ns, coalesce(attr_str['frontend.part'], '') AS part
+    FROM _clock_corrected('_records')
+    WHERE record = 'span' AND rkey IN (SELECT rkey FROM _scope_keys)
+      AND (rkey IN (SELECT rkey FROM op) OR span_id IN (SELECT span_id FROM op))
 )
 SELECT o.rkey, o.run_id, o.request_id, o.prompt_index, o.attempt, o.span_id, o.name AS stage,
        o.role, o.engine_id, o.tp_rank, o.host, o.pid, o.domain, o.connector,
@@ -63,10 +72,9 @@ SELECT o.rkey, o.run_id, o.request_id, o.prompt_index, o.attempt, o.span_id, o.n
        o.attr_str['request.mode'] AS mode_attr
 FROM o
 WHERE coalesce(o.attr_str['open.state'], 'open') <> 'abandoned'
-  AND NOT EXISTS (SELECT 1 FROM rr s WHERE s.record = 'span' AND s.span_id = o.span_id)
-  AND NOT EXISTS (SELECT 1 FROM rr s WHERE s.record = 'span' AND s.rkey = o.rkey AND s.attempt = o.attempt
-                  AND s.name = o.name AND s.c_end_ns >= o.c_start_ns
-                  AND coalesce(s.attr_str['frontend.part'], '') <> 'in');
+  AND NOT EXISTS (SELECT 1 FROM sp s WHERE s.span_id = o.span_id)
+  AND NOT EXISTS (SELECT 1 FROM sp s WHERE s.rkey = o.rkey AND s.attempt = o.attempt
+                  AND s.name = o.name AND s.c_end_ns >= o.c_start_ns AND s.part <> 'in');
 CREATE TABLE IF NOT EXISTS _mat_open_spans AS SELECT * FROM _calc_open_spans LIMIT 0;
 
 CREATE OR REPLACE VIEW in_flight_spans AS
