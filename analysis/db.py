@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import shutil
 import tempfile
 import time
 import warnings
@@ -206,6 +207,90 @@ def connect_readonly(cache: str | os.PathLike) -> ReadOnlyConnection:
     return lock_down(duckdb.connect(str(cache), read_only=True))
 
 
+def _stamp() -> str:
+    """What a cache was built with: cache format, SQL library hash, stage vocabulary hash."""
+    return f"{CACHE_FORMAT}:{loader.library_hash()}:{_vocab_hash()}"
+
+
+def _install(con: duckdb.DuckDBPyConnection, stamp: str) -> None:
+    """Load the vocabulary and every SQL module into the empty database ``con``; record ``stamp``.
+
+    Raises RuntimeError naming the module whose SQL fails to load.
+    """
+    con.execute("CREATE TABLE IF NOT EXISTS _meta (key VARCHAR PRIMARY KEY, value VARCHAR)")
+    con.execute(loader.base_tables_sql())
+    con.execute("DELETE FROM _stage_vocab")
+    con.executemany("INSERT INTO _stage_vocab VALUES (?, ?, ?, ?)",
+                    [(k, v.role, v.category, v.doc) for k, v in _stages.STAGES.items()])
+    con.execute("DELETE FROM _event_vocab")
+    con.executemany("INSERT INTO _event_vocab VALUES (?, ?)", list(_stages.EVENTS.items()))
+    for mod in loader.load_order():
+        try:
+            con.execute(mod.text)
+        except duckdb.Error as exc:
+            raise RuntimeError(f"SQL module {mod.name} failed to load: {exc}") from exc
+    con.execute("INSERT OR REPLACE INTO _meta VALUES ('library', ?)", [stamp])
+
+
+def _unlink_db(path: Path) -> None:
+    """Remove a DuckDB file and its write-ahead log, if present."""
+    for p in (path, Path(str(path) + ".wal")):
+        p.unlink(missing_ok=True)
+
+
+def cache_root() -> Path:
+    """Where default caches and library templates live: ``$PDTRACE_CACHE_DIR``, else ``<tmp>/pdtrace-cache``
+    (created if missing)."""
+    root = Path(config.raw("PDTRACE_CACHE_DIR") or Path(tempfile.gettempdir()) / "pdtrace-cache")
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def library_template(stamp: str | None = None) -> Path:
+    """The library template for ``stamp`` (default: this library's): a DuckDB file holding the installed
+    SQL library and nothing absorbed, ``<cache_root()>/pdtrace-library-<16 hex>.duckdb``, keyed by the
+    stamp and the DuckDB version (a file is readable by the DuckDB storage version that wrote it).
+
+    Loading the library (every module's views, macros and comments) is most of a small trace's cold
+    open (about 1 s here, BENCHMARKS.md "Analysis: cold report of a small store"); a new cache file
+    is a copy of this one instead. One per machine, user and library version; other versions' files
+    stay (about 2 MB each) until the directory is cleaned.
+    """
+    key = hashlib.sha256(f"{stamp or _stamp()}:{duckdb.__version__}".encode()).hexdigest()[:16]
+    return cache_root() / f"pdtrace-library-{key}.duckdb"
+
+
+def _copy_template(cache: Path, stamp: str) -> bool:
+    """Create the absent file ``cache`` as a copy of :func:`library_template`, building the template
+    first when it does not exist (in a temporary file renamed into place, so a reader never sees a
+    half-built one). Never replaces a file: when ``cache`` appears meanwhile (another process), that
+    one is kept and False is returned, as when no template can be built or copied (the caller then
+    installs the library into ``cache`` itself)."""
+    tag = f".{os.getpid()}.{time.monotonic_ns()}.tmp"
+    try:
+        tpl = library_template(stamp)
+        if not tpl.exists():
+            tmp = tpl.with_name(tpl.name + tag)
+            try:
+                con = duckdb.connect(str(tmp))
+                try:
+                    _install(con, stamp)
+                finally:
+                    con.close()
+                os.replace(tmp, tpl)
+            finally:
+                _unlink_db(tmp)
+        tmp = cache.with_name(cache.name + tag)
+        try:
+            shutil.copyfile(tpl, tmp)
+            os.link(tmp, cache)  # fails if cache exists: never replaces another process's file
+        finally:
+            tmp.unlink(missing_ok=True)
+        return True
+    except (OSError, duckdb.Error):
+        return False
+
+
 class Trace:
     """The analysis database of one trace directory.
 
@@ -231,47 +316,44 @@ class Trace:
                 "WHERE NOT ok AND starts_with(reason, 'corrupt data:') AND size IS NOT NULL").fetchall()}
 
     # -- database lifecycle ---------------------------------------------------
-    def _open(self) -> duckdb.DuckDBPyConnection:
-        con = duckdb.connect(str(self.cache) if self.cache else ":memory:")
+    def _open(self, template: bool = True) -> duckdb.DuckDBPyConnection:
+        stamp = _stamp()
+        # a new cache file starts as a copy of the installed library (library_template)
+        copied = template and self.cache is not None and not self.cache.exists() and _copy_template(self.cache, stamp)
+        try:
+            con = duckdb.connect(str(self.cache) if self.cache else ":memory:")
+        except duckdb.Error:
+            if not copied:
+                raise
+            # an unusable template: forget it and install the library into a new file
+            _unlink_db(self.cache)
+            try:
+                _unlink_db(library_template(stamp))
+            except OSError:
+                pass
+            return self._open(template=False)
         if self._threads:
             con.execute(f"SET threads = {int(self._threads)}")
         con.execute("SET preserve_insertion_order = false")
-        stamp = f"{CACHE_FORMAT}:{loader.library_hash()}:{_vocab_hash()}"
         con.execute("CREATE TABLE IF NOT EXISTS _meta (key VARCHAR PRIMARY KEY, value VARCHAR)")
         row = con.execute("SELECT value FROM _meta WHERE key = 'library'").fetchone()
         state = con.execute("SELECT value FROM _meta WHERE key = 'state'").fetchone()
-        self._fresh = row is None or row[0] != stamp or (state is not None and state[0] != "clean")
-        if self._fresh and row is not None:
+        # a template copy holds the library and nothing absorbed: its first refresh is a rebuild
+        self._fresh = row is None or row[0] != stamp or (state is not None and state[0] != "clean") or copied
+        if row is not None and (row[0] != stamp or (state is not None and state[0] != "clean")):
             con.close()
             if self.cache is None:  # pragma: no cover - a memory database is always new
                 raise RuntimeError("in-memory analysis database in an unexpected state")
-            self.cache.unlink()
-            wal = Path(str(self.cache) + ".wal")
-            if wal.exists():
-                wal.unlink()
-            return self._open()
-        if self._fresh:
-            self._install(con)
-            con.execute("INSERT OR REPLACE INTO _meta VALUES ('library', ?)", [stamp])
+            _unlink_db(self.cache)
+            return self._open(template=template and not copied)
+        if row is None:
+            _install(con, stamp)
         # scratch steps live in memory (temp tables shadow the empty main ones)
         for name, kind in loader.materializations():
             if kind == "scratch":
                 mat = f"_mat_{name.lstrip('_')}"
                 con.execute(f"CREATE OR REPLACE TEMP TABLE {mat} AS SELECT * FROM main.{mat} LIMIT 0")
         return con
-
-    def _install(self, con: duckdb.DuckDBPyConnection) -> None:
-        con.execute(loader.base_tables_sql())
-        con.execute("DELETE FROM _stage_vocab")
-        con.executemany("INSERT INTO _stage_vocab VALUES (?, ?, ?, ?)",
-                        [(k, v.role, v.category, v.doc) for k, v in _stages.STAGES.items()])
-        con.execute("DELETE FROM _event_vocab")
-        con.executemany("INSERT INTO _event_vocab VALUES (?, ?)", list(_stages.EVENTS.items()))
-        for mod in loader.load_order():
-            try:
-                con.execute(mod.text)
-            except duckdb.Error as exc:
-                raise RuntimeError(f"SQL module {mod.name} failed to load: {exc}") from exc
 
     def close(self) -> None:
         """Close the connection (safe to call twice)."""
@@ -837,8 +919,6 @@ def open_trace(directory: str | os.PathLike, cache: str | os.PathLike | None = N
 
 
 def default_cache_path(directory: str | os.PathLike) -> Path:
-    """Cache file for ``directory``: ``$PDTRACE_CACHE_DIR`` (default: the user's temp dir)/pdtrace-<hash>.duckdb."""
-    root = Path(config.raw("PDTRACE_CACHE_DIR") or Path(tempfile.gettempdir()) / "pdtrace-cache")
-    root.mkdir(parents=True, exist_ok=True)
+    """Cache file for ``directory``: :func:`cache_root`/pdtrace-<16 hex of sha256(resolved path)>.duckdb."""
     key = hashlib.sha256(str(Path(directory).resolve()).encode()).hexdigest()[:16]
-    return root / f"pdtrace-{key}.duckdb"
+    return cache_root() / f"pdtrace-{key}.duckdb"
