@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 import time
@@ -33,11 +32,6 @@ from pathlib import Path
 
 from pdtrace.connector.lab import replay
 from pdtrace.connector.lab.run import LabOptions, run_lab
-
-
-def bucket_lo(n: int) -> int:
-    """Lower edge of the power-of-two prompt bucket [lo, 2·lo) holding ``n`` tokens."""
-    return 1 << int(math.floor(math.log2(max(n, 1))))
 
 
 def client_tpot(run_dir: Path) -> dict[str, float | None]:
@@ -63,7 +57,8 @@ def per_request(run_dir: Path) -> list[dict]:
     ids = set(ctpot)
     with db.open_trace(run_dir, cache=run_dir.parent / (run_dir.name + ".duckdb")) as tr:
         rows = tr.query("""
-            SELECT q.request_id, q.prompt_tokens, q.output_tokens, q.ttft_ms, q.tpot_ms, q.status,
+            SELECT q.request_id, q.prompt_tokens, _bucket_lo(q.prompt_tokens) AS prompt_bucket_lo,
+                   q.output_tokens, q.ttft_ms, q.tpot_ms, q.status,
                    b.queue_ns, b.compute_ns, b.transfer_ns, b.coordination_ns, b.ttft_ns
             FROM requests q LEFT JOIN ttft_breakdown b ON b.request_id = q.request_id""")
     rows = [r for r in rows if r["request_id"] in ids]
@@ -75,10 +70,11 @@ def per_request(run_dir: Path) -> list[dict]:
 
 
 def by_bucket(rows: list[dict]) -> dict[int, dict]:
-    """bucket lo -> n, TTFT mean/p99, TPOT mean/p99 (ms) over complete requests."""
+    """bucket lo -> n, TTFT mean/p99, TPOT mean/p99 (ms) over complete requests; the buckets are the
+    analysis's (``prompt_bucket_lo``: ``_bucket_lo`` of analysis/sql/summary.sql, as in ``pdtrace report``)."""
     out: dict[int, dict] = {}
-    for lo in sorted({bucket_lo(r["prompt_tokens"]) for r in rows}):
-        rs = [r for r in rows if bucket_lo(r["prompt_tokens"]) == lo and r["status"] == "complete"]
+    for lo in sorted({r["prompt_bucket_lo"] for r in rows if r["prompt_bucket_lo"] is not None}):
+        rs = [r for r in rows if r["prompt_bucket_lo"] == lo and r["status"] == "complete"]
         ttft = [r["ttft_ms"] for r in rs if r["ttft_ms"] is not None]
         tpot = [r["tpot_ms"] for r in rs if r["tpot_ms"] is not None]
         out[lo] = {"n": len(rs),
