@@ -30,7 +30,6 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import shutil
 import tempfile
 import time
 import warnings
@@ -44,6 +43,7 @@ from pdtrace.instrument import stages as _stages
 from pdtrace.instrument import store as _store
 
 from . import loader
+from . import template as _template
 
 #: Version of the cache layout beyond the SQL text (bump to force rebuilds).
 CACHE_FORMAT = "1"
@@ -232,63 +232,40 @@ def _install(con: duckdb.DuckDBPyConnection, stamp: str) -> None:
     con.execute("INSERT OR REPLACE INTO _meta VALUES ('library', ?)", [stamp])
 
 
-def _unlink_db(path: Path) -> None:
-    """Remove a DuckDB file and its write-ahead log, if present."""
-    for p in (path, Path(str(path) + ".wal")):
-        p.unlink(missing_ok=True)
-
-
 def cache_root() -> Path:
     """Where default caches and library templates live: ``$PDTRACE_CACHE_DIR``, else ``<tmp>/pdtrace-cache``
-    (created if missing)."""
+    (created if missing; raises OSError when it cannot be)."""
     root = Path(config.raw("PDTRACE_CACHE_DIR") or Path(tempfile.gettempdir()) / "pdtrace-cache")
     root.mkdir(parents=True, exist_ok=True)
     return root
 
 
 def library_template(stamp: str | None = None) -> Path:
-    """The library template for ``stamp`` (default: this library's): a DuckDB file holding the installed
-    SQL library and nothing absorbed, ``<cache_root()>/pdtrace-library-<16 hex>.duckdb``, keyed by the
-    stamp and the DuckDB version (a file is readable by the DuckDB storage version that wrote it).
-
-    Loading the library (every module's views, macros and comments) is most of a small trace's cold
-    open (about 1 s here, BENCHMARKS.md "Analysis: cold report of a small store"); a new cache file
-    is a copy of this one instead. One per machine, user and library version; other versions' files
-    stay (about 2 MB each) until the directory is cleaned.
+    """The library template (:mod:`pdtrace.analysis.template`) for ``stamp`` (default: this library's):
+    ``<cache_root()>/pdtrace-library-<16 hex>.duckdb``, keyed by everything its contents depend on: the
+    stamp, the stage and event vocabulary with its documentation, the DuckDB version (a file is
+    readable by the storage version that wrote it) and the user (a template is never shared). Other
+    versions' templates stay (about 2 MB each) until the directory is cleaned. Raises OSError when
+    the cache root cannot be created.
     """
-    key = hashlib.sha256(f"{stamp or _stamp()}:{duckdb.__version__}".encode()).hexdigest()[:16]
+    docs = repr(sorted((k, v.role, v.category, v.doc) for k, v in _stages.STAGES.items())) \
+        + repr(sorted(_stages.EVENTS.items()))
+    key = hashlib.sha256(f"{stamp or _stamp()}:{duckdb.__version__}:{os.getuid()}:{docs}".encode()).hexdigest()[:16]
     return cache_root() / f"pdtrace-library-{key}.duckdb"
 
 
-def _copy_template(cache: Path, stamp: str) -> bool:
-    """Create the absent file ``cache`` as a copy of :func:`library_template`, building the template
-    first when it does not exist (in a temporary file renamed into place, so a reader never sees a
-    half-built one). Never replaces a file: when ``cache`` appears meanwhile (another process), that
-    one is kept and False is returned, as when no template can be built or copied (the caller then
-    installs the library into ``cache`` itself)."""
-    tag = f".{os.getpid()}.{time.monotonic_ns()}.tmp"
+def _new_from_template(cache: Path, stamp: str) -> bool:
+    """Create the absent ``cache`` as a copy of the library template (True), or leave it to the caller
+    to install the library (False: see :func:`pdtrace.analysis.template.copy_into`)."""
+    def check(con: duckdb.DuckDBPyConnection) -> bool:
+        row = con.execute("SELECT value FROM _meta WHERE key = 'library'").fetchone()
+        return row is not None and row[0] == stamp
+
     try:
         tpl = library_template(stamp)
-        if not tpl.exists():
-            tmp = tpl.with_name(tpl.name + tag)
-            try:
-                con = duckdb.connect(str(tmp))
-                try:
-                    _install(con, stamp)
-                finally:
-                    con.close()
-                os.replace(tmp, tpl)
-            finally:
-                _unlink_db(tmp)
-        tmp = cache.with_name(cache.name + tag)
-        try:
-            shutil.copyfile(tpl, tmp)
-            os.link(tmp, cache)  # fails if cache exists: never replaces another process's file
-        finally:
-            tmp.unlink(missing_ok=True)
-        return True
-    except (OSError, duckdb.Error):
+    except OSError:
         return False
+    return _template.copy_into(cache, tpl, lambda con: _install(con, stamp), check)
 
 
 class Trace:
@@ -318,20 +295,10 @@ class Trace:
     # -- database lifecycle ---------------------------------------------------
     def _open(self, template: bool = True) -> duckdb.DuckDBPyConnection:
         stamp = _stamp()
-        # a new cache file starts as a copy of the installed library (library_template)
-        copied = template and self.cache is not None and not self.cache.exists() and _copy_template(self.cache, stamp)
-        try:
-            con = duckdb.connect(str(self.cache) if self.cache else ":memory:")
-        except duckdb.Error:
-            if not copied:
-                raise
-            # an unusable template: forget it and install the library into a new file
-            _unlink_db(self.cache)
-            try:
-                _unlink_db(library_template(stamp))
-            except OSError:
-                pass
-            return self._open(template=False)
+        # a new cache file starts as a copy of the installed library (library_template), checked
+        # before it appears: an error opening it is another process's lock, raised as such
+        copied = template and self.cache is not None and _new_from_template(self.cache, stamp)
+        con = duckdb.connect(str(self.cache) if self.cache else ":memory:")
         if self._threads:
             con.execute(f"SET threads = {int(self._threads)}")
         con.execute("SET preserve_insertion_order = false")
@@ -344,7 +311,7 @@ class Trace:
             con.close()
             if self.cache is None:  # pragma: no cover - a memory database is always new
                 raise RuntimeError("in-memory analysis database in an unexpected state")
-            _unlink_db(self.cache)
+            _template.unlink_db(self.cache)
             return self._open(template=template and not copied)
         if row is None:
             _install(con, stamp)

@@ -59,6 +59,8 @@ def _round(a, files: list[str], tail: Path) -> dict:
     print(f"  bare scan + group by request_id: {out['bare']:.2f} s")
     cache_dir = Path(tempfile.mkdtemp(prefix="pdtrace-bench-"))
     cache = cache_dir / "cache.duckdb"
+    # its own cache root: the cold build loads the SQL library (no library template from an earlier run)
+    os.environ["PDTRACE_CACHE_DIR"] = str(cache_dir)
     try:
         t = time.perf_counter()
         tr = db.Trace(a.store, cache=None if a.no_cache else cache, threads=a.threads)

@@ -30,11 +30,12 @@ import sys
 from pathlib import Path
 
 _CHILD = r"""
-import json, resource, sys, tempfile, time, shutil
+import json, os, resource, sys, tempfile, time, shutil
 from pathlib import Path
 from pdtrace.analysis import db
 store = Path(sys.argv[1]); mem = sys.argv[2] or None
 d = Path(tempfile.mkdtemp(prefix="pdtrace-coldab-"))
+os.environ["PDTRACE_CACHE_DIR"] = str(d)  # the build loads the SQL library: no template from an earlier round
 try:
     t = time.perf_counter()
     ru0 = resource.getrusage(resource.RUSAGE_SELF); cpu0 = ru0.ru_utime + ru0.ru_stime

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import resource
 import shutil
@@ -86,6 +87,8 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=40, help="steps to print")
     a = ap.parse_args()
     d = Path(tempfile.mkdtemp(prefix="pdtrace-coldprof-"))
+    # its own cache root: the cold build loads the SQL library (no library template from an earlier run)
+    os.environ["PDTRACE_CACHE_DIR"] = str(d)
     try:
         w0, c0 = time.perf_counter(), _cpu()
         tr = db.Trace(a.store, cache=d / "cache.duckdb")

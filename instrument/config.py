@@ -68,8 +68,8 @@ module.
 =================================  ===========  ================================================
 variable                           default      meaning
 =================================  ===========  ================================================
-``PDTRACE_CACHE_DIR``              (unset)      analysis: where a read-only store's cache goes
-                                                (default ``<tmp>/pdtrace-cache``)
+``PDTRACE_CACHE_DIR``              (unset)      analysis: where a read-only store's cache and the
+                                                SQL library template go (default ``<tmp>/pdtrace-cache``)
 ``PDTRACE_DASHBOARD_DIR``          (unset)      dashboard: the trace directory it opens
 ``PDTRACE_DASHBOARD_COMPARE_DIR``  (unset)      dashboard: the second directory of the compare page
 ``PDTRACE_LAB_CACHE``              (unset)      lab: model and build cache (default
@@ -131,7 +131,8 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
     Variable("PDTRACE_SELF_CPU", "0", "0 | 1", "recorder", "measure pdtrace's own CPU per engine step"),
     Variable("PDTRACE_HELPER_CPUS", None, "cpulist", "recorder", "CPUs of the writer thread and sink process"),
     Variable("PDTRACE_TEST_WALL_OFFSET_NS", "0", "[-2^62, 2^62]", "test", "shift the wall anchor (ns), tests only"),
-    Variable("PDTRACE_CACHE_DIR", None, "path", "analysis", "cache directory of read-only stores"),
+    Variable("PDTRACE_CACHE_DIR", None, "path", "analysis",
+             "cache directory of read-only stores and of the library template"),
     Variable("PDTRACE_DASHBOARD_DIR", None, "path", "dashboard", "trace directory the dashboard opens"),
     Variable("PDTRACE_DASHBOARD_COMPARE_DIR", None, "path", "dashboard", "second directory of the compare page"),
     Variable("PDTRACE_LAB_CACHE", None, "path", "lab", "the lab's model and build cache"),

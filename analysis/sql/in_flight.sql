@@ -43,10 +43,11 @@ SELECT domain, host, pid, role, engine_id, run_id, c_start_ns AS trace_end_ns
 FROM _clock_corrected('_flush_rows');
 
 -- The open spans of the refreshed requests that are not over (rules a-c).
--- Open rows are few (spans open past PDTRACE_OPEN_AFTER_S): they are read
--- first, and only the span rows rules (a) and (c) can match -- the same span
--- id, or the same request as an open row -- are read with their clock
--- correction (a store without open rows reads no span row here).
+-- Open rows are few (spans open past PDTRACE_OPEN_AFTER_S): they are taken
+-- first, and the scope's span rows are reduced to those rules (a) and (c) can
+-- match -- the same span id, or the same request as an open row -- before the
+-- two NOT EXISTS checks (the span rows are still read and corrected once; with
+-- no open row the reduction leaves none and the checks do no work).
 CREATE OR REPLACE VIEW _calc_open_spans AS
 WITH op AS MATERIALIZED (
     SELECT * FROM _clock_corrected('_records')

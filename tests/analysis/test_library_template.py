@@ -1,5 +1,7 @@
 """A new cache file starts as a copy of the installed SQL library (db.library_template), with the same answers."""
 import os
+import subprocess
+import sys
 
 import duckdb
 import pytest
@@ -29,20 +31,24 @@ def _answers_in_memory(d):
         return tr.query(_Q)
 
 
-def test_first_cache_builds_the_template_and_later_caches_copy_it(tmp_path, cache_dir):
+def test_first_cache_builds_the_template_and_later_caches_copy_it(tmp_path, cache_dir, monkeypatch):
     d = _store(tmp_path)
+    mem = _answers_in_memory(d)                              # (an in-memory database always installs)
+    installs = []
+    real_install = db._install
+    monkeypatch.setattr(db, "_install", lambda con, stamp: (installs.append(stamp), real_install(con, stamp)))
     tpl = db.library_template()
     assert tpl.parent == cache_dir and not tpl.exists()
     with db.Trace(d, cache=tmp_path / "one.duckdb") as tr:
         assert tr.refresh().rebuilt
         first = tr.query(_Q)
-    assert tpl.exists()
+    assert tpl.exists() and len(installs) == 1              # into the template, not into the cache
     built = tpl.stat().st_mtime_ns
     with db.Trace(d, cache=tmp_path / "two.duckdb") as tr:
         r = tr.refresh()
         assert r.rebuilt and r.dirty_requests == 4          # a copy has nothing absorbed: a full build
-        assert tr.query(_Q) == first == _answers_in_memory(d)
-    assert tpl.stat().st_mtime_ns == built                   # copied, not rebuilt
+        assert tr.query(_Q) == first == mem
+    assert tpl.stat().st_mtime_ns == built and len(installs) == 1     # copied, not rebuilt or installed
     # the template itself never receives data: still the bare library
     con = duckdb.connect(str(tpl), read_only=True)
     try:
@@ -50,7 +56,12 @@ def test_first_cache_builds_the_template_and_later_caches_copy_it(tmp_path, cach
         assert con.execute("SELECT value FROM _meta WHERE key = 'library'").fetchone()[0] == db._stamp()
     finally:
         con.close()
-    assert sorted(p.name for p in cache_dir.iterdir()) == [tpl.name]   # no temporary file left
+    # the template and its checksum, no temporary file left (here or beside the caches)
+    assert sorted(p.name for p in cache_dir.iterdir()) == sorted([tpl.name, tpl.with_suffix(".sha256").name])
+    assert not list(tmp_path.glob("*.tmp*"))
+    with db.Trace(d) as tr:                                  # in memory: nothing in the cache root
+        tr.refresh()
+    assert len(list(cache_dir.iterdir())) == 2
 
 
 def test_a_corrupt_template_is_replaced_and_costs_no_answer(tmp_path, cache_dir):
@@ -81,6 +92,23 @@ def test_no_template_where_none_can_be_written(tmp_path, monkeypatch):
     assert blocker.read_text() == "a file, not a directory"
 
 
+def test_a_damaged_template_is_rebuilt_before_it_is_copied(tmp_path, cache_dir):
+    """Bytes of the template changed after it was built (a disk error, a crash before the data
+    reached the disk): the checksum no longer matches, so it is built again, never copied."""
+    d = _store(tmp_path)
+    with db.Trace(d, cache=tmp_path / "one.duckdb") as tr:
+        tr.refresh()
+    tpl = db.library_template()
+    data = bytearray(tpl.read_bytes())
+    mid = len(data) // 2
+    data[mid:mid + 64] = bytes(b ^ 0xFF for b in data[mid:mid + 64])
+    tpl.write_bytes(bytes(data))
+    with db.Trace(d, cache=tmp_path / "two.duckdb") as tr:
+        tr.refresh()
+        assert tr.query(_Q) == _answers_in_memory(d)
+    assert tpl.read_bytes() != bytes(data)
+
+
 def test_an_existing_cache_file_is_never_replaced_by_the_template(tmp_path, cache_dir):
     """A cache that appeared meanwhile (another process created it) is opened, not overwritten."""
     d = _store(tmp_path)
@@ -88,7 +116,41 @@ def test_an_existing_cache_file_is_never_replaced_by_the_template(tmp_path, cach
     with db.Trace(d, cache=cache) as tr:
         tr.refresh()
     inode = os.stat(cache).st_ino
-    assert db._copy_template(cache, db._stamp()) is False
+    assert db._new_from_template(cache, db._stamp()) is False
     assert os.stat(cache).st_ino == inode
     with db.Trace(d, cache=cache) as tr:
         assert not tr.refresh().rebuilt                      # still the absorbed cache
+
+
+def test_a_copy_locked_by_another_process_is_reported_not_removed(tmp_path, cache_dir, monkeypatch):
+    """Another process opens the new cache between the copy and this process's connect (it lost the
+    race to create it, then opened it): this process gets DuckDB's lock error -- what the CLI and the
+    dashboard fall back to memory on -- and the other process's file and the template stay."""
+    d = _store(tmp_path)
+    cache = tmp_path / "c.duckdb"
+    holder = []
+    real = db._new_from_template
+
+    def copy_then_lock(path, stamp):
+        made = real(path, stamp)
+        p = subprocess.Popen([sys.executable, "-c", "import duckdb, sys, time; c = duckdb.connect(sys.argv[1]); "
+                              "print('held', flush=True); time.sleep(60)", str(path)],
+                             stdout=subprocess.PIPE, text=True)
+        holder.append(p)
+        assert p.stdout.readline().strip() == "held"
+        return made
+
+    monkeypatch.setattr(db, "_new_from_template", copy_then_lock)
+    try:
+        with pytest.raises(duckdb.IOException):
+            db.Trace(d, cache=cache)
+        inode = os.stat(cache).st_ino
+    finally:
+        for p in holder:
+            p.kill()
+            p.wait()
+    assert db.library_template().exists() and os.stat(cache).st_ino == inode
+    monkeypatch.setattr(db, "_new_from_template", real)
+    with db.Trace(d, cache=cache) as tr:                     # the file is sound: its first refresh builds
+        assert tr.refresh().rebuilt
+        assert tr.query(_Q) == _answers_in_memory(d)

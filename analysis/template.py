@@ -1,0 +1,146 @@
+"""Library templates: a DuckDB file built once and copied to start every new cache file.
+
+Loading the SQL library (every module's views, macros and comments) costs about a second, most of
+a small trace's cold report (BENCHMARKS.md "Analysis: cold report of a small store"). A template
+holds the loaded library and nothing else; :func:`copy_into` makes a new cache file a copy of it,
+building it first when it is missing. What the template holds and when two are alike is the
+caller's (:mod:`pdtrace.analysis.db`: ``build`` installs the library, ``check`` reads its stamp,
+the file name carries a key of everything the contents depend on).
+
+Files, all in the template's directory unless named otherwise:
+
+``<name>.duckdb``   the template, renamed into place only once built and flushed to disk
+``<name>.sha256``   sha256 (hex) of the template's bytes, written before the template is renamed
+                    into place; a template whose bytes do not match (damaged since, or renamed by
+                    a concurrent builder after another wrote the sum) is dropped and built again
+``*.tmp``           a build or copy in progress; one older than :data:`STALE_S` was left by a
+                    killed process and is removed by the next build
+                    (copies sit beside the cache file they become)
+
+Guarantees: a reader never sees a half-built template or a half-copied cache; a cache file that
+exists is never replaced or removed (another process may have it open); a copy is opened and
+checked before it appears under the cache's name; a template is used only when the current user
+owns it. Every failure returns False and the caller installs the library into the cache itself.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from pathlib import Path
+from typing import Callable
+
+import duckdb
+
+#: Seconds after which a ``*.tmp`` file of a build or copy is taken for one a killed process left.
+STALE_S = 600.0
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def unlink_db(path: Path) -> None:
+    """Remove a DuckDB file and its write-ahead log, if present."""
+    for p in (path, Path(str(path) + ".wal")):
+        p.unlink(missing_ok=True)
+
+
+def _sweep(directory: Path, prefix: str) -> None:
+    """Remove ``prefix*.tmp`` (and ``.tmp.wal``) files in ``directory`` older than :data:`STALE_S`."""
+    now = time.time()
+    for p in directory.glob(prefix + "*.tmp*"):
+        try:
+            if now - p.stat().st_mtime > STALE_S:
+                p.unlink()
+        except OSError:
+            pass
+
+
+def _sum_path(tpl: Path) -> Path:
+    return tpl.with_suffix(".sha256")
+
+
+def drop(tpl: Path) -> None:
+    """Remove the template ``tpl`` and its checksum (missing files are fine)."""
+    unlink_db(tpl)
+    _sum_path(tpl).unlink(missing_ok=True)
+
+
+def _build(tpl: Path, build: Callable[[duckdb.DuckDBPyConnection], None], tag: str) -> None:
+    """Build ``tpl``: ``build`` fills a new database in a temporary file, which is flushed to disk,
+    summed, and renamed into place. Raises what ``build``, DuckDB or the file system raise."""
+    tpl.parent.mkdir(parents=True, exist_ok=True)
+    _sweep(tpl.parent, tpl.stem)
+    tmp = tpl.with_name(tpl.name + tag)
+    sums = _sum_path(tpl).with_name(_sum_path(tpl).name + tag)
+    try:
+        con = duckdb.connect(str(tmp))
+        try:
+            build(con)
+            con.execute("CHECKPOINT")
+        finally:
+            con.close()
+        _fsync(tmp)
+        sums.write_text(hashlib.sha256(tmp.read_bytes()).hexdigest())
+        os.replace(sums, _sum_path(tpl))
+        os.replace(tmp, tpl)
+        _fsync(tpl.parent)
+    finally:
+        unlink_db(tmp)
+        sums.unlink(missing_ok=True)
+
+
+def _sound(tpl: Path) -> bytes | None:
+    """The template's bytes when it exists, belongs to this user and matches its checksum; else None."""
+    try:
+        if tpl.stat().st_uid != os.getuid():
+            return None
+        data = tpl.read_bytes()
+        want = _sum_path(tpl).read_text().strip()
+    except OSError:
+        return None
+    return data if hashlib.sha256(data).hexdigest() == want else None
+
+
+def copy_into(cache: Path, tpl: Path, build: Callable[[duckdb.DuckDBPyConnection], None],
+              check: Callable[[duckdb.DuckDBPyConnection], bool]) -> bool:
+    """Create the absent file ``cache`` as a copy of the template ``tpl`` (built with ``build`` when
+    missing, damaged or foreign). The copy is written beside ``cache``, opened read-only and passed
+    to ``check`` (False: the template is dropped, nothing is created) before it is hard-linked to
+    ``cache``, which fails when ``cache`` exists. True when ``cache`` is such a copy; False when it
+    is not (no template could be built or copied, the directory is not writable, or ``cache``
+    appeared meanwhile: another process made it, and it is left alone)."""
+    if cache.exists() or not os.access(cache.parent, os.W_OK):
+        return False
+    tag = f".{os.getpid()}.{time.monotonic_ns()}.tmp"
+    try:
+        data = _sound(tpl)
+        if data is None:
+            drop(tpl)
+            _build(tpl, build, tag)
+            data = _sound(tpl)
+            if data is None:
+                return False
+        _sweep(cache.parent, cache.name)
+        tmp = cache.with_name(cache.name + tag)
+        try:
+            tmp.write_bytes(data)
+            con = duckdb.connect(str(tmp), read_only=True)
+            try:
+                ok = check(con)
+            finally:
+                con.close()
+            if not ok:
+                drop(tpl)
+                return False
+            os.link(tmp, cache)  # fails if cache exists: never replaces another process's file
+        finally:
+            unlink_db(tmp)
+        return True
+    except (OSError, duckdb.Error, RuntimeError):
+        return False
