@@ -250,7 +250,8 @@ def library_template(stamp: str | None = None) -> Path:
     """
     docs = repr(sorted((k, v.role, v.category, v.doc) for k, v in _stages.STAGES.items())) \
         + repr(sorted(_stages.EVENTS.items()))
-    key = hashlib.sha256(f"{stamp or _stamp()}:{duckdb.__version__}:{os.getuid()}:{docs}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{stamp or _stamp()}:{duckdb.__version__}:{os.getuid()}:{docs}".encode())
+    key = key.hexdigest()[:16]
     return cache_root() / f"pdtrace-library-{key}.duckdb"
 
 
