@@ -125,7 +125,7 @@ def test_held_request_is_in_flight_with_stage_wait_and_age(held_run):
     assert held_run["still_held"]  # seen while it hung, not after
     assert (live["stage"], live["role"], live["mode"], live["wait_for"]) == \
         ("prefill.block_hold", "prefill", "push", "registration")
-    assert live["engine_id"] and "router.request" in live["open_stages"]
+    assert live["engine_id"]
     # Seen by a reader while it hung. The store has it within two flush intervals of the stage's start
     # (test_store_has_the_open_rows_within_two_flush_intervals); a reader sees it when a refresh that
     # began after that finishes (a refresh here took seconds on the shared 2-core machine, printed).
@@ -140,6 +140,10 @@ def test_held_request_is_in_flight_with_stage_wait_and_age(held_run):
     # refreshed while it hangs: the age grows with the hold
     later = held_run["later"]
     assert len(later) == 1 and later[0]["stage"] == "prefill.block_hold" and abs(later[0]["since_ns"] - live["since_ns"]) < 1000  # (each file's anchor: within 1 µs)
+    # the router's open root is there too: asserted on the later read, because each process's open rows
+    # reach the store with its own flushes (a fresh-clone CI run read P's hold 3.7 s after the hold began,
+    # before the router's open router.request row had arrived)
+    assert "router.request" in later[0]["open_stages"], later
     # (each read's trace end lags the wall clock by what the sink and the refresh took: seconds under load)
     assert later[0]["as_of_ns"] > live["as_of_ns"] and later[0]["age_ms"] >= live["age_ms"] + FLUSH_S * 1000, \
         (live, later)
