@@ -54,14 +54,20 @@ def _sql_list(paths: list[str]) -> str:
     return "[" + ", ".join("'" + p.replace("'", "''") + "'" for p in paths) + "]"
 
 
+def _vocab_text(docs: bool = False) -> str:
+    """The stage and event vocabulary as text (stage, role, category; event names), with each
+    stage's and event's documentation when ``docs``."""
+    return (repr(sorted((k, v.role, v.category) + ((v.doc,) if docs else ()) for k, v in _stages.STAGES.items()))
+            + repr(sorted(_stages.EVENTS.items() if docs else _stages.EVENTS)))
+
+
 def _vocab_hash() -> str:
     """sha256 (16 hex) of the stage and event vocabulary a cache was built with.
 
     The vocabulary is loaded into the cache (``_stage_vocab``) and fixes the
     ``_stage_name`` ENUM; a cache built with another vocabulary is rebuilt.
     """
-    text = repr(sorted((k, v.role, v.category) for k, v in _stages.STAGES.items())) + repr(sorted(_stages.EVENTS))
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    return hashlib.sha256(_vocab_text().encode()).hexdigest()[:16]
 
 
 class SkippedFileWarning(UserWarning):
@@ -248,9 +254,7 @@ def library_template(stamp: str | None = None) -> Path:
     versions' templates stay (about 2 MB each) until the directory is cleaned. Raises OSError when
     the cache root cannot be created.
     """
-    docs = repr(sorted((k, v.role, v.category, v.doc) for k, v in _stages.STAGES.items())) \
-        + repr(sorted(_stages.EVENTS.items()))
-    key = hashlib.sha256(f"{stamp or _stamp()}:{duckdb.__version__}:{os.getuid()}:{docs}".encode())
+    key = hashlib.sha256(f"{stamp or _stamp()}:{duckdb.__version__}:{os.getuid()}:{_vocab_text(docs=True)}".encode())
     key = key.hexdigest()[:16]
     return cache_root() / f"pdtrace-library-{key}.duckdb"
 

@@ -1,7 +1,7 @@
 """Library templates: a DuckDB file built once and copied to start every new cache file.
 
-Loading the SQL library (every module's views, macros and comments) costs about a second, most of
-a small trace's cold report (BENCHMARKS.md "Analysis: cold report of a small store"). A template
+Loading the SQL library (every module's views, macros and comments) costs about a second, some 40 %
+of a small trace's cold report (BENCHMARKS.md "Analysis: cold report of a small store"). A template
 holds the loaded library and nothing else; :func:`copy_into` makes a new cache file a copy of it,
 building it first when it is missing. What the template holds and when two are alike is the
 caller's (:mod:`pdtrace.analysis.db`: ``build`` installs the library, ``check`` reads its stamp,
