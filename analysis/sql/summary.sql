@@ -11,6 +11,12 @@
 CREATE OR REPLACE MACRO _bucket_lo(n) AS
     CASE WHEN n IS NULL THEN NULL WHEN n < 1 THEN 0 ELSE (2 ** floor(log2(n)))::BIGINT END;
 
+-- Public: the label of the bucket of n tokens, for tables people read (the dashboard's buckets).
+CREATE OR REPLACE MACRO prompt_bucket(n) AS
+    CASE WHEN n IS NULL THEN 'unknown' WHEN n < 1 THEN '0'
+         ELSE printf('%d-%d', _bucket_lo(n), 2 * _bucket_lo(n) - 1) END;
+COMMENT ON MACRO prompt_bucket IS 'prompt_bucket(tokens) -> VARCHAR: the power-of-two bucket [lo, 2*lo) of a token count as ''lo-(2*lo-1)'' (e.g. ''256-511''); ''0'' for 0 tokens, ''unknown'' for NULL. The buckets of summary_by_prompt_bucket (prompt_bucket_lo) and pdtrace report';
+
 CREATE OR REPLACE VIEW _summary_input AS
 SELECT q.rkey, q.mode, q.arrival_ns, q.prompt_tokens, q.uncached_tokens,
        q.first_token_ns IS NOT NULL AS complete,
