@@ -24,6 +24,7 @@ from pathlib import Path
 
 from pdtrace.analysis import db
 from pdtrace.instrument import store
+from pdtrace.instrument.stages import CATEGORIES
 
 STEPS = [
     ("a. arrival and first token per request (router rows)", """
@@ -45,11 +46,8 @@ STEPS = [
         SELECT *, row_number() OVER (PARTITION BY rkey ORDER BY s0, oe) AS seq FROM lb_top"""),
     ("e. breakdown per request and category", """
         CREATE OR REPLACE TEMP TABLE lb_bd AS
-        SELECT rkey, sum(oe - s0) FILTER (WHERE category = 'compute') AS compute_ns,
-               sum(oe - s0) FILTER (WHERE category = 'transfer') AS transfer_ns,
-               sum(oe - s0) FILTER (WHERE category = 'coordination') AS coordination_ns,
-               sum(oe - s0) FILTER (WHERE category = 'queue') AS queue_ns,
-               arg_max(stage, oe - s0) AS dominant_stage
+        SELECT rkey, """ + "".join(f"sum(oe - s0) FILTER (WHERE category = '{c}') AS {c}_ns, " for c in CATEGORIES)
+     + """arg_max(stage, oe - s0) AS dominant_stage
         FROM lb_seg GROUP BY rkey"""),
 ]
 

@@ -80,6 +80,7 @@ from inject_attribution import heavy_lock, isolated_workload  # noqa: E402
 
 from pdtrace.connector.lab import paired  # noqa: E402
 from pdtrace.instrument import ids  # noqa: E402
+from pdtrace.instrument.stages import ROLES  # noqa: E402
 
 PHASES = ("isolated", "trace")
 METRICS = ("ttft_ms", "tpot_ms")
@@ -111,7 +112,7 @@ def run_mode(mode: str, out: Path, sample: float, iso_requests: int, gap_s: floa
                                    rate_scale=rate_scale, max_requests=requests, max_model_len=8192)}
     env = {"PDTRACE_SAMPLE": repr(float(sample))}
     cfg = LabConfig(model=model, mode=mode, run_dir=d, trace_dir=d / "trace",
-                    role_env={r: dict(env) for r in ("prefill", "decode", "router")})
+                    role_env={r: dict(env) for r in ROLES})
     if connector == "traced":
         cfg.connector_class, cfg.connector_module = TRACED[mode], "pdtrace.connector.traced"
         cfg.extra_args = ["--middleware", "pdtrace.connector.traced.middleware.FrontendMiddleware"]
@@ -250,7 +251,7 @@ def sampling_check(trace_dir: Path, rows: list[dict]) -> dict:
     con.close()
     known = [r for r in rows if r["traced"] is not None]
     missing = {role: sum(1 for r in known if r["traced"] and role not in by_req.get(r["x"], {}))
-               for role in ("router", "prefill", "decode")}
+               for role in ROLES}
     untr = [r["x"] for r in known if not r["traced"]]
     row_names: dict[str, int] = {}
     for x in untr:

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from pdtrace.connector.lab import replay
 from pdtrace.connector.lab.run import LabOptions, run_lab
+from pdtrace.instrument.stages import CATEGORIES
 
 
 def client_tpot(run_dir: Path) -> dict[str, float | None]:
@@ -86,7 +87,7 @@ def by_bucket(rows: list[dict]) -> dict[int, dict]:
 def shares(rows: list[dict]) -> dict[str, float]:
     """Each category's share of the summed TTFT over the replayed requests."""
     tot = sum(r["ttft_ns"] or 0 for r in rows) or 1
-    return {c: sum(r[f"{c}_ns"] or 0 for r in rows) / tot for c in ("queue", "compute", "transfer", "coordination")}
+    return {c: sum(r[f"{c}_ns"] or 0 for r in rows) / tot for c in CATEGORIES}
 
 
 def _f(v) -> str:

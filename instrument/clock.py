@@ -6,6 +6,12 @@ too). The writer turns monotonic ns into Unix-epoch ns through the latest
 anchor: ``epoch = mono + (wall_anchor - mono_anchor)``. Anchors are taken
 periodically and written to the store, because the two clocks drift apart
 over days (NTP slews the wall clock, not the monotonic one).
+
+A hook that has a single time on the other clock (vLLM's wall-clock
+``Request.arrival_time``, a wall time sent by a peer, a monotonic time to
+send as wall) converts it with :func:`wall_to_mono` / :func:`mono_to_wall`:
+the offset read now, no anchor, no bound. These are the only conversions
+between the two clocks outside the store's anchors.
 """
 from __future__ import annotations
 
@@ -50,6 +56,29 @@ def take_anchor(test_offset_ns: int = 0, tries: int = 5) -> Anchor:
             best = (m0, w, m1)
     m0, w, m1 = best
     return Anchor((m0 + m1) // 2, w + test_offset_ns, (m1 - m0 + 1) // 2, test_offset_ns)
+
+
+def wall_minus_mono_ns() -> int:
+    """This process's clock offset now: wall-clock (Unix-epoch) ns minus monotonic ns.
+
+    One read of each clock, wall first (two clock reads, ~100 ns; the error is the time between
+    them). :func:`take_anchor` is the bounded reading the store uses.
+    """
+    return time.time_ns() - time.monotonic_ns()
+
+
+def wall_to_mono(wall_ns: int) -> int:
+    """A Unix-epoch ns time as this process's monotonic ns, through the offset now (:func:`wall_minus_mono_ns`).
+
+    A wall time read on another host keeps that host's wall-clock skew (the analysis corrects it
+    per clock domain).
+    """
+    return wall_ns - wall_minus_mono_ns()
+
+
+def mono_to_wall(mono_ns: int) -> int:
+    """A monotonic ns time of this process as Unix-epoch ns, through the offset now (inverse of :func:`wall_to_mono`)."""
+    return mono_ns + wall_minus_mono_ns()
 
 
 def clock_source() -> str:

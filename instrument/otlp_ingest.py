@@ -81,6 +81,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from . import ids, schema
+from .stages import DECODE, PREFILL, ROUTER
 
 R_SPAN = schema.RECORD_TYPES.index("span")
 R_EVENT = schema.RECORD_TYPES.index("event")
@@ -105,8 +106,8 @@ _SPECIAL_KEYS = frozenset((X_REQUEST_ID_ATTR, "pdtrace.request_id", "gen_ai.requ
 #: AnyValue kinds the store holds (bool as int).
 _SCALARS = frozenset(("string_value", "int_value", "double_value", "bool_value"))
 
-_ROLE_WORDS = (("prefill", "prefill"), ("decode", "decode"), ("router", "router"), ("proxy", "router"),
-               ("gateway", "router"))
+#: (word in service.name, role) in the order tried: the role of a resource without ``pdtrace.role``.
+_ROLE_WORDS = ((PREFILL, PREFILL), (DECODE, DECODE), (ROUTER, ROUTER), ("proxy", ROUTER), ("gateway", ROUTER))
 _U64 = (1 << 64) - 1
 
 
@@ -221,7 +222,7 @@ class Ingest:
             if res["pdtrace_version"] is not None and not self.keep_pdtrace:
                 self.counters.skipped_pdtrace += sum(len(ss.spans) for ss in rs.scope_spans)
                 continue
-            is_router = role == "router"
+            is_router = role == ROUTER
             for ss in rs.scope_spans:
                 scope = ss.scope.name or None
                 for sp in ss.spans:
@@ -250,7 +251,7 @@ class Ingest:
             role = next((r for w, r in _ROLE_WORDS if w in low), None)
         vllm = "vllm.instrumenting_module_name" in a or "vllm.process_id" in a
         if role is None:
-            role = "engine" if vllm else "router"
+            role = "engine" if vllm else ROUTER
         host = s("pdtrace.host") or s("host.name")
         pid = a.get("pdtrace.pid", a.get("process.pid", a.get("vllm.process_id")))
         try:
@@ -258,7 +259,7 @@ class Ingest:
         except ValueError:
             pid = None
         engine = s("pdtrace.engine_id")
-        if engine is None and role != "router":
+        if engine is None and role != ROUTER:
             engine = s("service.instance.id") or f"{svc or 'unknown_service'}@{host or '?'}/{pid if pid is not None else '?'}"
         return {
             "run_id": s("pdtrace.run_id") or self.run_id, "service_name": svc, "role": role,

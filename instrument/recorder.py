@@ -45,13 +45,13 @@ import os
 import random
 import signal
 import threading
-import time
 import weakref
 from collections import deque
 from contextlib import contextmanager
 from typing import Iterator, Mapping
 
 from . import ACTIVATIONS as _ACTIVATIONS
+from . import clock as _clock
 from . import config as _config
 from . import ids as _ids
 from . import selfcpu as _selfcpu
@@ -85,7 +85,7 @@ def _thread_name() -> str:
     except AttributeError:
         _tls.name = threading.current_thread().name
         return _tls.name
-_now = time.monotonic_ns
+_now = _clock.now_ns  # the monotonic clock of every span time
 
 
 class Tracer:

@@ -1,22 +1,49 @@
-"""The public vocabulary: stage (span) names, their categories, and event names.
+"""The public vocabulary: process roles, stage (span) names, their categories, and event names.
 
 Taken from DESIGN.md §2. Only *leaf* stages own time in the TTFT breakdown;
 parents group and are never charged. The analysis loads :data:`STAGES` as its
 stage → category mapping table, so code, SQL and dashboard share one list.
+The roles and vLLM's ``kv_role`` of each engine role are defined here once
+(:data:`ROLES`, :data:`KV_ROLES`, :func:`role_of_kv_role`) for the connectors,
+the lab, the collector and the analysis.
 """
 from __future__ import annotations
 
 from typing import NamedTuple
 
+#: Roles of the processes of a disaggregated deployment (the store's ``role`` resource column):
+#: the router, the prefill engine (P) and the decode engine (D). Other processes write other
+#: roles (``client``, ``bench``, ``collect``, ``engine`` for a vLLM of unknown role).
+ROUTER, PREFILL, DECODE = "router", "prefill", "decode"
+#: The roles in pipeline order (router, P, D).
+ROLES = (ROUTER, PREFILL, DECODE)
+#: The engine roles (P, D).
+ENGINE_ROLES = (PREFILL, DECODE)
+#: vLLM's ``kv_role`` (``--kv-transfer-config``) of each engine role: P produces the KV cache, D consumes it.
+KV_ROLES = {PREFILL: "kv_producer", DECODE: "kv_consumer"}
+
+
+def role_of_kv_role(kv_role: str | None, default: str | None = None) -> str | None:
+    """The engine role of a vLLM ``kv_role``: 'prefill' for 'kv_producer', 'decode' for 'kv_consumer'.
+
+    Any other value ('kv_both', None, a typo) gives ``default``.
+    """
+    for role, kv in KV_ROLES.items():
+        if kv_role == kv:
+            return role
+    return default
+
 
 class Stage(NamedTuple):
-    """A stage: owning role, category charged in the TTFT breakdown (None: parent, never charged), meaning."""
+    """A stage: owning role (one of :data:`ROLES`; '' for none), category charged in the TTFT breakdown
+    (one of :data:`CATEGORIES`; None: parent, never charged), meaning."""
 
     role: str
     category: str | None
     doc: str
 
 
+#: The categories a leaf stage's time is charged to (the ``*_ns`` / ``share_*`` columns of the breakdown views).
 QUEUE, COMPUTE, TRANSFER, COORDINATION = "queue", "compute", "transfer", "coordination"
 CATEGORIES = (QUEUE, COMPUTE, TRANSFER, COORDINATION)
 
