@@ -11,7 +11,7 @@ token per request, the leaf-stage candidates with corrected times, one
 summing them per category. None of DESIGN.md's other rules (TP ranks,
 branches, children, waits, gaps, hidden time, duplicates, incomplete
 requests, stalls) is applied, so the printed total is a lower bound for the
-full cold build (BENCHMARKS.md "Analysis: lower bound of the cold build"). Prints seconds per
+full cold build (BENCHMARKS.md "Analysis lower bound"). Prints seconds per
 step, the total and its ratio to the bare scan.
 """
 from __future__ import annotations

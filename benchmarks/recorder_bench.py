@@ -238,11 +238,11 @@ def gil_control(seconds: float = 2.0) -> None:
     """Print the busy thread's gaps beside a plain-Python thread in the writer's rhythm (pinned apart).
 
     The control thread works 400 µs, then sleeps 50 µs, the rhythm of the
-    in-process writer pdtrace had before the sink process (BENCHMARKS.md "Recorder: the sink process"); "with
+    in-process writer pdtrace had before the sink process (BENCHMARKS.md "Host sink"); "with
     releases" it also drops and re-takes the GIL every few µs inside that work
     (``zlib.crc32`` of 20 kB, ``time.sleep(0)``), as pyarrow's ``with nogil``
     sections do. It measures what CPython's GIL hand-over alone costs a
-    waiting thread on this machine (BENCHMARKS.md, Recorder).
+    waiting thread on this machine (BENCHMARKS.md "Recorder overhead").
     """
     import zlib
 

@@ -46,7 +46,7 @@ def test_client_ttft_contains_pdtraces(agreement):
     difference is the client's own time outside the router's interval
     (connection and upload before the router's handler runs, the trip back and
     the client's event loop with 20 streams), so it is reported in
-    BENCHMARKS.md as a miss of the goal, not hidden by a wider one here. The
+    BENCHMARKS.md "Agreement with vllm bench serve" as a miss of the goal, not hidden by a wider one here. The
     assertion catches what would make pdtrace's TTFT wrong: a negative
     difference (pdtrace longer than what the client saw) or a median
     disagreement beyond 10 ms or 25 %.

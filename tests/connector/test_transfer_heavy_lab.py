@@ -30,8 +30,8 @@ standalone bandwidth 0.59 (0.83 vs 1.41 GB/s) and 0.49 (0.84 vs 1.70 GB/s, a
 CI run on an otherwise idle machine, growth ratio 2.02), then 1.03 (1.88 vs
 1.82 GB/s, growth ratio 0.95) on the same idle machine 20 minutes later: a
 factor-2 bound sat right on the spread. The standalone run alone
-showed single 4 MiB READs taking 2.4-64 ms and 32 MiB READs 24-149 ms (see
-BENCHMARKS.md). The default transport moves the same bytes ≈ 40× faster (≈ 20
+showed single 4 MiB READs taking 2.4-64 ms and 32 MiB READs 24-149 ms (latest
+figures: BENCHMARKS.md "Connectors"). The default transport moves the same bytes ≈ 40× faster (≈ 20
 GB/s standalone) and a post-only span would not grow at all, so a factor 3
 still rejects a span that does not follow the transport.
 

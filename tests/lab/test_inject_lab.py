@@ -4,7 +4,7 @@ One short lab per mode (pdtrace's traced connectors and router; 16 requests: pul
 public trace, push isolated alike requests, see ``CASES``; each listed stage injected into about
 half of them by a hash of the request id, see
 ``pdtrace.connector.lab.inject``), analysed by ``benchmarks/inject_attribution.py`` (the script
-that prints BENCHMARKS.md's table) with main's analysis. Asserted per stage: the ``lab.inject``
+behind BENCHMARKS.md "Injected delays") with main's analysis. Asserted per stage: the ``lab.inject``
 records agree with the selection rule; on the critical path at least 80 % of the injected
 interval itself is charged to the stage and the paired-neighbour increase of the stage's exposed
 time equals the delay within the benchmark's tolerance (max(8 ms, 25 %)) or its 95 % CI covers
