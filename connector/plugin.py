@@ -116,16 +116,18 @@ def repoint_connectors() -> list[str]:
 
 def _kv_role(args) -> str | None:
     """``kv_role`` of the API server's parsed ``--kv-transfer-config`` (an object or a dict), or None."""
-    kvc = getattr(args, "kv_transfer_config", None)
-    return getattr(kvc, "kv_role", None) if kvc is not None and not isinstance(kvc, dict) else \
-        (kvc or {}).get("kv_role")
+    kvc = args.kv_transfer_config  # None without --kv-transfer-config
+    if kvc is None:
+        return None
+    return kvc.get("kv_role") if isinstance(kvc, dict) else kvc.kv_role
 
 
 def _wrap_middleware_fn(orig):
     def init_entrypoints_middleware(args, app, *rest, **kw):
         out = orig(args, app, *rest, **kw)
         try:
-            if getattr(args, "kv_transfer_config", None) and MIDDLEWARE not in (getattr(args, "middleware", None) or ()):
+            # vLLM's parsed serving arguments: both names are in vllm_compat.PLUGIN_HOOKS
+            if args.kv_transfer_config and MIDDLEWARE not in (args.middleware or ()):
                 from pdtrace.connector.traced.middleware import FrontendMiddleware, role_of
 
                 app.add_middleware(FrontendMiddleware, role=role_of(_kv_role(args)), activation="plugin")
@@ -147,8 +149,10 @@ def hook_api_server() -> list[str]:
     done = []
     for modname in MIDDLEWARE_FN_MODULES:
         mod = sys.modules.get(modname)
-        fn = getattr(mod, MIDDLEWARE_FN, None) if mod is not None else None
-        if fn is None or getattr(fn, "_pdtrace", False):
+        if mod is None:
+            continue
+        fn = getattr(mod, MIDDLEWARE_FN)  # in vllm_compat.PLUGIN_HOOKS: defined / called there
+        if getattr(fn, "_pdtrace", False):  # pdtrace's own mark: already wrapped
             continue
         setattr(mod, MIDDLEWARE_FN, _wrap_middleware_fn(fn))
         done.append(modname)

@@ -22,13 +22,14 @@ Reading order (like vLLM's NIXL package):
 3. ``worker``    — worker side shared by both modes: handshake, clock samples, failures, leases
 4. ``agent``     — the NIXL agent proxy: posts, telemetry → ``kv.transfer``, notifications
 5. ``pull`` / ``push`` — the mode-specific hooks and the two public facades
-6. ``wmeta``     — the per-step worker → scheduler report (per-rank completion times)
+6. ``messages``  — the per-step scheduler → worker ``StepInfo`` and worker → scheduler ``StepReport``
 7. ``safety``    — every pdtrace call is swallowed-and-counted on error, never raised into vLLM
 8. ``middleware``— the API server's ``--middleware`` hook (``prefill.frontend`` / ``decode.frontend``)
 
 Each module's docstring lists the vLLM methods it hooks, on which side and
-thread they run, and what they record. The hooked names are listed (and
-checked against the installed vLLM and the 0.33.0 wheel) in
+thread they run, and what they record. Every vLLM name they use (hooked
+methods, attributes and message fields read, strings parsed) is listed, and
+checked against the installed vLLM and the 0.33.0 wheel, in
 :mod:`pdtrace.connector.vllm_compat`.
 """
 from .pull import TracedNixlPullConnector

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pdtrace.instrument import ids as _ids
 
+from ..vllm_compat import HEARTBEAT_PREFIX, PUSH_REG_PREFIX
+
 _cache: dict[str, tuple[str, int]] = {}
 
 
@@ -23,19 +25,18 @@ def split_id(internal_id: str) -> tuple[str, int]:
     return v
 
 
-PUSH_REG_PREFIX = b"PUSH_REG:"
-
-
 def notif_kind(msg: bytes, role: str) -> tuple[str, str | None]:
     """Classify a NIXL notification: (kind, internal request id or None).
 
     Kinds: 'push_reg' (push registration), 'heartbeat' (lease renewal),
     'read_done' (pull: D finished READing P's blocks; received on P),
     'write_done' (push: P finished WRITing into D; received on D), 'other'.
+    The prefixes and the ``<request id>:<count>`` form are vLLM's (listed in
+    :mod:`pdtrace.connector.vllm_compat`).
     """
     if msg.startswith(PUSH_REG_PREFIX):
         return "push_reg", None
-    if msg.startswith(b"HB:"):
+    if msg.startswith(HEARTBEAT_PREFIX):
         return "heartbeat", None
     try:
         s = msg.decode("utf-8")

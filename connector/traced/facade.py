@@ -24,8 +24,10 @@ unless the step has sync loads)
 polling; ``get_finished`` legacy)
 =====================================  ==================  ============================
 
+``bind_connector_metadata`` keeps the scheduler's
+:class:`~pdtrace.connector.traced.messages.StepInfo` on the worker;
 ``build_connector_worker_meta`` returns pdtrace's per-step
-:class:`~pdtrace.connector.traced.wmeta.StepReport` (tracing on only).
+:class:`~pdtrace.connector.traced.messages.StepReport` (tracing on only).
 """
 from __future__ import annotations
 
@@ -46,8 +48,7 @@ def _role_name(kv_role: str) -> str:
 def activation_of(kv_transfer_config) -> str:
     """'plugin' when ``--kv-transfer-config`` names a stock NIXL connector without a module path
     (the plugin re-pointed the name to this class), else 'explicit' (pdtrace's class named)."""
-    name = getattr(kv_transfer_config, "kv_connector", None)
-    path = getattr(kv_transfer_config, "kv_connector_module_path", None)
+    name, path = kv_transfer_config.kv_connector, kv_transfer_config.kv_connector_module_path
     return "plugin" if name in STOCK_NAMES and not path else "explicit"
 
 
@@ -83,20 +84,22 @@ class TracedFacadeMixin:
     def bind_connector_metadata(self, connector_metadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         if self._pdt_traced and self.connector_worker is not None:
+            # pdtrace's own StepInfo (messages.py), set by the traced scheduler; absent when its hook
+            # failed this step (the error is counted) or the scheduler process is not tracing
             self.connector_worker._pdt_step = getattr(connector_metadata, "_pdtrace", None)
 
     def _pdt_span(self, name, method, t0, t1, rids) -> None:
         w = self.connector_worker
-        step = w._pdt_step
+        step = w._pdt_step  # StepInfo (messages.py) or None
         if step is not None:
-            if not step[1]:
+            if not step.sid:
                 return
-            if len(step) > 4 and step[4] and not rids:
-                return  # idle step: nothing scheduled, no request served (see scheduler)
-            if len(step) > 4 and step[4]:
+            if step.idle:
+                if not rids:
+                    return  # idle step: nothing scheduled, no request served (see scheduler)
                 w._pdt_report_obj().busy = True
-            a = {"vllm.method": method, "step.id": step[0]}
-            parent = step[1]
+            a = {"vllm.method": method, "step.id": step.step}
+            parent = step.sid
         else:
             a = {"vllm.method": method}
             parent = None

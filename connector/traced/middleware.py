@@ -27,7 +27,7 @@ engine's own stages (queue, compute, handoff, first step), recorded in
 EngineCore on the same host's monotonic clock, lie between the two parts, so
 one frontend span over the whole exchange would hide them all. The two vLLM
 methods are wrapped once per API-server process when the middleware is built
-(tracing on only; both listed in :mod:`pdtrace.connector.vllm_compat`). When a
+(tracing on only; both, and every vLLM name read here, listed in :mod:`pdtrace.connector.vllm_compat`). When a
 part's boundary is unknown (a hook missing), one span over the whole exchange
 is recorded with ``frontend.part = "whole"``.
 
@@ -40,8 +40,8 @@ Request id: the ``X-Request-Id`` header (the router's X), else none (the span
 is then dropped). While the exchange lasts the span is open (``tracer.start``,
 ``wait.for = "engine"``): a request stuck in EngineCore shows in view
 ``in_flight`` before it ends; its rows are recorded as above and the open
-span is closed (same span id as the ``out``/``whole`` part). Never raises into the server: errors are counted in
-:mod:`pdtrace.connector.traced.safety`.
+span is closed (same span id as the ``out``/``whole`` part). Never raises into the server: errors are swallowed
+and counted (:mod:`pdtrace.connector.traced.safety`; the count reaches the process's ``recorder.stats`` rows).
 """
 from __future__ import annotations
 
@@ -98,9 +98,12 @@ def _engine_id_from_argv(argv) -> str | None:
 def _engine_id_from_app(app) -> str | None:
     """``app.state.vllm_config.kv_transfer_config.engine_id`` (vLLM's API server sets
     ``state.vllm_config``; the EngineCore it spawns gets the same config, so the same id)."""
-    state = getattr(app, "state", None)
-    cfg = getattr(getattr(state, "vllm_config", None), "kv_transfer_config", None)
-    e = getattr(cfg, "engine_id", None)
+    state = getattr(app, "state", None)  # Starlette's app state; another ASGI app of the chain has none
+    # set by vLLM's app-state initialisation, after the middleware is built: absent until then
+    # (vllm_compat.HOOKS: app_state assigns vllm_config)
+    vllm_config = getattr(state, "vllm_config", None)
+    cfg = vllm_config.kv_transfer_config if vllm_config is not None else None  # None: no --kv-transfer-config
+    e = cfg.engine_id if cfg is not None else None
     return str(e) if e else None
 
 

@@ -49,18 +49,20 @@ class TracedNixlPullConnectorWorker(TracedWorkerMixin, NixlPullConnectorWorker):
     _pdt_mode = "pull"
 
     def _pdt_before_load(self, metadata, t0):
-        info = getattr(metadata, "_pdtrace", None)
-        if info is not None and info[2]:
-            for rid, t_alloc in info[2].items():
+        info = getattr(metadata, "_pdtrace", None)  # pdtrace's own StepInfo (messages.py), or None
+        if info is not None and info.recv_alloc:
+            for rid, t_alloc in info.recv_alloc.items():
                 self._pdt_state(rid).t_alloc = t_alloc
         to_recv = metadata.reqs_to_recv
-        ready = getattr(getattr(self, "_ready_requests", None), "queue", None)
+        # requests whose background handshake finished, read this step: vLLM's queue.Queue of
+        # (request id, ReqMeta); ``.queue`` is the standard library's deque under it
+        ready = self._ready_requests.queue
         if not to_recv and not ready:
             return ()  # the common step: nothing to read
         rids = [split_id(r)[0] for r in to_recv]
         try:
-            rids += [split_id(r)[0] for r, _ in list(ready or ())]
-        except Exception:  # noqa: BLE001
+            rids += [split_id(r)[0] for r, _ in list(ready)]
+        except RuntimeError:  # the handshake thread put a request while the deque was copied
             pass
         return rids
 
@@ -78,9 +80,11 @@ class TracedNixlPullConnectorWorker(TracedWorkerMixin, NixlPullConnectorWorker):
         st = self._pdt_state(req_id)
         engine = meta.remote.engine_id if meta.remote is not None else None
         st.peer = engine
-        try:  # blocks this READ fills: the local blocks minus those the rank already holds
-            st.blocks = sum(len(g) for g in meta.local_block_ids) - sum(meta.local_num_computed_blocks or ())
-        except Exception:  # noqa: BLE001 - an attribute only
+        # blocks this READ fills: the local blocks (per KV cache group) minus those the rank already holds
+        local, computed = meta.local_block_ids, meta.local_num_computed_blocks
+        try:
+            st.blocks = sum(len(g) for g in local) - sum(computed or ())
+        except TypeError:  # not one list per group: the attribute is left out
             st.blocks = 0
         if not st.t_enter:
             st.t_enter = t

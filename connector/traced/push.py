@@ -114,17 +114,17 @@ class TracedNixlPushConnectorWorker(TracedWorkerMixin, NixlPushConnectorWorker):
         self._pdt_regs: dict[str, int] = {}
 
     def _pdt_before_load(self, metadata, t0):
-        info = getattr(metadata, "_pdtrace", None)
-        alloc = info[2] if info else {}
-        ready = info[3] if info else {}
+        info = getattr(metadata, "_pdtrace", None)  # pdtrace's own StepInfo (messages.py), or None
+        alloc = info.recv_alloc if info is not None else {}
+        ready = info.kv_ready if info is not None else {}
         rids = []
         for rid in metadata.reqs_to_recv:
             st = self._pdt_state(rid)
             st.t_alloc = alloc.get(rid, st.t_alloc)
             rids.append(st.x)
-        for rid in metadata.push_registrations or ():
+        for rid in metadata.push_registrations:
             rids.append(split_id(rid)[0])
-        for rid in metadata.push_finished_blocks or ():
+        for rid in metadata.push_finished_blocks:
             st = self._pdt_state(rid)
             st.t_enq = t0
             st.t_kv_ready = ready.get(rid, t0)
@@ -150,7 +150,7 @@ class TracedNixlPushConnectorWorker(TracedWorkerMixin, NixlPushConnectorWorker):
             return
         tracer.event("registration.sent", x, prompt_index=pidx, tp_rank=self._pdt_rank,
                      attrs={"request.internal_id": req_id, "kv.notif_kind": "push_reg", "clock.send_ns": sent,
-                            "peer.engine_id": str(reg_data.get("remote_engine_id"))})
+                            "peer.engine_id": str(reg_data["remote_engine_id"])})
 
     # ---------------------------------------------------------- P: registration
     def _handle_push_reg_notif(self, notif):
@@ -160,12 +160,13 @@ class TracedNixlPushConnectorWorker(TracedWorkerMixin, NixlPushConnectorWorker):
 
     def _pdt_reg_received(self, notif, t) -> None:
         reg = msgspec.msgpack.decode(bytes(notif)[len(PUSH_REG_PREFIX):])
+        # a payload that is not a dict or has no request id is malformed: vLLM logs and drops it too
         rid = reg.get("request_id") if isinstance(reg, dict) else None
         if not isinstance(rid, str):
             return
         x, pidx = split_id(rid)
         keep = tracer.sampled(x)
-        peer = str(reg.get("decode_engine_id"))
+        peer = str(reg["decode_engine_id"])
         a = {"request.internal_id": rid, "kv.notif_kind": "push_reg", "peer.engine_id": peer,
              "clock.peer_engine_id": peer}
         sent = reg.get(SENT_KEY)
@@ -176,7 +177,8 @@ class TracedNixlPushConnectorWorker(TracedWorkerMixin, NixlPushConnectorWorker):
             tracer.event("registration.received", x, time_ns=t, prompt_index=pidx, tp_rank=self._pdt_rank,
                          attrs=a)
         # t (just after the drain that returned it) bounds the arrival from above
-        arrived = reg_arrival(t, getattr(self.nixl_wrapper, "drain_lo", 0),
+        # nixl_wrapper is pdtrace's TracedAgent here (installed with tracing on); drain_lo its own attribute
+        arrived = reg_arrival(t, self.nixl_wrapper.drain_lo,
                               wall_to_mono(sent) if isinstance(sent, int) else None)
         self._pdt_regs[f"{x}\x00{pidx}"] = arrived
         if len(self._pdt_regs) > 50_000:
@@ -227,7 +229,7 @@ class TracedNixlPushConnectorWorker(TracedWorkerMixin, NixlPushConnectorWorker):
 
     def _pdt_start_push(self, rid, reg) -> None:
         st = self._pdt_state(rid)
-        engine = reg.get("decode_engine_id")
+        engine = reg["decode_engine_id"]
         st.peer = engine
         t = tracer.now()
         if st.hs_engine:

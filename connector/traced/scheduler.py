@@ -68,6 +68,7 @@ from collections import deque
 from pdtrace.instrument import selfcpu, tracer
 
 from .common import split_id
+from .messages import StepInfo, StepReport
 from .safety import safe
 
 
@@ -162,7 +163,7 @@ class TracedSchedulerMixin:
         # wall clock of the same host): EngineCore's loop adds new requests only between steps,
         # so a request that arrives during a long step waits in the input queue before
         # on_new_request runs. That wait is queue time, not an unattributed gap.
-        arr = getattr(request, "arrival_time", None)
+        arr = request.arrival_time
         if arr:
             a = int(arr * 1e9) - (time.time_ns() - time.monotonic_ns())
             if st.t_queued - 60_000_000_000 < a < st.t_queued:
@@ -255,7 +256,7 @@ class TracedSchedulerMixin:
         # metadata → worker: step id, step span id, per-request times the worker needs
         reqs = self._pdt_reqs
         recv_alloc = _NONE
-        to_recv = getattr(meta, "reqs_to_recv", None)
+        to_recv = meta.reqs_to_recv
         if to_recv:
             recv_alloc = {}
             for rid in to_recv:
@@ -265,17 +266,17 @@ class TracedSchedulerMixin:
         kv_ready = _NONE
         holds = self._pdt_holds
         if holds:
-            for d in (getattr(meta, "push_finished_blocks", None), getattr(meta, "reqs_to_send", None)):
-                for rid in d or ():
+            for d in (meta.push_finished_blocks, meta.reqs_to_send):
+                for rid in d:
                     h = holds.get(rid)
                     if h is not None:
                         if kv_ready is _NONE:
                             kv_ready = {}
                         kv_ready[rid] = h[0]
         sched = so.num_scheduled_tokens
-        meta._pdtrace = (step, sid, recv_alloc, kv_ready, not sched)
+        meta._pdtrace = StepInfo(step, sid, recv_alloc, kv_ready, not sched)
 
-        for rid in so.preempted_req_ids or ():
+        for rid in so.preempted_req_ids or ():  # None: vLLM's default when nothing was preempted
             st = self._pdt_reqs.get(rid)
             if st is not None:
                 if st.sampled:
@@ -390,8 +391,10 @@ class TracedSchedulerMixin:
         return r
 
     def _pdt_step_end(self, out, t1) -> None:
-        rep = getattr(out, "kv_connector_worker_meta", None)
-        step = getattr(rep, "step", None)
+        rep = out.kv_connector_worker_meta  # None: no worker report reached this step's output
+        if not isinstance(rep, StepReport):
+            rep = None
+        step = rep.step if rep is not None else None
         ps = None
         if step is not None:
             while self._pdt_pending and self._pdt_pending[0].step <= step:
@@ -403,7 +406,7 @@ class TracedSchedulerMixin:
         elif self._pdt_pending:
             ps = self._pdt_pending.popleft()
         if ps is not None:
-            if ps.empty and not getattr(rep, "busy", False) and not out.finished_recving \
+            if ps.empty and not (rep is not None and rep.busy) and not out.finished_recving \
                     and not out.finished_sending:
                 # an idle step (nothing scheduled, no connector work): counted, not recorded
                 self._pdt_idle += 1
@@ -415,7 +418,7 @@ class TracedSchedulerMixin:
         # which that worker saw its receive done; vLLM reports the request in finished_recving later when
         # other ranks are slower (TP > 1: only once all of them are done) or when the id is held back, so
         # each rank's (transfer end, seen) is kept on the request as it arrives and read at promotion
-        recv = getattr(rep, "recv", None)
+        recv = rep.recv if rep is not None else None
         if recv:
             reqs = self._pdt_reqs
             for rid, ranks in recv.items():
@@ -428,7 +431,7 @@ class TracedSchedulerMixin:
             st = self._pdt_reqs.get(rid)
             if st is not None and not st.ranks:
                 st.ranks = {0: (t1, t1)}  # no worker report: seen at this step's end
-        for rid in getattr(out, "failed_recving", None) or ():
+        for rid in out.failed_recving or ():
             st = self._pdt_reqs.get(rid)
             x, pidx = (st.x, st.pidx) if st else split_id(rid)
             if st.sampled if st else tracer.sampled(x):
@@ -441,7 +444,7 @@ class TracedSchedulerMixin:
                 st.failed = True
         # P: a rank's lease expiry, like a receive, can be reported steps before the request is in
         # finished_sending (TP > 1): kept until its hold is closed
-        exp = getattr(rep, "expired", None)
+        exp = rep.expired if rep is not None else None
         if exp:
             self._pdt_expired.update(r for r in exp if r in self._pdt_holds)
         for rid in out.finished_sending or ():
@@ -521,7 +524,7 @@ class TracedSchedulerMixin:
         status = request.status
         if status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
             st.failed = True
-            a = {"request.internal_id": rid, "lifecycle.cause": str(getattr(status, "name", status))[:64],
+            a = {"request.internal_id": rid, "lifecycle.cause": status.name[:64],
                  "request.mode": self._pdt_mode}
             if st.awaiting and not st.promoted:
                 # aborted while waiting for its KV: say how many ranks had reported

@@ -34,7 +34,7 @@ from pdtrace.instrument import tracer
 from .agent import TracedAgent
 from .common import split_id
 from .safety import safe
-from .wmeta import StepReport
+from .messages import StepReport
 
 _FAILURES = {
     # vLLM failure_type -> (pdtrace event, lifecycle.cause, lifecycle.phase)
@@ -123,7 +123,7 @@ class TracedWorkerMixin:
 
     def _pdt_take_report(self):
         r = self._pdt_report
-        step = self._pdt_step[0] if self._pdt_step else None
+        step = self._pdt_step.step if self._pdt_step is not None else None
         if r is None:
             r = StepReport(step)
         else:
@@ -200,7 +200,10 @@ class TracedWorkerMixin:
     # ------------------------------------------------------------ failures
     def _log_failure(self, failure_type, req_id, *args, **kwargs):
         if tracer.on:
-            safe(self._pdt_failure, failure_type, req_id, kwargs.get("error"))
+            # error: _log_failure's fourth parameter (vllm_compat: failure_type, req_id, msg, error), passed by
+            # keyword by vLLM; None (or not passed) for a failure without an exception
+            error = kwargs["error"] if "error" in kwargs else (args[1] if len(args) > 1 else None)
+            safe(self._pdt_failure, failure_type, req_id, error)
         return super()._log_failure(failure_type, req_id, *args, **kwargs)
 
     def _pdt_failure(self, failure_type, req_id, error) -> None:

@@ -7,7 +7,7 @@ pytest.importorskip("vllm")
 from pdtrace.connector import vllm_compat  # noqa: E402
 from pdtrace.connector.traced import safety  # noqa: E402
 from pdtrace.connector.traced.common import notif_kind, split_id  # noqa: E402
-from pdtrace.connector.traced.wmeta import StepReport  # noqa: E402
+from pdtrace.connector.traced.messages import StepReport  # noqa: E402
 
 
 def test_safe_swallows_and_counts():
@@ -221,7 +221,7 @@ def test_kv_ready_starts_at_the_transfer_end_when_vllm_reports_the_receive_later
     transfer end and count both ranks, not start at the step that finally listed the request (the
     CI failure of the injected kv.ready delay: its whole interval fell outside kv.ready). The
     scheduler is the traced pull scheduler built without its vLLM ``__init__``; the step outputs are
-    plain objects carrying the fields vLLM's ``KVConnectorOutput`` has."""
+    vLLM's ``KVConnectorOutput``."""
     import json
 
     r = child(f"""
@@ -229,7 +229,8 @@ def test_kv_ready_starts_at_the_transfer_end_when_vllm_reports_the_receive_later
         from pdtrace.instrument import activate, tracer
         from pdtrace.connector.traced.pull import TracedNixlPullConnectorScheduler as S
         from pdtrace.connector.traced.scheduler import SReq
-        from pdtrace.connector.traced.wmeta import StepReport
+        from pdtrace.connector.traced.messages import StepReport
+        from vllm.v1.outputs import KVConnectorOutput
         assert activate("explicit")
         s = object.__new__(S)  # no vLLM __init__: only the attributes the hooks read
         s._pdt_role, s._pdt_step_name, s._pdt_tp = "decode", "decode.step", 2
@@ -242,8 +243,8 @@ def test_kv_ready_starts_at_the_transfer_end_when_vllm_reports_the_receive_later
         t_end0, t_end1 = tracer.now() - 3_000_000, tracer.now() - 2_000_000
 
         def out(rep, done=()):
-            return types.SimpleNamespace(kv_connector_worker_meta=rep, finished_recving=set(done),
-                                         finished_sending=set(), failed_recving=set())
+            return KVConnectorOutput(kv_connector_worker_meta=rep, finished_recving=set(done),
+                                     finished_sending=set(), failed_recving=set())
         # step 1: rank 0's receive is done; vLLM does not list the request yet
         rep = StepReport(1); rep.recv[rid] = {{0: (t_end0, t_end0 + 100)}}
         s._pdt_step_end(out(rep), tracer.now())
@@ -276,7 +277,7 @@ def test_empty_steps_open_nothing_and_a_busy_one_keeps_its_attributes(tmp_path, 
     that turns out busy (a receive finished in it) is recorded with the attributes a kept step with
     an empty batch has. And a lease expiry a worker reports steps before vLLM lists the request in
     ``finished_sending`` (TP > 1) still names the hold's release cause. Scheduler built without
-    vLLM's ``__init__``; step outputs are plain objects with ``KVConnectorOutput``'s fields."""
+    vLLM's ``__init__``; the connector metadata and step outputs are vLLM's own classes."""
     import json
 
     r = child(f"""
@@ -284,7 +285,9 @@ def test_empty_steps_open_nothing_and_a_busy_one_keeps_its_attributes(tmp_path, 
         from pdtrace.instrument import activate, tracer
         from pdtrace.connector.traced.pull import TracedNixlPullConnectorScheduler as S
         from pdtrace.connector.traced.scheduler import SReq
-        from pdtrace.connector.traced.wmeta import StepReport
+        from pdtrace.connector.traced.messages import StepReport
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
+        from vllm.v1.outputs import KVConnectorOutput
         assert activate("explicit")
         s = object.__new__(S)
         s._pdt_role, s._pdt_step_name, s._pdt_tp, s._pdt_mode = "prefill", "prefill.step", 1, "pull"
@@ -297,14 +300,14 @@ def test_empty_steps_open_nothing_and_a_busy_one_keeps_its_attributes(tmp_path, 
         so = types.SimpleNamespace(num_scheduled_tokens={{}}, preempted_req_ids=set())
 
         def step(rep_fill=None, sending=()):
-            meta = types.SimpleNamespace(reqs_to_recv={{}})
+            meta = NixlConnectorMetadata()
             s._pdt_step_start(so, meta, tracer.now())
-            opened = meta._pdtrace[1] in tracer._open
-            rep = StepReport(meta._pdtrace[0])
+            opened = meta._pdtrace.sid in tracer._open
+            rep = StepReport(meta._pdtrace.step)
             if rep_fill:
                 rep_fill(rep)
-            s._pdt_step_end(types.SimpleNamespace(kv_connector_worker_meta=rep, finished_recving=set(),
-                                                  finished_sending=set(sending), failed_recving=set()),
+            s._pdt_step_end(KVConnectorOutput(kv_connector_worker_meta=rep, finished_recving=set(),
+                                              finished_sending=set(sending), failed_recving=set()),
                             tracer.now())
             return opened
         opened = [step(), step()]                                   # two idle steps
