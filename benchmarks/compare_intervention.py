@@ -43,7 +43,7 @@ Then prints
   without being predicted to (what the explanation missed).
 
 One round on a shared 2-core machine with 20 requests: other processes' load
-moves every number by tens of percent (BENCHMARKS.md "Analysis: pull vs push by prompt bucket"); read the
+moves every number by tens of percent (BENCHMARKS.md "Pull vs push by prompt bucket"); read the
 before/after within one run of this script, and against ``--control``.
 """
 from __future__ import annotations
