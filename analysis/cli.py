@@ -2,8 +2,8 @@
 
 All keep an incremental cache per trace directory (``--cache``, default
 under ``$PDTRACE_CACHE_DIR`` or the temp dir), so a growing directory is not
-re-analysed from scratch. Queries run on the cache opened read-only with file
-access disabled (:func:`pdtrace.analysis.db.connect_readonly`).
+re-analysed from scratch. Queries run read-only, DuckDB reading nothing outside the trace
+directory (:func:`pdtrace.analysis.open`).
 """
 from __future__ import annotations
 
@@ -11,34 +11,23 @@ import csv
 import io
 import json
 import sys
-import warnings
 from pathlib import Path
 
 import click
 import duckdb
 
-from . import check as _check, db, report as _report
+from pdtrace import analysis
+
+from . import check as _check, report as _report
 
 
 def _open(directory: str, cache: str | None, no_cache: bool):
-    """Refresh the directory's cache and return a locked-down read-only connection."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", db.SkippedFileWarning)
-        if no_cache:
-            tr = db.open_trace(directory)
-            con = tr.readonly()
-        else:
-            path = Path(cache) if cache else db.default_cache_path(directory)
-            try:
-                tr = db.open_trace(directory, cache=path)
-                con = tr.readonly()
-            except duckdb.IOException:  # cache locked by another process: work in memory
-                tr = db.open_trace(directory)
-                con = tr.readonly()
-    for w in caught:
-        if issubclass(w.category, db.SkippedFileWarning):
-            click.echo(f"warning: {w.message}", err=True)
-    return con
+    """Open DIRECTORY through :func:`pdtrace.analysis.open` (cache as the options say; a locked cache file
+    falls back to memory) and print each skipped store file as a warning on stderr; returns the Session."""
+    s = analysis.open(directory, cache=None if no_cache else (Path(cache) if cache else True))
+    for path, reason in s.skipped:
+        click.echo(f"warning: skipped store file {path}: {reason}", err=True)
+    return s
 
 
 def _result(con, query: str):
@@ -84,15 +73,13 @@ def _with_cache(f):
 @_with_cache
 def report(directory, compare_dir, fmt, cache, no_cache):
     """Print the TTFT breakdown summary of a trace directory (DIRECTORY)."""
-    con = _open(directory, cache, no_cache)
-    data = _report.collect(con)
-    con.close()
+    with _open(directory, cache, no_cache) as s:
+        data = _report.collect(s.cursor())
     if compare_dir is None:
         click.echo(json.dumps(data, default=str, indent=1) if fmt == "json" else _report.render(data, directory))
         return
-    con2 = _open(compare_dir, None, no_cache)
-    data2 = _report.collect(con2)
-    con2.close()
+    with _open(compare_dir, None, no_cache) as s2:
+        data2 = _report.collect(s2.cursor())
     delta = _report.compare_delta(data, data2)
     if fmt == "json":
         click.echo(json.dumps({directory: data, compare_dir: data2,
@@ -144,8 +131,8 @@ def sql(directory, query, fmt, cache, no_cache):
 
     Queries cannot write files, attach databases or change settings.
     """
-    con = _open(directory, cache, no_cache)
-    try:
+    with _open(directory, cache, no_cache) as s:
+        con = s.cursor()
         if query is None:
             _shell(con, fmt)
             return
@@ -154,8 +141,6 @@ def sql(directory, query, fmt, cache, no_cache):
         except duckdb.Error as exc:
             raise click.ClickException(str(exc)) from exc
         _print(cols, rows, fmt)
-    finally:
-        con.close()
 
 
 @click.command("check")
@@ -188,11 +173,8 @@ def check(directory, recent_s, at_end, max_clock_bound_ms, fmt, cache, no_cache)
     if not Path(directory).is_dir():
         data = _check.missing(directory, recent_s=recent_s, max_clock_bound_ms=max_clock_bound_ms)
     else:
-        con = _open(directory, cache, no_cache)
-        try:
-            data = _check.collect(con, directory, recent_s=recent_s, at_end=at_end,
+        with _open(directory, cache, no_cache) as s:
+            data = _check.collect(s.cursor(), directory, recent_s=recent_s, at_end=at_end,
                                   max_clock_bound_ms=max_clock_bound_ms)
-        finally:
-            con.close()
     click.echo(json.dumps(data, default=str, indent=1) if fmt == "json" else _check.render(data))
     sys.exit(0 if data["ok"] else 1)

@@ -214,16 +214,12 @@ def parse(text: str) -> dict | None:
 
 
 def of_run(trace_dir: str | os.PathLike, helpers: Helpers | None, run_s: float, cache=None) -> Footprint:
-    """The footprint of the run whose store is ``trace_dir`` (opens its analysis database; ``cache``
-    as in :func:`pdtrace.analysis.db.open_trace`, default its default cache file)."""
-    from pdtrace.analysis import db
+    """The footprint of the run whose store is ``trace_dir`` (opens it with :func:`pdtrace.analysis.open`;
+    ``cache``: a cache file, default the directory's default cache file)."""
+    from pdtrace import analysis
 
-    with db.open_trace(trace_dir, cache=cache or db.default_cache_path(trace_dir)) as tr:
-        con = tr.readonly()
-        try:
-            fig = store_figures(con)
-        finally:
-            con.close()
+    with analysis.open(trace_dir, cache=cache or True) as s:
+        fig = store_figures(s.cursor())
     return compute(fig, helpers, files_created(trace_dir), run_s)
 
 

@@ -1,10 +1,10 @@
 """Library templates: a DuckDB file built once and copied to start every new cache file.
 
 Loading the SQL library (every module's views, macros and comments) costs about a second, some 40 %
-of a small trace's cold report (BENCHMARKS.md "Analysis: cold report of a small store"). A template
+of a small trace's cold report (BENCHMARKS.md "Small-store cold report"). A template
 holds the loaded library and nothing else; :func:`copy_into` makes a new cache file a copy of it,
 building it first when it is missing. What the template holds and when two are alike is the
-caller's (:mod:`pdtrace.analysis.db`: ``build`` installs the library, ``check`` reads its stamp,
+caller's (:mod:`pdtrace.analysis.cache`: ``build`` installs the library, ``check`` reads its stamp,
 the file name carries a key of everything the contents depend on).
 
 Files, all in the template's directory unless named otherwise:

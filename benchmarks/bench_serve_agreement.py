@@ -115,8 +115,8 @@ def client_ttfts(result_file: Path, prefix: str) -> dict[str, dict]:
 
 def pdtrace_ttfts(run_dir: Path) -> dict[str, dict]:
     """client id (``request.client_id`` on ``router.request``) -> pdtrace request id X, ttft_ms, status."""
-    from pdtrace.analysis import db
-    with db.open_trace(run_dir, cache=run_dir.parent / (run_dir.name + ".duckdb")) as tr:
+    from pdtrace import analysis
+    with analysis.open(run_dir, cache=run_dir.parent / (run_dir.name + ".duckdb")) as tr:
         rows = tr.query("""
             SELECT s.attr_str['request.client_id'] AS client_id, q.request_id, q.ttft_ms, q.status, q.cause,
                    q.prompt_tokens

@@ -55,7 +55,8 @@ import sys
 import time
 from pathlib import Path
 
-from pdtrace.analysis import db, report
+from pdtrace import analysis
+from pdtrace.analysis import report
 from pdtrace.connector.lab.run import LabOptions, run_lab
 
 from inject_attribution import heavy_lock  # this folder is sys.path[0] when run as a script
@@ -84,7 +85,7 @@ def run(name: str, base: Path, a, mode: str, engine_args: dict | None = None) ->
 def collect(run_dir: Path) -> tuple[dict, dict]:
     """``report.collect`` of a run, and P's engine steps: mean step length (ms: first chunk start to last chunk
     end of the prefill.compute chunks with one step.id on one engine), mean prompt tokens per step, ms per token."""
-    with db.open_trace(run_dir, cache=run_dir.parent / (run_dir.name + ".duckdb")) as tr:
+    with analysis.open(run_dir, cache=run_dir.parent / (run_dir.name + ".duckdb")) as tr:
         step = tr.query("""
             WITH s AS (SELECT engine_id, attr_int['step.id'] AS sid, (max(end_ns) - min(start_ns)) / 1e6 AS ms,
                               sum(attr_int['step.tokens']) AS tokens
@@ -92,7 +93,7 @@ def collect(run_dir: Path) -> tuple[dict, dict]:
                          AND attr_int['step.chunk_index'] IS NOT NULL GROUP BY ALL)
             SELECT count(*) AS steps, avg(ms) AS step_ms, avg(tokens) AS tokens_per_step,
                    sum(ms) / sum(tokens) AS ms_per_token FROM s""")[0]
-        data = report.collect(tr.readonly())
+        data = report.collect(tr.cursor())
     return data, step
 
 

@@ -73,11 +73,11 @@ def per_window(con, role: str, service: str) -> dict:
 
 def figures(run_dir: Path, helpers=None, run_s: float | None = None) -> dict:
     """Every figure of the module docstring for the traced lab run in ``run_dir``."""
-    from pdtrace.analysis import db
+    from pdtrace import analysis
     from pdtrace.analysis import footprint as fpm
 
-    with db.open_trace(run_dir, cache=db.default_cache_path(run_dir)) as tr:
-        con = tr.readonly()
+    with analysis.open(run_dir) as tr:
+        con = tr.cursor()
         fig = fpm.store_figures(con)
         threads = [dict(zip(["role", "service_name", "pid", "thread", "busy_windows", "hooks", "pdtrace_ns",
                              "thread_ns", "hot_path_share"], r)) for r in con.execute(

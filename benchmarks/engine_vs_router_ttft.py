@@ -43,7 +43,7 @@ import tempfile
 from pathlib import Path
 
 
-from pdtrace.analysis.db import Trace
+from pdtrace import analysis
 from pdtrace.connector.lab import replay  # its percentile rule (linear interpolation), shared by the benchmarks
 
 
@@ -95,14 +95,12 @@ def compare(run_dir: str | Path) -> dict:
     if not run_dir.is_dir():
         raise FileNotFoundError(f"run directory not found: {run_dir}")
     key = "concat_ws('/', coalesce(run_id, ''), request_id, prompt_index)"
-    with Trace(run_dir) as tr:
-        tr.refresh()
+    with analysis.open(run_dir, cache=None) as tr:
         router = {r["k"]: r for r in tr.query(
             f"SELECT {key} AS k, request_id, mode, ttft_ms, ttft_source FROM requests")}
     with tempfile.TemporaryDirectory(prefix="pdtrace-engine-only-") as tmp:
         skipped = engine_only_copy(run_dir, Path(tmp) / "store")
-        with Trace(Path(tmp) / "store") as tr:
-            tr.refresh()
+        with analysis.open(Path(tmp) / "store", cache=None) as tr:
             engine = {r["k"]: r for r in tr.query(
                 f"SELECT {key} AS k, request_id, mode, ttft_ms, ttft_source, status, cause FROM requests")}
             bound = tr.query("SELECT max(bound_ms) AS b FROM clock_offsets WHERE window_start_ns IS NULL")[0]["b"]

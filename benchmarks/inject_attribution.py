@@ -108,11 +108,11 @@ def _group(stage: str) -> str:
 def per_request(run_dir: Path) -> tuple[list[dict], dict[str, float]]:
     """Complete replayed requests in arrival order: ttft_ms, exposed/hidden ms per stage group,
     injected stages (from ``lab.inject`` events); and the run's spec (ms per stage)."""
-    from pdtrace.analysis import db
+    from pdtrace import analysis
     from pdtrace.connector.lab import inject
 
     spec = inject.parse(json.loads((run_dir / "run.json").read_text()).get("inject") or "")
-    with db.open_trace(run_dir, cache=run_dir.parent / (run_dir.name + ".duckdb")) as tr:
+    with analysis.open(run_dir, cache=run_dir.parent / (run_dir.name + ".duckdb")) as tr:
         reqs = tr.query("""
             SELECT q.request_id, q.ttft_ms, q.arrival_ns
             FROM requests q

@@ -74,9 +74,9 @@ def traced_rows(out: Path) -> dict[str, dict]:
     analysis has no such column), ttft_ns, parts_ns (queue + compute + transfer +
     coordination of ``ttft_breakdown``; NULL without a breakdown row).
     """
-    from pdtrace.analysis import db
+    from pdtrace import analysis
 
-    with db.open_trace(out, cache=Path(out).parent / (Path(out).name + ".duckdb")) as tr:
+    with analysis.open(out, cache=Path(out).parent / (Path(out).name + ".duckdb")) as tr:
         has_source = bool(tr.query("SELECT 1 FROM duckdb_columns() WHERE table_name = 'requests' "
                                    "AND column_name = 'ttft_source'"))
         rows = tr.query(f"""

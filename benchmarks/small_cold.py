@@ -9,7 +9,7 @@ refresh, the report's queries and printing: what a user waits for), in rounds
 that interleave three situations so drift in the machine's load falls on all:
 
 - *first*: an empty ``PDTRACE_CACHE_DIR``: the SQL library is loaded into a new
-  file (the library template, ``pdtrace.analysis.db.library_template``) before
+  file (the library template, ``pdtrace.analysis.cache.library_template``) before
   the trace's cache is made from it;
 - *cold*: the template exists, the trace has no cache yet (every new trace
   directory, every incident on a machine that ran pdtrace once);

@@ -1,11 +1,15 @@
 """The dashboard's one data module: plain functions over the analysis views.
 
+(Over 400 lines on purpose: every SQL query the dashboard runs is here, one function per number
+shown, grouped by page, so a reviewer checks what the dashboard reads in one place.)
+
 No Streamlit here (the pages add caching and rendering). Every number the
 dashboard shows comes from a function below, and every function reads only
 the public views of :mod:`pdtrace.analysis` (``requests``, ``ttft_breakdown``,
 ``ttft_segments``, ``ttft_hidden``, ``spans``, ``events``, ``incomplete_requests``,
 ``decode_stalls``, ``request_stalls``, ``transfers``, ``clock_offsets``,
-``store_files``) through a read-only cursor of the analysis connection.
+``store_files``) and macros (``prompt_bucket``) through the trace's read-only
+:class:`pdtrace.analysis.Session` (:func:`session`, opened with :func:`pdtrace.analysis.open`).
 
 Units: times are ns since the Unix epoch (``*_ns`` absolute) on the router's
 clock, as the views give them; durations shown are ms (``*_ms``), shares are
@@ -19,13 +23,14 @@ from __future__ import annotations
 import math
 import os
 import threading
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import pandas as pd
 
+from pdtrace import analysis
+from pdtrace.analysis import Session
 from pdtrace.instrument.stages import CATEGORIES
 
 #: Descriptor-count buckets of a request's KV transfers (descriptors): label -> [lo, hi).
@@ -46,13 +51,11 @@ def _bucket_case(col: str, buckets: Sequence[tuple[str, int, int]]) -> str:
 def prompt_bucket_sql(col: str = "prompt_tokens") -> str:
     """SQL expression: the prompt-length bucket label of ``col`` (prompt tokens).
 
-    The buckets are those of ``pdtrace report`` and the ``summary_by_prompt_bucket``
-    view (``_bucket_lo`` in analysis/sql/summary.sql): powers of two [lo, 2*lo)
-    tokens, labelled 'lo-(2*lo-1)' (e.g. '256-511'); '0' for no tokens,
-    'unknown' when NULL.
+    The analysis's public macro ``prompt_bucket`` (analysis/sql/summary.sql): the buckets of
+    ``pdtrace report`` and the ``summary_by_prompt_bucket`` view, powers of two [lo, 2*lo) tokens,
+    labelled 'lo-(2*lo-1)' (e.g. '256-511'); '0' for no tokens, 'unknown' when NULL.
     """
-    return (f"(CASE WHEN {col} IS NULL THEN 'unknown' WHEN {col} < 1 THEN '0' "
-            f"ELSE printf('%d-%d', _bucket_lo({col}), 2 * _bucket_lo({col}) - 1) END)")
+    return f"prompt_bucket({col})"
 
 
 #: SQL expression: the prompt-length bucket of a row with a ``prompt_tokens`` column.
@@ -84,146 +87,63 @@ class Window:
 ALL = Window()
 
 
-class Trace:
-    """One trace directory, opened through the analysis' connection module (:mod:`pdtrace.analysis.db`).
-
-    The analysis database lives in the analysis' cache file for the directory
-    (``db.default_cache_path``; an in-memory database when that file is locked by
-    another process), so a second start is warm. ``refresh()`` absorbs files
-    that appeared since the last call (the analysis' incremental refresh) and
-    returns True when anything changed; ``version`` changes with it (the key of
-    cached query results). Queries run on per-call cursors; refreshes are
-    serialized. The connection may read only files under the trace directory
-    (DuckDB ``allowed_directories`` with external access off), so the SQL console
-    cannot read or write other files.
-    """
-
-    def __init__(self, directory: str | os.PathLike, cache: str | os.PathLike | None | bool = True):
-        from pdtrace.analysis import db  # the analysis' connection module
-
-        self.directory = Path(directory)
-        self._db = db
-        self._cache_arg = cache
-        self._lock = threading.Lock()
-        self._tr = None
-        self.version = 0
-        self.cache_path: Path | None = None
-        self.last_refresh = None  # the analysis' RefreshResult of the last refresh
-        self.refresh()
-
-    def _open(self) -> None:
-        import duckdb
-
-        cache = self._cache_arg
-        if cache is True:
-            cache = self._db.default_cache_path(self.directory)
-        try:
-            self._tr = self._db.Trace(self.directory, cache=cache or None)
-        except duckdb.IOException:  # cache file held by another process (e.g. `pdtrace report`)
-            self._tr = self._db.Trace(self.directory, cache=None)
-        self.cache_path = self._tr.cache
-        con = self._tr.con
-        if con.execute("SELECT current_setting('enable_external_access')").fetchone()[0]:
-            con.execute("SET allowed_directories = ?", [[str(self.directory.resolve()) + os.sep]])
-            con.execute("SET enable_external_access = false")
-
-    @property
-    def exists(self) -> bool:
-        """True when the directory exists (it may still hold no files)."""
-        return self.directory.is_dir()
-
-    def refresh(self) -> bool:
-        """Absorb new or changed store files; True when the views changed (skipped files are not an error)."""
-        with self._lock:
-            if self._tr is None:
-                if not self.directory.is_dir():
-                    return False
-                self._open()
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # skipped files are shown in the dashboard's banner
-                res = self._tr.refresh()
-            self.last_refresh = res
-            changed = bool(res.new or res.gone or res.rebuilt) or self._skipped != res.skipped
-            self._skipped = res.skipped
-            if changed or self.version == 0:
-                self.version += 1
-            return changed
-
-    _skipped: list = []
-
-    def cursor(self):
-        """A new DuckDB cursor over the views (close it when done)."""
-        if self._tr is None:
-            raise FileNotFoundError(f"trace directory not found: {self.directory}")
-        return self._tr.con.cursor()
-
-    def query(self, sql: str, params: Sequence[Any] | None = None) -> pd.DataFrame:
-        """Run one of this module's queries and return a DataFrame."""
-        cur = self.cursor()
-        try:
-            return cur.execute(sql, list(params or [])).df()
-        finally:
-            cur.close()
-
-    def close(self) -> None:
-        """Close the analysis connection (safe to call twice)."""
-        with self._lock:
-            if self._tr is not None:
-                self._tr.close()
-                self._tr = None
+_SESSIONS: dict[str, Session] = {}
+_SESSIONS_LOCK = threading.Lock()
 
 
-_TRACES: dict[str, Trace] = {}
-_TRACES_LOCK = threading.Lock()
-
-
-def get_trace(directory: str | os.PathLike) -> Trace:
-    """The process-wide :class:`Trace` of ``directory`` (opened on first use; one per resolved path)."""
+def session(directory: str | os.PathLike, memory_limit: str | None = None, refresh: bool = True) -> Session:
+    """The process-wide analysis session of ``directory`` (:func:`pdtrace.analysis.open` on first use, one per
+    resolved path; a directory that does not exist yet is opened when it appears). Its cache is the
+    directory's default cache file, in memory when another process holds that file. ``memory_limit``
+    (DuckDB's setting, e.g. '2GB') applies when this call opens the session; ``refresh``: absorb the
+    directory's files now if no refresh has yet (False: leave it to the next caller)."""
     key = str(Path(directory).expanduser().resolve())
-    with _TRACES_LOCK:
-        t = _TRACES.get(key)
-        if t is None:
-            t = _TRACES[key] = Trace(key)
-        return t
+    with _SESSIONS_LOCK:
+        s = _SESSIONS.get(key)
+        if s is None:
+            s = _SESSIONS[key] = analysis.open(key, missing_ok=True, refresh=False, memory_limit=memory_limit)
+    if refresh and s.version == 0:
+        s.refresh()
+    return s
 
 
 # ---------------------------------------------------------------------------
 # store health
 # ---------------------------------------------------------------------------
 
-def store_health(t: Trace) -> dict:
+def store_health(t: Session) -> dict:
     """Files absorbed and skipped: {'files': n ok, 'skipped': [(path, reason)], 'requests': n, 'in_flight': n}.
 
     ``in_flight`` counts the rows of view ``in_flight``: a request with only open stages so far is in
     flight but not yet in ``requests``."""
     if not t.exists:
         return {"files": 0, "skipped": [], "requests": 0, "in_flight": 0, "missing": True}
-    f = t.query("SELECT path, ok, reason FROM store_files ORDER BY path")
+    f = t.df("SELECT path, ok, reason FROM store_files ORDER BY path")
     ok = int(f["ok"].sum()) if len(f) else 0
     skipped = [(r.path, r.reason) for r in f.itertuples() if not r.ok]
-    n = int(t.query("SELECT count(*) AS n FROM requests")["n"].iloc[0]) if ok else 0
-    fl = int(t.query("SELECT count(*) AS n FROM in_flight")["n"].iloc[0]) if ok else 0
+    n = int(t.df("SELECT count(*) AS n FROM requests")["n"].iloc[0]) if ok else 0
+    fl = int(t.df("SELECT count(*) AS n FROM in_flight")["n"].iloc[0]) if ok else 0
     return {"files": ok, "skipped": skipped, "requests": n, "in_flight": fl, "missing": False}
 
 
-def time_range(t: Trace) -> tuple[int, int] | None:
+def time_range(t: Session) -> tuple[int, int] | None:
     """(first, last) request arrival in ns since the Unix epoch, or None without requests."""
-    r = t.query("SELECT min(arrival_ns) AS lo, max(arrival_ns) AS hi FROM requests")
+    r = t.df("SELECT min(arrival_ns) AS lo, max(arrival_ns) AS hi FROM requests")
     if not len(r) or pd.isna(r["lo"].iloc[0]):
         return None
     return int(r["lo"].iloc[0]), int(r["hi"].iloc[0])
 
 
-def modes(t: Trace) -> list[str]:
+def modes(t: Session) -> list[str]:
     """Handoff modes present ('pull', 'push', ...), sorted."""
-    return t.query("SELECT DISTINCT mode FROM requests WHERE mode IS NOT NULL ORDER BY 1")["mode"].tolist()
+    return t.df("SELECT DISTINCT mode FROM requests WHERE mode IS NOT NULL ORDER BY 1")["mode"].tolist()
 
 
 # ---------------------------------------------------------------------------
 # overview
 # ---------------------------------------------------------------------------
 
-def headline(t: Trace, w: Window = ALL, mode: str | None = None) -> dict:
+def headline(t: Session, w: Window = ALL, mode: str | None = None) -> dict:
     """Counts and percentiles in the window.
 
     Keys: requests, complete, incomplete (counts); ttft_p50/p90/p99_ms and
@@ -236,7 +156,7 @@ def headline(t: Trace, w: Window = ALL, mode: str | None = None) -> dict:
     """
     mf = "TRUE" if mode is None else "mode = $1"
     p = [mode] if mode is not None else []
-    r = t.query(f"""
+    r = t.df(f"""
         SELECT count(*) AS requests,
                count(*) FILTER (WHERE status = 'complete') AS complete,
                count(*) FILTER (WHERE status <> 'complete') AS incomplete,
@@ -246,7 +166,7 @@ def headline(t: Trace, w: Window = ALL, mode: str | None = None) -> dict:
                quantile_cont(tpot_ms, 0.99) AS tpot_p99_ms,
                count(*) FILTER (WHERE ttft_source = 'engine') AS engine_source
         FROM requests WHERE {w.sql()} AND {mf}""", p).iloc[0].to_dict()
-    s = t.query(f"""
+    s = t.df(f"""
         SELECT sum(ttft_ms) AS ttft, sum(queue_ms) AS queue, sum(compute_ms) AS compute,
                sum(transfer_ms) AS transfer, sum(coordination_ms) AS coordination,
                sum(unattributed_ms) AS unattributed, sum(router_unseen_ms) AS router_unseen
@@ -283,14 +203,14 @@ def nice_bucket_ns(span_ns: int, target_points: int = 60) -> int:
     return steps_s[-1] * 1_000_000_000
 
 
-def latency_over_time(t: Trace, w: Window, bucket_ns: int) -> pd.DataFrame:
+def latency_over_time(t: Session, w: Window, bucket_ns: int) -> pd.DataFrame:
     """TTFT and TPOT p50/p90/p99 (ms) per arrival-time bucket and mode, complete requests.
 
     Columns: bucket_ns (bucket start, ns since the Unix epoch), mode, requests
     (count), ttft_p50_ms, ttft_p90_ms, ttft_p99_ms, tpot_p50_ms, tpot_p90_ms, tpot_p99_ms.
     """
     b = int(bucket_ns)
-    return t.query(f"""
+    return t.df(f"""
         SELECT (arrival_ns // {b}) * {b} AS bucket_ns, mode, count(*) AS requests,
                quantile_cont(ttft_ms, 0.5) AS ttft_p50_ms, quantile_cont(ttft_ms, 0.9) AS ttft_p90_ms,
                quantile_cont(ttft_ms, 0.99) AS ttft_p99_ms,
@@ -300,7 +220,7 @@ def latency_over_time(t: Trace, w: Window, bucket_ns: int) -> pd.DataFrame:
         GROUP BY ALL ORDER BY bucket_ns, mode""")
 
 
-def category_share_over_time(t: Trace, w: Window, bucket_ns: int) -> pd.DataFrame:
+def category_share_over_time(t: Session, w: Window, bucket_ns: int) -> pd.DataFrame:
     """Share of TTFT per category per arrival-time bucket and mode (long form).
 
     Columns: bucket_ns (ns since the Unix epoch), mode, category, ms (summed
@@ -308,7 +228,7 @@ def category_share_over_time(t: Trace, w: Window, bucket_ns: int) -> pd.DataFram
     requests (count with a breakdown).
     """
     b = int(bucket_ns)
-    df = t.query(f"""
+    df = t.df(f"""
         SELECT (arrival_ns // {b}) * {b} AS bucket_ns, mode, count(*) AS requests, sum(ttft_ms) AS ttft_ms,
                sum(queue_ms) AS queue, sum(compute_ms) AS compute, sum(transfer_ms) AS transfer,
                sum(coordination_ms) AS coordination
@@ -325,14 +245,14 @@ def _long_shares(df: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
     return long.drop(columns=["ttft_ms"])
 
 
-def category_share_by_bucket(t: Trace, w: Window = ALL) -> pd.DataFrame:
+def category_share_by_bucket(t: Session, w: Window = ALL) -> pd.DataFrame:
     """Share of TTFT per category by mode and prompt-length bucket (long form).
 
     Columns: mode, prompt_bucket (see :func:`prompt_bucket_sql`), requests (count),
     category, ms (summed, ms), share (fraction of the group's summed TTFT),
     mean_ms (per request, ms).
     """
-    df = t.query(f"""
+    df = t.df(f"""
         SELECT mode, {PROMPT_BUCKET_SQL} AS prompt_bucket, count(*) AS requests, sum(ttft_ms) AS ttft_ms,
                sum(queue_ms) AS queue, sum(compute_ms) AS compute, sum(transfer_ms) AS transfer,
                sum(coordination_ms) AS coordination
@@ -342,51 +262,51 @@ def category_share_by_bucket(t: Trace, w: Window = ALL) -> pd.DataFrame:
     return long
 
 
-def in_flight(t: Trace, limit: int = 200) -> pd.DataFrame:
+def in_flight(t: Session, limit: int = 200) -> pd.DataFrame:
     """Requests not finished at the trace end (view ``in_flight``), oldest stage first.
 
     Columns: request_id, mode, stage, role, engine_id, age_ms (ms), waits_for (text), since_ns
     (router clock, ns since the Unix epoch). Not windowed: "now" is the trace end.
     """
-    return t.query(f"""
+    return t.df(f"""
         SELECT request_id, mode, stage, role, engine_id, age_ms, waits_for, since_ns
         FROM in_flight ORDER BY age_ms DESC, request_id LIMIT {int(limit)}""")
 
 
-def in_flight_request(t: Trace, request_id: str) -> dict | None:
+def in_flight_request(t: Session, request_id: str) -> dict | None:
     """The ``in_flight`` row of ``request_id`` (base id X, as :func:`request_row` takes it), or None.
 
     Keys: rkey, request_id, mode, stage, role, engine_id, age_ms (ms), waits_for, since_ns (ns since
     the Unix epoch). For a request that has only open stages so far (nothing ended yet, so no
     ``requests`` row), this is all the trace knows of it.
     """
-    df = t.query("SELECT rkey, request_id, mode, stage, role, engine_id, age_ms, waits_for, since_ns "
+    df = t.df("SELECT rkey, request_id, mode, stage, role, engine_id, age_ms, waits_for, since_ns "
                  "FROM in_flight WHERE request_id = $1 ORDER BY since_ns LIMIT 1", [request_id])
     return None if df.empty else df.iloc[0].to_dict()
 
 
-def incomplete_by_cause(t: Trace, w: Window = ALL) -> pd.DataFrame:
+def incomplete_by_cause(t: Session, w: Window = ALL) -> pd.DataFrame:
     """Incomplete requests per cause in the window: cause, requests (count), median time to failure (ms)."""
-    return t.query(f"""
+    return t.df(f"""
         SELECT cause, count(*) AS requests, median(time_to_failure_ms) AS median_time_to_failure_ms
         FROM incomplete_requests WHERE {w.sql()} GROUP BY cause ORDER BY requests DESC, cause""")
 
 
-def incomplete_list(t: Trace, w: Window = ALL, limit: int = 200) -> pd.DataFrame:
+def incomplete_list(t: Session, w: Window = ALL, limit: int = 200) -> pd.DataFrame:
     """Incomplete requests (newest first): request_id, mode, cause, detail, time_to_failure_ms, arrival_ns."""
-    return t.query(f"""
+    return t.df(f"""
         SELECT request_id, mode, cause, detail, time_to_failure_ms, arrival_ns
         FROM incomplete_requests WHERE {w.sql()} ORDER BY arrival_ns DESC LIMIT {int(limit)}""")
 
 
-def slowest_requests(t: Trace, w: Window = ALL, limit: int = 20, mode: str | None = None) -> pd.DataFrame:
+def slowest_requests(t: Session, w: Window = ALL, limit: int = 20, mode: str | None = None) -> pd.DataFrame:
     """The slowest complete requests by TTFT with their split (ms) and dominant stage.
 
     Columns: request_id, run_id, mode, prompt_tokens, ttft_ms, queue_ms, compute_ms,
     transfer_ms, coordination_ms, hidden_ms, dominant_stage, first_contact, arrival_ns.
     """
     mf = "TRUE" if mode is None else "mode = $1"
-    return t.query(f"""
+    return t.df(f"""
         SELECT request_id, run_id, mode, prompt_tokens, ttft_ms, queue_ms, compute_ms, transfer_ms,
                coordination_ms, hidden_ms, dominant_stage, first_contact, arrival_ns
         FROM ttft_breakdown WHERE {w.sql()} AND {mf}
@@ -397,16 +317,16 @@ def slowest_requests(t: Trace, w: Window = ALL, limit: int = 20, mode: str | Non
 # request explorer
 # ---------------------------------------------------------------------------
 
-def find_requests(t: Trace, text: str, limit: int = 50) -> pd.DataFrame:
+def find_requests(t: Session, text: str, limit: int = 50) -> pd.DataFrame:
     """Requests whose id contains ``text`` (case-insensitive): request_id, run_id, mode, status, ttft_ms."""
-    return t.query(f"""
+    return t.df(f"""
         SELECT request_id, run_id, mode, status, ttft_ms FROM requests
         WHERE request_id ILIKE '%' || $1 || '%' ORDER BY arrival_ns LIMIT {int(limit)}""", [text])
 
 
-def request_row(t: Trace, request_id: str, run_id: str | None = None) -> dict | None:
+def request_row(t: Session, request_id: str, run_id: str | None = None) -> dict | None:
     """The request's ``requests`` row joined with its ``ttft_breakdown`` row (None if unknown)."""
-    r = t.query("""
+    r = t.df("""
         SELECT r.*, b.queue_ms, b.compute_ms, b.transfer_ms, b.coordination_ms, b.unattributed_ms, b.hidden_ms,
                b.dominant_stage, b.first_contact, b.router_unseen_ms
         FROM requests r LEFT JOIN ttft_breakdown b USING (rkey)
@@ -415,7 +335,7 @@ def request_row(t: Trace, request_id: str, run_id: str | None = None) -> dict | 
     return None if r.empty else r.iloc[0].to_dict()
 
 
-def request_spans(t: Trace, rkey: int) -> pd.DataFrame:
+def request_spans(t: Session, rkey: int) -> pd.DataFrame:
     """All spans of a request plus the engine steps that served it, with lane and critical-path share.
 
     Columns: span_id, parent_span_id, stage, category, role, engine_id, thread, tp_rank,
@@ -425,7 +345,7 @@ def request_spans(t: Trace, rkey: int) -> pd.DataFrame:
     attrs (short text). A stage still open at the trace end (view ``in_flight_spans``) is a row
     in lane ``role · engine · open``, ending at its process's trace end ("now"), thread ``open``.
     """
-    return t.query("""
+    return t.df("""
         WITH seg AS (SELECT span_id, sum(dur_ns) AS exposed_ns FROM ttft_segments WHERE rkey = $1 GROUP BY span_id)
         SELECT s.span_id, s.parent_span_id, s.stage, s.category, s.role, s.engine_id, s.thread, s.tp_rank,
                s.role || coalesce(' · ' || s.engine_id, '') || coalesce(' · rank ' || s.tp_rank, '')
@@ -446,30 +366,30 @@ def request_spans(t: Trace, rkey: int) -> pd.DataFrame:
         ORDER BY start_ns, span_id""", [rkey])
 
 
-def request_segments(t: Trace, rkey: int) -> pd.DataFrame:
+def request_segments(t: Session, rkey: int) -> pd.DataFrame:
     """The request's critical path: seq, stage, stage_group, category, start_ns, end_ns (ns), dur_ms, detail, span_id."""
-    return t.query("""
+    return t.df("""
         SELECT seq, stage, stage_group, category, start_ns, end_ns, dur_ns / 1e6 AS dur_ms, detail, span_id, role
         FROM ttft_segments WHERE rkey = $1 ORDER BY seq""", [rkey])
 
 
-def request_hidden(t: Trace, rkey: int) -> pd.DataFrame:
+def request_hidden(t: Session, rkey: int) -> pd.DataFrame:
     """Per stage, time that ran off the critical path (hidden): stage, hidden_ms."""
-    return t.query("SELECT stage, hidden_ms FROM ttft_hidden WHERE rkey = $1 ORDER BY hidden_ms DESC", [rkey])
+    return t.df("SELECT stage, hidden_ms FROM ttft_hidden WHERE rkey = $1 ORDER BY hidden_ms DESC", [rkey])
 
 
-def request_events(t: Trace, rkey: int) -> pd.DataFrame:
+def request_events(t: Session, rkey: int) -> pd.DataFrame:
     """Events of a request: event, role, engine_id, thread, tp_rank, time_ns (router clock), raw_time_ns, attr_str, attr_int."""
-    return t.query("""
+    return t.df("""
         SELECT event, role, engine_id, thread, tp_rank, time_ns, raw_time_ns, clock_offset_ns, attr_str, attr_int,
                role || coalesce(' · ' || engine_id, '') || coalesce(' · rank ' || tp_rank, '')
                    || ' · ' || coalesce(thread, '?') AS lane
         FROM events WHERE rkey = $1 ORDER BY time_ns""", [rkey])
 
 
-def request_clock(t: Trace, rkey: int) -> pd.DataFrame:
+def request_clock(t: Session, rkey: int) -> pd.DataFrame:
     """Clock correction applied to the request's rows per clock domain: clock_domain, offset_ms, bound_ms, spans."""
-    return t.query("""
+    return t.df("""
         SELECT clock_domain, any_value(clock_offset_ns) / 1e6 AS offset_ms,
                max(clock_bound_ns) / 1e6 AS bound_ms, count(*) AS spans
         FROM spans WHERE rkey = $1 GROUP BY clock_domain ORDER BY clock_domain""", [rkey])
@@ -479,9 +399,9 @@ def request_clock(t: Trace, rkey: int) -> pd.DataFrame:
 # push vs pull
 # ---------------------------------------------------------------------------
 
-def percentiles_by_bucket(t: Trace, w: Window = ALL) -> pd.DataFrame:
+def percentiles_by_bucket(t: Session, w: Window = ALL) -> pd.DataFrame:
     """Per mode and prompt-length bucket: requests, TTFT p50/p90/p99 and TPOT p50/p90/p99 (ms), complete only."""
-    return t.query(f"""
+    return t.df(f"""
         SELECT mode, {PROMPT_BUCKET_SQL} AS prompt_bucket, count(*) AS requests,
                quantile_cont(ttft_ms, 0.5) AS ttft_p50_ms, quantile_cont(ttft_ms, 0.9) AS ttft_p90_ms,
                quantile_cont(ttft_ms, 0.99) AS ttft_p99_ms,
@@ -494,13 +414,13 @@ def percentiles_by_bucket(t: Trace, w: Window = ALL) -> pd.DataFrame:
 # decode stalls
 # ---------------------------------------------------------------------------
 
-def decode_engines(t: Trace) -> list[str]:
+def decode_engines(t: Session) -> list[str]:
     """Decode engines that served requests, sorted (from ``requests``: cheap, unlike a scan of the steps)."""
-    return t.query("SELECT DISTINCT decode_engine FROM requests WHERE decode_engine IS NOT NULL ORDER BY 1")[
+    return t.df("SELECT DISTINCT decode_engine FROM requests WHERE decode_engine IS NOT NULL ORDER BY 1")[
         "decode_engine"].tolist()
 
 
-def decode_steps(t: Trace, w: Window, engine_id: str | None = None, limit: int = 20_000) -> pd.DataFrame:
+def decode_steps(t: Session, w: Window, engine_id: str | None = None, limit: int = 20_000) -> pd.DataFrame:
     """One decode engine's steps starting in the window (``decode_stalls`` rows, first ``limit`` by time).
 
     Columns: step_id, start_ns (ns since the Unix epoch), dur_ms, baseline_ms, excess_ms,
@@ -508,31 +428,31 @@ def decode_steps(t: Trace, w: Window, engine_id: str | None = None, limit: int =
     culprit_request_id, culprit_kind.
     """
     ef = "TRUE" if engine_id is None else "engine_id = $1"
-    return t.query(f"""
+    return t.df(f"""
         SELECT step_id, start_ns, dur_ms, baseline_ms, excess_ms, connector_ms, prefill_tokens, recompute_tokens,
                culprit_request_id, culprit_kind
         FROM decode_stalls WHERE {w.sql('start_ns')} AND {ef}
         ORDER BY start_ns LIMIT {int(limit)}""", [engine_id] if engine_id else [])
 
 
-def stall_totals(t: Trace, w: Window, engine_id: str | None = None) -> dict:
+def stall_totals(t: Session, w: Window, engine_id: str | None = None) -> dict:
     """Totals over the window's decode steps: steps, stalled (count with excess > 0), excess_ms,
     connector_ms (forward-thread connector time, ms)."""
     ef = "TRUE" if engine_id is None else "engine_id = $1"
-    r = t.query(f"""
+    r = t.df(f"""
         SELECT count(*) AS steps, count(*) FILTER (WHERE excess_ns > 0) AS stalled,
                coalesce(sum(excess_ms), 0) AS excess_ms, coalesce(sum(connector_ms), 0) AS connector_ms
         FROM decode_stalls WHERE {w.sql('start_ns')} AND {ef}""", [engine_id] if engine_id else [])
     return {k: (int(v) if k in ("steps", "stalled") else float(v)) for k, v in r.iloc[0].to_dict().items()}
 
 
-def worst_tpot(t: Trace, w: Window, limit: int = 20) -> pd.DataFrame:
+def worst_tpot(t: Session, w: Window, limit: int = 20) -> pd.DataFrame:
     """Requests whose TPOT other requests' work inflated most (``request_stalls``, arrival in the window).
 
     Columns: request_id, run_id, mode, tpot_ms, stall_tpot_ms, tpot_without_stalls_ms (ms per token),
     stall_ms (ms), top_culprit_request_id, top_culprit_kind, top_culprit_ms (ms), rkey.
     """
-    return t.query(f"""
+    return t.df(f"""
         SELECT s.request_id, s.run_id, s.mode, s.tpot_ms, s.stall_tpot_ms, s.tpot_without_stalls_ms, s.stall_ms,
                s.top_culprit_request_id, s.top_culprit_kind, s.top_culprit_ms, s.rkey
         FROM request_stalls s
@@ -540,7 +460,7 @@ def worst_tpot(t: Trace, w: Window, limit: int = 20) -> pd.DataFrame:
         ORDER BY s.stall_ms DESC NULLS LAST, s.request_id LIMIT {int(limit)}""")
 
 
-def stall_culprits(t: Trace, rkey: int) -> pd.DataFrame:
+def stall_culprits(t: Session, rkey: int) -> pd.DataFrame:
     """Which other requests' work stalled the decode steps a request decoded in, largest first.
 
     A victim's steps are the ``decode.step`` spans whose batch (``step.batch``) names
@@ -548,7 +468,7 @@ def stall_culprits(t: Trace, rkey: int) -> pd.DataFrame:
     analysis); their causes come from ``decode_stall_causes``. Columns:
     culprit_request_id, kind, steps (count), share_ms (summed share of those steps' excess, ms).
     """
-    return t.query("""
+    return t.df("""
         WITH v AS (SELECT request_id, first_token_ns, last_token_ns FROM requests WHERE rkey = $1),
              st AS (SELECT DISTINCT e.step_span_id AS span_id FROM decode_step_requests e, v
                     WHERE e.request_id = v.request_id AND e.start_ns >= v.first_token_ns - 1000000000
@@ -563,7 +483,7 @@ def stall_culprits(t: Trace, rkey: int) -> pd.DataFrame:
 # what changed
 # ---------------------------------------------------------------------------
 
-def stage_share_change(t: Trace, incident: Window, baseline: Window) -> pd.DataFrame:
+def stage_share_change(t: Session, incident: Window, baseline: Window) -> pd.DataFrame:
     """Stages ranked by how much their share of TTFT grew from baseline to incident.
 
     Share = a stage's summed critical-path time / the window's summed TTFT
@@ -571,7 +491,7 @@ def stage_share_change(t: Trace, incident: Window, baseline: Window) -> pd.DataF
     growth_pp (percentage points), mean_ms_baseline, mean_ms_incident (per
     request, ms).
     """
-    df = t.query(f"""
+    df = t.df(f"""
         WITH b AS (SELECT rkey, ttft_ns, {incident.sql()} AS inc, {baseline.sql()} AS base
                    FROM ttft_breakdown WHERE ({incident.sql()}) OR ({baseline.sql()})),
              tot AS (SELECT sum(ttft_ns) FILTER (WHERE inc) AS ti, sum(ttft_ns) FILTER (WHERE base) AS tb,
@@ -598,7 +518,7 @@ CHANGE_ATTRIBUTES: dict[str, str] = {
 }
 
 
-def attribute_share_change(t: Trace, incident: Window, baseline: Window) -> pd.DataFrame:
+def attribute_share_change(t: Session, incident: Window, baseline: Window) -> pd.DataFrame:
     """Attribute values ranked by how much their requests' share of summed TTFT grew.
 
     For each attribute (:data:`CHANGE_ATTRIBUTES`) and value: share = summed
@@ -611,7 +531,7 @@ def attribute_share_change(t: Trace, incident: Window, baseline: Window) -> pd.D
         f"SELECT '{label}' AS attribute, coalesce(CAST({expr} AS VARCHAR), 'unknown') AS value, b.ttft_ns, "
         f"b.inc, b.base FROM b"
         for label, expr in CHANGE_ATTRIBUTES.items())
-    df = t.query(f"""
+    df = t.df(f"""
         WITH b AS (SELECT *, {incident.sql()} AS inc, {baseline.sql()} AS base
                    FROM ttft_breakdown WHERE ({incident.sql()}) OR ({baseline.sql()})),
              tot AS (SELECT sum(ttft_ns) FILTER (WHERE inc) AS ti, sum(ttft_ns) FILTER (WHERE base) AS tb FROM b),
@@ -631,9 +551,9 @@ def attribute_share_change(t: Trace, incident: Window, baseline: Window) -> pd.D
 # SQL console and view docs
 # ---------------------------------------------------------------------------
 
-def view_docs(t: Trace) -> pd.DataFrame:
+def view_docs(t: Session) -> pd.DataFrame:
     """Public views and their documented columns: view, view_doc, column, type, column_doc."""
-    df = t.query("""
+    df = t.df("""
         SELECT v.view_name AS view, v.comment AS view_doc, c.column_name AS "column", c.data_type AS type,
                c.comment AS column_doc, c.column_index
         FROM duckdb_views() v JOIN duckdb_columns() c

@@ -1,10 +1,11 @@
 """Streamlit glue shared by the pages: the opened trace, the sidebar, cached queries, banners.
 
 The trace directory comes from the sidebar (default: ``PDTRACE_DASHBOARD_DIR``,
-set by ``pdtrace dashboard DIR``). The opened :class:`~.data.Trace` is a cached
-resource (one per directory, shared by sessions); query results are cached
-as data, keyed by the trace's version (bumped when new files are absorbed),
-bounded by ``max_entries`` and a ttl.
+set by ``pdtrace dashboard DIR``). The trace is opened once per directory and process
+(:func:`pdtrace.dashboard.data.session`, a :class:`pdtrace.analysis.Session` shared by the
+browser sessions); query results are cached as data (``st.cache_data``, the session passed
+unhashed), keyed by the directory and the session's version (bumped when new files are
+absorbed), bounded by ``max_entries`` and a ttl.
 """
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ from pdtrace.instrument import config
 
 from pdtrace.instrument.stages import CATEGORIES  # noqa: F401 - re-exported for the pages (ui.CATEGORIES)
 
+from pdtrace.analysis import Session
+from pdtrace.analysis.sandbox import ReadOnlyError
+
 from . import data
 
 #: Streamlit markdown colour per category (closest to the charts' colours).
@@ -29,21 +33,21 @@ ENV_COMPARE_DIR = "PDTRACE_DASHBOARD_COMPARE_DIR"
 FOLLOW_EVERY_S = 5
 
 
-@st.cache_resource(show_spinner=False, max_entries=8)
-def open_trace(directory: str) -> data.Trace:
-    """The trace of ``directory`` (absolute path), opened once per process."""
-    return data.get_trace(directory)
+def open_trace(directory: str) -> Session:
+    """The session of ``directory`` (absolute path), opened once per process (:func:`data.session`)."""
+    return data.session(directory)
 
 
 @st.cache_data(show_spinner=False, max_entries=512, ttl=3600)
-def _cached(directory: str, version: int, fn_name: str, args: tuple, kwargs: tuple) -> Any:
-    fn = getattr(data, fn_name)
-    return fn(open_trace(directory), *args, **dict(kwargs))
+def _cached(_session: Session, directory: str, version: int, fn_name: str, args: tuple, kwargs: tuple) -> Any:
+    """``data.<fn_name>(_session, *args, **kwargs)``, cached by (directory, version, fn_name, args, kwargs):
+    Streamlit does not hash ``_session`` (leading underscore)."""
+    return getattr(data, fn_name)(_session, *args, **dict(kwargs))
 
 
-def q(t: data.Trace, fn: Callable, *args, **kwargs) -> Any:
+def q(t: Session, fn: Callable, *args, **kwargs) -> Any:
     """Call ``data.<fn>(t, *args, **kwargs)`` through the result cache (args must be hashable)."""
-    return _cached(str(t.directory), t.version, fn.__name__, args, tuple(sorted(kwargs.items())))
+    return _cached(t, str(t.directory), t.version, fn.__name__, args, tuple(sorted(kwargs.items())))
 
 
 def _abs(p: str) -> str:
@@ -68,7 +72,7 @@ def sidebar() -> None:
                   help=f"Check the directory every {FOLLOW_EVERY_S} s and absorb new files (live incidents).")
 
 
-def trace_or_stop() -> data.Trace:
+def trace_or_stop() -> Session:
     """Open the sidebar's trace; show a clear message and stop the page when there is nothing to show.
 
     Names skipped (corrupt/foreign/other-major) files in a warning banner.
@@ -100,7 +104,7 @@ def trace_or_stop() -> data.Trace:
     return t
 
 
-def _follow(t: data.Trace) -> None:
+def _follow(t: Session) -> None:
     if not st.session_state.get("follow", True):
         return
 
@@ -130,7 +134,7 @@ def _to_ns(d: dt.datetime) -> int:
 PRESETS = {"whole trace": None, "last 5 min": 300, "last 15 min": 900, "last 1 h": 3600}
 
 
-def window_picker(t: data.Trace, key: str = "win", label: str = "Time window (arrival, UTC)",
+def window_picker(t: Session, key: str = "win", label: str = "Time window (arrival, UTC)",
                   in_sidebar: bool = True, default_fraction: tuple[float, float] | None = None) -> data.Window:
     """A time window on request arrival, chosen from presets or a range slider; returned as a Window."""
     rng = q(t, data.time_range)
@@ -168,7 +172,7 @@ def pct(v: float | None) -> str:
     return f"{v * 100:.1f}%"
 
 
-def trace() -> data.Trace:
+def trace() -> Session:
     """The trace the entry script opened and checked (pages call this)."""
     return open_trace(_abs(current_dir()))
 
@@ -200,28 +204,24 @@ def open_request(request_id: str) -> None:
 CONSOLE_MAX_ROWS = 10_000
 
 
-def console_query(t: data.Trace, sql: str, max_rows: int = CONSOLE_MAX_ROWS) -> tuple[Any, bool]:
+def console_query(t: Session, sql: str, max_rows: int = CONSOLE_MAX_ROWS) -> tuple[Any, bool]:
     """Run one statement typed into the SQL console; return (a DataFrame of at most ``max_rows`` rows, truncated?).
 
-    The read-only rule is the analysis module's, not the dashboard's own:
-    :func:`pdtrace.analysis.db.readonly_statements` refuses anything but a
-    query (COPY, ATTACH, CREATE, INSERT, SET, INSTALL/LOAD, EXPLAIN ANALYZE of a
-    non-query ...) before it runs, and the statement runs through
-    :class:`pdtrace.analysis.db.ReadOnlyConnection` on a cursor of the trace's
-    connection, which DuckDB itself keeps from reading or writing files outside
-    the trace directory. Raises ``db.ReadOnlyError`` when refused (also for more
-    than one statement), ``duckdb.Error`` for a query that fails.
+    The read-only rule is the analysis's, not the dashboard's own: the session's cursor
+    (:meth:`pdtrace.analysis.Session.cursor`, a :class:`pdtrace.analysis.sandbox.ReadOnlyConnection`)
+    refuses anything but a query (COPY, ATTACH, CREATE, INSERT, SET, INSTALL/LOAD, EXPLAIN ANALYZE
+    of a non-query ...) before it runs, and DuckDB itself keeps the session from reading or writing
+    files outside the trace directory. Raises :class:`pdtrace.analysis.sandbox.ReadOnlyError` when
+    refused (also for more than one statement), ``duckdb.Error`` for a query that fails.
     """
     import pandas as pd
 
-    from pdtrace.analysis import db
-
     cur = t.cursor()
     try:
-        stmts = db.readonly_statements(cur, sql)
+        stmts = cur.statements(sql)
         if len(stmts) != 1:
-            raise db.ReadOnlyError(f"read-only console: one statement at a time, got {len(stmts)}")
-        res = db.ReadOnlyConnection(cur).execute(stmts[0].query)
+            raise ReadOnlyError(f"read-only console: one statement at a time, got {len(stmts)}")
+        res = cur.execute(stmts[0].query)
         if res.description is None:
             return pd.DataFrame(), False
         cols = [d[0] for d in res.description]
@@ -229,4 +229,3 @@ def console_query(t: data.Trace, sql: str, max_rows: int = CONSOLE_MAX_ROWS) -> 
         return pd.DataFrame(rows[:max_rows], columns=cols), len(rows) > max_rows
     finally:
         cur.close()
-

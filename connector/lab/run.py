@@ -306,20 +306,12 @@ def print_report(out: Path, o: LabOptions, echo=print) -> dict | None:
         echo(f"no pdtrace report: {why}")
         return None
     try:
-        import warnings
-
-        from pdtrace.analysis import db, report
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", db.SkippedFileWarning)
-            with db.open_trace(out, cache=db.default_cache_path(out)) as tr:
-                con = tr.readonly()
-                try:
-                    data = report.collect(con)
-                finally:
-                    con.close()
-        for w in caught:
-            if issubclass(w.category, db.SkippedFileWarning):
-                echo(f"warning: {w.message}")
+        from pdtrace import analysis
+        from pdtrace.analysis import report
+        with analysis.open(out) as s:
+            data = report.collect(s.cursor())
+        for path, reason in s.skipped:
+            echo(f"warning: skipped store file {path}: {reason}")
     except Exception as exc:  # noqa: BLE001 - the run is done; say what failed and how to retry
         echo(f"pdtrace report failed ({type(exc).__name__}: {exc}); retry with: pdtrace report {out}")
         return None

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from pdtrace.analysis import db
+from pdtrace.analysis.sandbox import ReadOnlyError
 from pdtrace.dashboard import data, ui
 
 t = ui.trace()
@@ -19,7 +19,7 @@ if st.button("Run", type="primary", key="sql_run") or st.session_state.get("sql_
     st.session_state["sql_ran"] = True
     try:
         df, truncated = ui.console_query(t, sql)
-    except db.ReadOnlyError as exc:  # the analysis' read-only rule refused it before it ran
+    except ReadOnlyError as exc:  # the analysis' read-only rule refused it before it ran
         st.error(f"Refused: {exc}")
     except Exception as exc:  # duckdb errors (incl. file access DuckDB refused): they are the user's query
         st.error(f"{type(exc).__name__}: {exc}")

@@ -1,4 +1,4 @@
-"""A new cache file starts as a copy of the installed SQL library (db.library_template), with the same answers."""
+"""A new cache file starts as a copy of the installed SQL library (cache.library_template), with the same answers."""
 import os
 import subprocess
 import sys
@@ -6,7 +6,7 @@ import sys
 import duckdb
 import pytest
 
-from pdtrace.analysis import db
+from pdtrace.analysis import cache as cachemod, db
 from test_ttft_cases import _case_a, _case_h
 
 _Q = "SELECT * EXCLUDE (rkey) FROM ttft_breakdown ORDER BY request_id"
@@ -35,9 +35,9 @@ def test_first_cache_builds_the_template_and_later_caches_copy_it(tmp_path, cach
     d = _store(tmp_path)
     mem = _answers_in_memory(d)                              # (an in-memory database always installs)
     installs = []
-    real_install = db._install
-    monkeypatch.setattr(db, "_install", lambda con, stamp: (installs.append(stamp), real_install(con, stamp)))
-    tpl = db.library_template()
+    real_install = cachemod.install
+    monkeypatch.setattr(cachemod, "install", lambda con, stamp: (installs.append(stamp), real_install(con, stamp)))
+    tpl = cachemod.library_template()
     assert tpl.parent == cache_dir and not tpl.exists()
     with db.Trace(d, cache=tmp_path / "one.duckdb") as tr:
         assert tr.refresh().rebuilt
@@ -53,7 +53,7 @@ def test_first_cache_builds_the_template_and_later_caches_copy_it(tmp_path, cach
     con = duckdb.connect(str(tpl), read_only=True)
     try:
         assert con.execute("SELECT count(*) FROM _files").fetchone()[0] == 0
-        assert con.execute("SELECT value FROM _meta WHERE key = 'library'").fetchone()[0] == db._stamp()
+        assert con.execute("SELECT value FROM _meta WHERE key = 'library'").fetchone()[0] == cachemod.library_stamp()
     finally:
         con.close()
     # the template and its checksum, no temporary file left (here or beside the caches)
@@ -66,7 +66,7 @@ def test_first_cache_builds_the_template_and_later_caches_copy_it(tmp_path, cach
 
 def test_a_corrupt_template_is_replaced_and_costs_no_answer(tmp_path, cache_dir):
     d = _store(tmp_path)
-    tpl = db.library_template()
+    tpl = cachemod.library_template()
     tpl.parent.mkdir(parents=True, exist_ok=True)
     tpl.write_bytes(b"not a duckdb file" * 100)
     with db.Trace(d, cache=tmp_path / "one.duckdb") as tr:
@@ -98,7 +98,7 @@ def test_a_damaged_template_is_rebuilt_before_it_is_copied(tmp_path, cache_dir):
     d = _store(tmp_path)
     with db.Trace(d, cache=tmp_path / "one.duckdb") as tr:
         tr.refresh()
-    tpl = db.library_template()
+    tpl = cachemod.library_template()
     data = bytearray(tpl.read_bytes())
     mid = len(data) // 2
     data[mid:mid + 64] = bytes(b ^ 0xFF for b in data[mid:mid + 64])
@@ -116,7 +116,7 @@ def test_an_existing_cache_file_is_never_replaced_by_the_template(tmp_path, cach
     with db.Trace(d, cache=cache) as tr:
         tr.refresh()
     inode = os.stat(cache).st_ino
-    assert db._new_from_template(cache, db._stamp()) is False
+    assert cachemod.new_from_template(cache, cachemod.library_stamp()) is False
     assert os.stat(cache).st_ino == inode
     with db.Trace(d, cache=cache) as tr:
         assert not tr.refresh().rebuilt                      # still the absorbed cache
@@ -129,7 +129,7 @@ def test_a_copy_locked_by_another_process_is_reported_not_removed(tmp_path, cach
     d = _store(tmp_path)
     cache = tmp_path / "c.duckdb"
     holder = []
-    real = db._new_from_template
+    real = cachemod.new_from_template
 
     def copy_then_lock(path, stamp):
         made = real(path, stamp)
@@ -140,7 +140,7 @@ def test_a_copy_locked_by_another_process_is_reported_not_removed(tmp_path, cach
         assert p.stdout.readline().strip() == "held"
         return made
 
-    monkeypatch.setattr(db, "_new_from_template", copy_then_lock)
+    monkeypatch.setattr(cachemod, "new_from_template", copy_then_lock)
     try:
         with pytest.raises(duckdb.IOException):
             db.Trace(d, cache=cache)
@@ -149,8 +149,8 @@ def test_a_copy_locked_by_another_process_is_reported_not_removed(tmp_path, cach
         for p in holder:
             p.kill()
             p.wait()
-    assert db.library_template().exists() and os.stat(cache).st_ino == inode
-    monkeypatch.setattr(db, "_new_from_template", real)
+    assert cachemod.library_template().exists() and os.stat(cache).st_ino == inode
+    monkeypatch.setattr(cachemod, "new_from_template", real)
     with db.Trace(d, cache=cache) as tr:                     # the file is sound: its first refresh builds
         assert tr.refresh().rebuilt
         assert tr.query(_Q) == _answers_in_memory(d)

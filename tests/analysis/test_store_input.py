@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pdtrace.analysis import db, loader
+from pdtrace.analysis import db, files, loader, sandbox
 from pdtrace.instrument import schema, store
 from test_ttft_cases import _case_h
 
@@ -55,7 +55,7 @@ def test_bad_files_skipped_and_named(tmp_path):
     t = store.rows_to_table([{"name": "router.request", "span_id": 1, "start_ns": 1}])
     t = t.replace_schema_metadata({schema.VERSION_KEY: b"2.0"})
     pq.write_table(t, d / "newer.parquet")
-    with pytest.warns(db.SkippedFileWarning) as rec:
+    with pytest.warns(files.SkippedFileWarning) as rec:
         tr = db.open_trace(d)
     msgs = " ".join(str(w.message) for w in rec)
     for n in ("empty.parquet", "truncated.parquet", "foreign.parquet", "newer.parquet"):
@@ -97,15 +97,15 @@ def _assert_whole(tr):
 
 @pytest.fixture
 def decoded(monkeypatch):
-    """Every path db._decode_error was asked to decode, in order (the real function runs)."""
+    """Every path files.decode_error was asked to decode, in order (the real function runs)."""
     seen = []
-    real = db._decode_error
+    real = files.decode_error
 
     def spy(paths):
         seen.extend(paths)
         return real(paths)
 
-    monkeypatch.setattr(db, "_decode_error", spy)
+    monkeypatch.setattr(files, "decode_error", spy)
     return seen
 
 
@@ -134,7 +134,7 @@ def test_a_file_with_corrupt_data_is_skipped_and_named(tmp_path, setup, column, 
     bad = store.write_rows(d, _p9_rows(), resource=_P9, name="p9-late.parquet")
     _corrupt_first_page(bad, _column_index(bad, column))
     assert store.check_file(bad).ok  # only the data is bad
-    with pytest.warns(db.SkippedFileWarning) as rec:
+    with pytest.warns(files.SkippedFileWarning) as rec:
         r = tr.refresh()
     assert [str(w.message).split(":")[0] for w in rec] == [f"skipped store file {bad}"]  # named once
     assert "corrupt data: " in str(rec[0].message)
@@ -152,7 +152,7 @@ def test_a_file_with_corrupt_data_is_skipped_and_named(tmp_path, setup, column, 
         tr.close()
         decoded.clear()
         tr = db.Trace(d, cache=cache)
-        with pytest.warns(db.SkippedFileWarning, match="corrupt data"):
+        with pytest.warns(files.SkippedFileWarning, match="corrupt data"):
             r = tr.refresh()
         assert not r.rebuilt and r.new == [] and [p for p, _ in r.skipped] == [str(bad)]
         assert decoded == []
@@ -170,7 +170,7 @@ def test_a_corrupt_file_in_a_cold_build_is_skipped(tmp_path):
     _case_h().write(d)
     bad = store.write_rows(d, _p9_rows(), resource=_P9, name="p9-late.parquet")
     _corrupt_first_page(bad)
-    with pytest.warns(db.SkippedFileWarning, match="p9-late.parquet: corrupt data"):
+    with pytest.warns(files.SkippedFileWarning, match="p9-late.parquet: corrupt data"):
         tr = db.open_trace(d)
     assert tr.query("SELECT ttft_ms FROM ttft_breakdown")[0]["ttft_ms"] == 4070
     assert tr.query("SELECT count(*) AS n FROM spans WHERE engine_id = 'p9'")[0]["n"] == 0
@@ -183,10 +183,10 @@ def test_a_file_that_cannot_be_opened_is_not_called_corrupt(tmp_path, child):
     which leaves the open descriptors alone) are not 'corrupt data'. The limit is lowered in a
     child interpreter: in the pytest process it would starve every other thread for the while."""
     sound = store.write_rows(tmp_path, _p9_rows(10), resource=_P9, name="p9.parquet")
-    assert db._decode_error([str(tmp_path / "gone.parquet")])[0] == "unknown"
+    assert files.decode_error([str(tmp_path / "gone.parquet")])[0] == "unknown"
     r = child(f"""
         import json, resource, duckdb
-        from pdtrace.analysis import db
+        from pdtrace.analysis import files
         sound = {str(sound)!r}
         con = duckdb.connect()  # opened before the limit: decoding needs no new connection's descriptors
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -196,8 +196,8 @@ def test_a_file_that_cannot_be_opened_is_not_called_corrupt(tmp_path, child):
                 con.execute("SELECT count(*) FROM read_parquet(?)", [sound]).fetchall()
                 raised = None
             except duckdb.Error as exc:
-                raised = [type(exc).__name__, bool(db._access_error(exc)), str(exc)]
-            errors = {{k: list(v) for k, v in db._decode_errors([sound]).items()}}
+                raised = [type(exc).__name__, bool(files.access_error(exc)), str(exc)]
+            errors = {{k: list(v) for k, v in files.decode_errors([sound]).items()}}
         finally:
             resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
             con.close()
@@ -207,7 +207,7 @@ def test_a_file_that_cannot_be_opened_is_not_called_corrupt(tmp_path, child):
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["raised"] and out["raised"][1], out  # the read failed, and as an access error
     assert out["errors"] == {str(sound): ["unknown", "IOException"]}  # not blamed
-    assert db._decode_error([str(sound)]) == ("sound", "")  # and the file itself is sound
+    assert files.decode_error([str(sound)]) == ("sound", "")  # and the file itself is sound
 
 
 def _part_name(seq, kind="p"):
@@ -373,15 +373,15 @@ def test_parts_are_deferred_once_even_when_the_other_new_files_cannot_be_decoded
     tr.refresh()
     seg = store.write_rows(d, _p9_rows(10), resource=_P9, name=_part_name(1, "s"))
     part = store.write_rows(d, _p9_rows(10, first=100), resource=_P9, name=_part_name(2))
-    real, calls = db._decode_error, []
+    real, calls = files.decode_error, []
 
     def unknown_for_the_segment(paths):
         calls.append(paths)
         assert len(calls) < 50, "refresh loops"
         return ("unknown", "IOException") if str(seg) in paths else real(paths)
 
-    monkeypatch.setattr(db, "_decode_error", unknown_for_the_segment)
-    with pytest.warns(db.SkippedFileWarning, match="unreadable now"):
+    monkeypatch.setattr(files, "decode_error", unknown_for_the_segment)
+    with pytest.warns(files.SkippedFileWarning, match="unreadable now"):
         r = tr.refresh()
     assert r.new == [str(part)] and [p for p, _ in r.skipped] == [str(seg)]
     assert tr.query("SELECT count(*) AS n FROM spans WHERE engine_id = 'p9'")[0]["n"] == 10
@@ -461,10 +461,10 @@ def test_files_of_two_schema_minors_decode_in_one_statement(tmp_path, decoded):
     t = pq.read_table(a)
     t = t.append_column("new_col", pa.array([1] * t.num_rows, pa.int64()))
     pq.write_table(t.replace_schema_metadata(dict(t.schema.metadata or {})), tmp_path / "0-newer.parquet")
-    files = sorted(str(p) for p in tmp_path.glob("*.parquet"))
-    assert store.check_file(files[0]).ok
-    assert db._decode_errors(files) == {}
-    assert decoded == files  # one statement over both
+    paths = sorted(str(p) for p in tmp_path.glob("*.parquet"))
+    assert store.check_file(paths[0]).ok
+    assert files.decode_errors(paths) == {}
+    assert decoded == paths  # one statement over both
 
 
 def test_a_store_without_requests_is_not_rebuilt_on_every_refresh(tmp_path):
@@ -557,7 +557,7 @@ def test_lab_client_records_are_not_a_bad_store_file(tmp_path):
     assert store.check_file(path).artifact == "client-records"
     assert pq.read_table(path).column("status").to_pylist() == ["ok"]
     with warnings.catch_warnings():
-        warnings.simplefilter("error", db.SkippedFileWarning)
+        warnings.simplefilter("error", files.SkippedFileWarning)
         tr = db.open_trace(d)
     assert tr.query("SELECT count(*) AS n FROM store_files WHERE NOT ok")[0]["n"] == 0
     assert tr.query("SELECT ttft_ms FROM ttft_breakdown")[0]["ttft_ms"] == 4070
@@ -623,7 +623,7 @@ def test_sql_is_read_only(tmp_path):
     _case_h().write(d)
     cache = tmp_path / "c.duckdb"
     db.open_trace(d, cache=cache).close()
-    con = db.connect_readonly(cache)
+    con = sandbox.connect_readonly(cache)
     assert con.execute("SELECT ttft_ms FROM ttft_breakdown").fetchone()[0] == 4070
     out = tmp_path / "out.csv"
     for q in (f"COPY (SELECT 1) TO '{out}'", f"ATTACH '{tmp_path / 'x.duckdb'}' AS x",

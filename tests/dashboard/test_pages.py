@@ -333,8 +333,8 @@ def test_sql_console_is_read_only(app, tmp_path, hand_stores, bad, message):
     (tmp_path / "outside.parquet").write_bytes((store / "router-run-pull-1.parquet").read_bytes())
     bad = bad.format(tmp=tmp_path, store=store)
     at = app(store, "app_pages/sql.py")
-    t = data.get_trace(store)  # the dashboard's own trace (AppTest runs the app in this process)
-    threads = t.query("SELECT current_setting('threads') AS v")["v"][0]
+    t = data.session(store)  # the dashboard's own session (AppTest runs the app in this process)
+    threads = t.df("SELECT current_setting('threads') AS v")["v"][0]
     at.text_area(key="sql_text").input(bad)
     at.button(key="sql_run").click().run()
     assert not at.exception
@@ -343,10 +343,10 @@ def test_sql_console_is_read_only(app, tmp_path, hand_stores, bad, message):
     # nothing happened: no file written, no table made, no row deleted, no setting changed
     assert sorted(p.name for p in tmp_path.iterdir()) == ["outside.parquet", "store"]
     assert sorted(p.name for p in store.iterdir()) == sorted(p.name for p in hand_stores["pull"].iterdir())
-    assert t.query("SELECT count(*) AS n FROM duckdb_tables() WHERE table_name = 'console_made'")["n"][0] == 0
-    assert t.query("SELECT count(*) AS n FROM _files WHERE ok")["n"][0] == 3
-    assert t.query("SELECT current_setting('threads') AS v")["v"][0] == threads
-    assert t.query("SELECT count(*) AS n FROM requests")["n"][0] == 60
+    assert t.df("SELECT count(*) AS n FROM duckdb_tables() WHERE table_name = 'console_made'")["n"][0] == 0
+    assert t.df("SELECT count(*) AS n FROM _files WHERE ok")["n"][0] == 3
+    assert t.df("SELECT current_setting('threads') AS v")["v"][0] == threads
+    assert t.df("SELECT count(*) AS n FROM requests")["n"][0] == 60
 
 
 def test_sql_console_runs_queries_of_every_read_only_kind(app, views, hand_stores):

@@ -1,0 +1,123 @@
+"""A trace directory's store files as the analysis sees them: which to read, which to skip and why.
+
+:func:`scan` lists the directory and checks each file's footer (the store's reader rules,
+:func:`pdtrace.instrument.store.check_file`); :func:`decode_errors` decodes new files in full before
+they are absorbed, so a file whose footer is sound but whose data pages are not is skipped and named
+(a :class:`SkippedFileWarning`), and a file that cannot be read *just now* (out of descriptors or
+memory, vanished) is told apart from one whose bytes are bad.
+"""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import duckdb
+
+from pdtrace.instrument import store as _store
+
+
+class SkippedFileWarning(UserWarning):
+    """A store file could not be read and was skipped (the message names it and why)."""
+
+
+
+#: DuckDB errors that say nothing about a file's bytes: a fault of the SQL, the memory limit, an
+#: interrupt, the sandbox (a corrupt page raises a plain duckdb.Error, IOException or
+#: InvalidInputException, depending on where the decoder stumbles).
+_NOT_FILE_ERRORS = (duckdb.OutOfMemoryException, duckdb.InterruptException, duckdb.BinderException,
+                    duckdb.ParserException, duckdb.CatalogException, duckdb.PermissionException,
+                    duckdb.TransactionException)
+
+#: How DuckDB says it could not open or list a file (its own words and the OS's strerror): the
+#: file's access, not its bytes.
+_ACCESS_WORDS = re.compile(r"Cannot open file|No files found|No such file|Too many open files|Permission denied|"
+                           r"Resource temporarily unavailable|Is a directory")
+
+
+def access_error(exc: BaseException) -> bool:
+    """True when ``exc`` is DuckDB failing to open a file (vanished, too many open files, ...)."""
+    return isinstance(exc, duckdb.Error) and _ACCESS_WORDS.search(str(exc)) is not None
+
+
+def decode_error(paths: list[str]) -> tuple[str, str]:
+    """Whether DuckDB decodes every value of every column of the store files ``paths``.
+
+    The footers were already checked (:func:`pdtrace.instrument.store.check_file`);
+    this hashes every value (a streaming aggregate: bounded memory) on a
+    separate in-memory connection, over the union of the files' columns.
+    Returns ``("sound", "")``; ``("corrupt", "corrupt data: <DuckDB's first
+    line>")`` (non-printable characters escaped); or ``("unknown", <error
+    class>)`` when the decode failed for a reason that is not the bytes'
+    (:data:`_NOT_FILE_ERRORS`, such as out of memory, or :func:`access_error`:
+    a file could not be opened).
+    """
+    con = None
+    try:
+        con = duckdb.connect()
+        con.execute("SELECT max(hash(COLUMNS(*))) FROM read_parquet(?, union_by_name = true)", [paths]).fetchall()
+        return "sound", ""
+    except _NOT_FILE_ERRORS as exc:
+        return "unknown", type(exc).__name__
+    except duckdb.Error as exc:  # e.g. 'Corrupted file?', "don't know what type"
+        if access_error(exc):
+            return "unknown", type(exc).__name__
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        return "corrupt", "corrupt data: " + "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in first)
+    finally:
+        if con is not None:
+            con.close()
+
+
+def decode_errors(paths: list[str]) -> dict[str, tuple[str, str]]:
+    """{path: (state, reason)} of the files in ``paths`` that do not decode as sound (:func:`decode_error`).
+
+    All of them are decoded in one statement (3.65 s for the 1M-request benchmark
+    store's 180 files, against 14.17 s one by one; BENCHMARKS.md "Analysis cold build"); only when that
+    is not sound, each file alone.
+    """
+    if not paths or decode_error(paths)[0] == "sound":
+        return {}
+    out = {}
+    for p in paths:
+        state, reason = decode_error([p])
+        if state != "sound":
+            out[p] = (state, reason)
+    return out
+
+
+def scan(directory: str | os.PathLike, corrupt: dict[str, tuple[int, int, str]] | None = None
+         ) -> tuple[dict[str, tuple[int, int]], list[tuple[str, str]]]:
+    """List ``directory``: ({readable file: (size, mtime_ns)}, [(skipped file, reason)]).
+
+    pdtrace files that are not spans (``FileCheck.artifact``: the lab client's records) are in neither
+    list, nor is a file that vanished since the listing. A file that exists but could not be opened
+    just now (out of descriptors) has a reason starting ``unreadable now:``; one that cannot be opened
+    for good (permission) ``unreadable:``. ``corrupt``: {path: (size, mtime_ns, reason)} of files whose
+    data failed to decode earlier; such a file is skipped with that reason until its size or mtime
+    changes.
+    """
+    corrupt = corrupt or {}
+    good: dict[str, tuple[int, int]] = {}
+    bad: list[tuple[str, str]] = []
+    for p in _store.store_files(Path(directory)):
+        chk = _store.check_file(p)
+        if chk.artifact:  # another pdtrace file (the lab's client records): not spans, not bad
+            continue
+        if not chk.ok:
+            if not (chk.unreadable and not p.exists()):  # a file gone since the listing: nothing to say
+                bad.append((str(p), chk.reason))
+            continue
+        try:
+            st = p.stat()
+        except OSError as exc:
+            if p.exists():
+                kind = "unreadable now" if exc.errno in _store.TRANSIENT_ERRNOS else "unreadable"
+                bad.append((str(p), f"{kind}: {type(exc).__name__}"))
+            continue
+        known = corrupt.get(str(p))
+        if known is not None and known[:2] == (st.st_size, st.st_mtime_ns):
+            bad.append((str(p), known[2]))  # its data failed to decode (until it changes)
+            continue
+        good[str(p)] = (st.st_size, st.st_mtime_ns)
+    return good, bad

@@ -1,0 +1,173 @@
+"""The one way programs open a trace: :func:`open` returns a :class:`Session`.
+
+The CLI (``pdtrace report``, ``sql``, ``check``), the dashboard, ``pdtrace lab``'s closing report,
+the footprint line and the benchmarks that read answers all open a trace here, so the rules live in
+one place:
+
+* **The cache.** ``cache=True`` keeps the analysis in the directory's default cache file
+  (:func:`pdtrace.analysis.cache.default_cache_path`), a path keeps it there, ``None`` keeps it in
+  memory. When the file is locked by another process (a dashboard holds it while ``pdtrace report``
+  runs), the session works in memory instead and says so (:attr:`Session.cache_locked`).
+* **Read-only.** With ``read_only=True`` (the default) every statement run through the session must
+  be a query (:func:`pdtrace.analysis.sandbox.readonly_statements`), and DuckDB may read files under
+  the trace directory only (:func:`pdtrace.analysis.sandbox.restrict_to_directory`). Only the
+  session's own refresh writes, and only into its cache, never into the store.
+* **Refresh.** :meth:`Session.refresh` absorbs the files that appeared or changed since the last
+  one (:meth:`pdtrace.analysis.db.Trace.refresh`); refreshes are serialized, queries run on their
+  own cursors meanwhile. Files the refresh skipped are in :attr:`Session.skipped` (path, reason),
+  not raised and not warned about: the caller shows them its own way.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from pathlib import Path
+from typing import Any, Sequence
+
+import duckdb
+
+from . import cache as _cache
+from . import db as _db
+from . import files as _files
+from . import sandbox as _sandbox
+
+
+class Session:
+    """An opened trace directory: its analysis database, refreshed on demand, queried read-only.
+
+    Build one with :func:`open`; nothing is opened or read until its first :meth:`refresh`. Attributes: ``directory`` (Path), ``cache_path`` (the cache file in
+    use, None in memory), ``cache_locked`` (True when the cache asked for was held by another process
+    and the session fell back to memory), ``read_only``, ``version`` (an int that changes whenever a
+    refresh changed the views: a key for cached results), ``last_refresh`` (the
+    :class:`pdtrace.analysis.db.RefreshResult` of the last refresh, None before the first).
+    """
+
+    def __init__(self, directory: str | os.PathLike, cache: str | os.PathLike | bool | None = True,
+                 read_only: bool = True, threads: int | None = None, memory_limit: str | None = None):
+        self.directory = Path(directory)
+        self.read_only = read_only
+        self._cache_arg = cache
+        self._threads = threads
+        self._memory_limit = memory_limit
+        self._lock = threading.Lock()
+        self._trace: _db.Trace | None = None
+        self.cache_path: Path | None = None
+        self.cache_locked = False
+        self.version = 0
+        self.last_refresh: _db.RefreshResult | None = None
+        self.skipped: list[tuple[str, str]] = []
+
+    # -- lifecycle ----------------------------------------------------------------
+    @property
+    def exists(self) -> bool:
+        """True when the trace directory exists (it may hold no file yet)."""
+        return self.directory.is_dir()
+
+    def _connect(self) -> None:
+        """Open the engine on the cache asked for, in memory when another process holds that file."""
+        cache = self._cache_arg
+        if cache is True:
+            cache = _cache.default_cache_path(self.directory)
+        kw = {"threads": self._threads, "memory_limit": self._memory_limit}
+        try:
+            tr = _db.Trace(self.directory, cache=cache or None, **kw)
+        except duckdb.IOException:  # the cache file is held by another process: work in memory
+            tr = _db.Trace(self.directory, cache=None, **kw)
+            self.cache_locked = True
+        if self.read_only:
+            _sandbox.restrict_to_directory(tr.con, self.directory)
+        self._trace = tr
+        self.cache_path = tr.cache
+
+    def refresh(self) -> bool:
+        """Absorb new, changed and vanished store files; True when the views changed (files absorbed or
+        dropped, a rebuild, or a different set of skipped files). False while the directory does not
+        exist. Raises what :meth:`pdtrace.analysis.db.Trace.refresh` raises (out of memory, an
+        interrupt, a fault in the SQL); a skipped file is not an error (see :attr:`skipped`)."""
+        with self._lock:
+            if self._trace is None:
+                if not self.exists:
+                    return False
+                self._connect()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", _files.SkippedFileWarning)  # they are in self.skipped
+                res = self._trace.refresh()
+            changed = bool(res.new or res.gone or res.rebuilt) or self.skipped != res.skipped
+            self.last_refresh, self.skipped = res, res.skipped
+            if changed or self.version == 0:
+                self.version += 1
+            return changed
+
+    def close(self) -> None:
+        """Close the database (safe to call twice); the session cannot be queried afterwards."""
+        with self._lock:
+            if self._trace is not None:
+                self._trace.close()
+                self._trace = None
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- queries ------------------------------------------------------------------
+    def cursor(self) -> Any:
+        """A new cursor over the views (close it when done): a
+        :class:`pdtrace.analysis.sandbox.ReadOnlyConnection` in a read-only session, else a plain DuckDB
+        cursor. Raises FileNotFoundError when the directory has not appeared yet, RuntimeError after
+        :meth:`close`."""
+        if self._trace is None:
+            if not self.exists:
+                raise FileNotFoundError(f"trace directory not found: {self.directory}")
+            raise RuntimeError(f"session of {self.directory} is closed or was never refreshed")
+        cur = self._trace.con.cursor()
+        return _sandbox.ReadOnlyConnection(cur) if self.read_only else cur
+
+    def execute(self, sql: str, params: Sequence[Any] | None = None) -> duckdb.DuckDBPyConnection:
+        """Run ``sql`` on a new cursor and return it positioned on the result (``fetchall()``,
+        ``df()``, ``description``). Raises :class:`pdtrace.analysis.sandbox.ReadOnlyError` for a
+        statement that is not a query in a read-only session, ``duckdb.Error`` for a failing one."""
+        return self.cursor().execute(sql, list(params or []))
+
+    def query(self, sql: str, params: Sequence[Any] | None = None) -> list[dict]:
+        """Run one query; its rows as dicts (column -> value), for small results."""
+        cur = self.execute(sql, params)
+        try:
+            cols = [d[0] for d in cur.description]
+            return [dict(zip(cols, row)) for row in cur.fetchall()]
+        finally:
+            cur.close()
+
+    def df(self, sql: str, params: Sequence[Any] | None = None):
+        """Run one query; its result as a pandas DataFrame (pandas must be installed)."""
+        cur = self.execute(sql, params)
+        try:
+            return cur.df()
+        finally:
+            cur.close()
+
+
+def open(directory: str | os.PathLike, cache: str | os.PathLike | bool | None = True, read_only: bool = True,
+         *, refresh: bool = True, missing_ok: bool = False, threads: int | None = None,
+         memory_limit: str | None = None) -> Session:
+    """Open the trace in ``directory`` and absorb its files (with ``refresh=False``, at the first
+    :meth:`Session.refresh`): the one way in.
+
+    ``cache``: True for the directory's default cache file, a path for that file, None or False for
+    an in-memory database (kept nowhere); a locked cache file falls back to memory. ``read_only``:
+    queries only, DuckDB reading files under ``directory`` only (False: any statement, any file; for
+    tests and tools that build on the views). ``missing_ok``: a directory that does not exist yet is
+    not an error; the session opens when it appears (:meth:`Session.refresh`). ``threads``,
+    ``memory_limit``: DuckDB settings (see :class:`pdtrace.analysis.db.Trace`).
+
+    Raises FileNotFoundError when ``directory`` does not exist (unless ``missing_ok``), and what a
+    refresh raises.
+    """
+    s = Session(directory, cache=cache, read_only=read_only, threads=threads, memory_limit=memory_limit)
+    if not missing_ok and not s.exists:
+        raise FileNotFoundError(f"trace directory not found: {s.directory}")
+    if refresh:
+        s.refresh()
+    return s
