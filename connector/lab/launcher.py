@@ -1,5 +1,8 @@
 """Engine launcher: real vLLM OpenAI servers for prefill (P) and decode (D), and the router.
 
+(A little over 400 lines: the lab's configuration (``LabConfig``, ``EngineConfig``) and the class that
+starts, watches and stops the processes it describes (``Lab``) are kept side by side.)
+
 Each engine is ``python -m vllm.entrypoints.openai.api_server`` (vLLM's own
 server) with:
 

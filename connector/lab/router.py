@@ -1,5 +1,9 @@
 """P/D router (proxy): OpenAI ``/v1/completions`` and ``/v1/chat/completions`` over P and D engines.
 
+(Over 400 lines on purpose: one request's path -- dispatch of both legs, relay of D's stream, the
+join watchdog, aborts and the router's spans -- is one piece of state, ``ctx``, threaded through
+``_serve`` and ``_relay_decode``; split across modules it would be harder to check.)
+
 aiohttp server and client. For each client request the router makes one id X
 (``<prefix><16 hex>``), sends it as ``X-Request-Id`` on both legs and a W3C
 ``traceparent`` whose trace id is derived from X (``pdtrace.instrument.ids``).
