@@ -59,9 +59,8 @@ def main() -> None:
     files = [str(p) for p in store.store_files(a.store)]
     with tempfile.TemporaryDirectory(prefix="pdtrace-lb-") as tmp:
         tr = db.Trace(a.store, cache=Path(tmp) / "cache.duckdb")
-        tr.refresh()  # clock offsets for the corrected times (not timed)
+        tr.refresh()  # clock offsets for the corrected times (not timed); _records is then every file
         con = tr.con
-        tr._set_records(files)
         print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; {len(files)} files")
         t = time.perf_counter()
         con.execute("CREATE OR REPLACE TEMP TABLE lb_bare AS SELECT request_id, count(*) AS n "

@@ -53,12 +53,12 @@ def per_request(run_dir: Path) -> list[dict]:
     ``tpot_src``: 'pdtrace' (``requests.tpot_ms``) or 'client' (the client's TPOT, used when pdtrace has
     none: on 2026-11-30 ``requests.output_tokens`` is NULL in lab runs, no process records the count).
     """
-    from pdtrace.analysis import db
+    from pdtrace import analysis
     ctpot = client_tpot(run_dir)
     ids = set(ctpot)
-    with db.open_trace(run_dir, cache=run_dir.parent / (run_dir.name + ".duckdb")) as tr:
+    with analysis.open(run_dir, cache=run_dir.parent / (run_dir.name + ".duckdb")) as tr:
         rows = tr.query("""
-            SELECT q.request_id, q.prompt_tokens, _bucket_lo(q.prompt_tokens) AS prompt_bucket_lo,
+            SELECT q.request_id, q.prompt_tokens, prompt_bucket_lo(q.prompt_tokens) AS prompt_bucket_lo,
                    q.output_tokens, q.ttft_ms, q.tpot_ms, q.status,
                    b.queue_ns, b.compute_ns, b.transfer_ns, b.coordination_ns, b.ttft_ns
             FROM requests q LEFT JOIN ttft_breakdown b ON b.request_id = q.request_id""")
@@ -72,7 +72,7 @@ def per_request(run_dir: Path) -> list[dict]:
 
 def by_bucket(rows: list[dict]) -> dict[int, dict]:
     """bucket lo -> n, TTFT mean/p99, TPOT mean/p99 (ms) over complete requests; the buckets are the
-    analysis's (``prompt_bucket_lo``: ``_bucket_lo`` of analysis/sql/summary.sql, as in ``pdtrace report``)."""
+    analysis's (the public macro ``prompt_bucket_lo`` of analysis/sql/summary.sql, as in ``pdtrace report``)."""
     out: dict[int, dict] = {}
     for lo in sorted({r["prompt_bucket_lo"] for r in rows if r["prompt_bucket_lo"] is not None}):
         rs = [r for r in rows if r["prompt_bucket_lo"] == lo and r["status"] == "complete"]

@@ -11,6 +11,10 @@
 CREATE OR REPLACE MACRO _bucket_lo(n) AS
     CASE WHEN n IS NULL THEN NULL WHEN n < 1 THEN 0 ELSE (2 ** floor(log2(n)))::BIGINT END;
 
+-- Public: the lower bound of the bucket of n tokens (the one definition above, by its public name).
+CREATE OR REPLACE MACRO prompt_bucket_lo(n) AS _bucket_lo(n);
+COMMENT ON MACRO prompt_bucket_lo IS 'prompt_bucket_lo(tokens) -> BIGINT: the lower bound lo of the power-of-two bucket [lo, 2*lo) holding a token count (0 for 0 tokens, NULL for NULL); summary_by_prompt_bucket.prompt_bucket_lo of a request';
+
 -- Public: the label of the bucket of n tokens, for tables people read (the dashboard's buckets).
 CREATE OR REPLACE MACRO prompt_bucket(n) AS
     CASE WHEN n IS NULL THEN 'unknown' WHEN n < 1 THEN '0'
