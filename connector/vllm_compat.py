@@ -202,9 +202,7 @@ HOOKS: tuple[Hook, ...] = (
        note="adds the expired requests to done_sending (a set) in place"),
     _H("base_worker", "NixlBaseConnectorWorker", "get_transfer_results"),
     _H("base_worker", "NixlBaseConnectorWorker", "nixl_wrapper", kind="attr"),
-    _H("base_worker", "NixlBaseConnectorWorker", "xfer_stats", kind="attr"),
     _H("base_worker", "NixlBaseConnectorWorker", "_remote_agents", kind="attr"),
-    _H("base_worker", "NixlBaseConnectorWorker", "_engine_clock_offset", kind="attr"),
     _H("base_worker", "NixlBaseConnectorWorker", "_reqs_to_send", kind="attr"),
     _H("base_worker", "NixlBaseConnectorWorker", "_reqs_to_process", kind="attr"),
     _H("base_worker", "NixlBaseConnectorWorker", "_ready_requests", kind="attr",
@@ -212,6 +210,7 @@ HOOKS: tuple[Hook, ...] = (
     _H("base_worker", "NixlBaseConnectorWorker", "nixl_backends", kind="attr"),
     _H("base_worker", "NixlBaseConnectorWorker", "tp_rank", kind="attr"),
     _H("base_worker", None, "nixl_agent_config", kind="attr", note="None when NIXL is not installed"),
+    # called by the facades' start_load_kv, which pdtrace times (the READs / the writer hand-off start inside)
     _H("pull_worker", "NixlPullConnectorWorker", "start_load_kv", ("metadata",)),
     _H("pull_worker", "NixlPullConnectorWorker", "_read_blocks_for_req", ("req_id", "meta")),
     _H("push_worker", "NixlPushConnectorWorker", "start_load_kv", ("metadata",)),
@@ -309,7 +308,7 @@ def all_hooks() -> tuple[Hook, ...]:
 
 
 #: Differences between 0.32.0 and 0.33.0 that affect the hooks: {hook name: what differs}.
-#: Filled from the static check of the 0.33.0 wheel (see BENCHMARKS.md "Connectors").
+#: Filled from the static check of the 0.33.0 wheel (``tests/connector/test_vllm033_static.py``).
 DIFFERENCES: dict[str, str] = {
     "pull_worker.NixlPullConnectorWorker._read_blocks_for_req":
         "0.33 re-handshakes a peer whose registration generation grew (sleep mode / re-registration) "
@@ -320,6 +319,9 @@ DIFFERENCES: dict[str, str] = {
     "metadata":
         "0.33 bumps NIXL_CONNECTOR_VERSION 14 -> 15 and adds remote_registration_generation to "
         "kv_transfer_params: P and D must run the same vLLM (the traced classes add nothing to it)",
+    "vllm.entrypoints.launchers.cli_args":
+        "0.33 moves the serving arguments (FrontendArgs, --middleware) to vllm.entrypoints.common.cli_args; "
+        "the plugin's args.middleware is checked where init_entrypoints_middleware reads it (same in both)",
     "base_worker": "0.33 calls check_nixl_version() at import; descriptor building returns numpy "
                    "arrays (pdtrace only takes len() of the ids passed to make_prepped_xfer)",
 }

@@ -31,6 +31,19 @@ def test_step_report_aggregates_ranks():
     assert out.step == 7 and out.recv["r"] == {0: (1, 2), 1: (3, 4)} and out.expired == {"p"} and out.busy
 
 
+def test_step_info_is_named_and_pickles_small():
+    """The scheduler -> worker message crosses a process boundary every step: a NamedTuple, read by name."""
+    import pickle
+
+    from pdtrace.connector.traced.messages import StepInfo
+
+    info = StepInfo(3, 17, {"cmpl-X-0-0123abcd": 5}, {}, False)
+    assert pickle.loads(pickle.dumps(info)) == info
+    assert (info.step, info.sid, info.idle) == (3, 17, False) and info[2] is info.recv_alloc
+    empty = pickle.dumps(StepInfo(3, 17, {}, {}, True), protocol=pickle.HIGHEST_PROTOCOL)
+    assert len(empty) < 96, len(empty)  # the class reference and five small values
+
+
 def test_ids_and_notification_kinds():
     assert split_id("cmpl-X1-0-0123abcd") == ("X1", 0)
     assert split_id("chatcmpl-X2-deadbeef") == ("X2", 0)

@@ -75,3 +75,33 @@ def test_static_check_names_a_changed_plugin_hook(monkeypatch):
     assert vllm_compat.static_check(root) == []  # the real plugin hooks, read from the installed source
     monkeypatch.setattr(vllm_compat, "PLUGIN_HOOKS", _PLUGIN_FAKES)
     _names_each_fake(vllm_compat.static_check(root))
+
+
+def test_guard_reads_fields_and_names_changed_source_hooks(monkeypatch):
+    """Dataclass fields without a class attribute (``default_factory``) count as present; the source kinds
+    (strings vLLM writes, calls with keywords, f-string shapes, attributes assigned / read) are named
+    when the installed source no longer has them."""
+    H = vllm_compat.Hook
+    present = (H("vllm.v1.outputs", "KVConnectorOutput", "failed_recving", kind="attr"),
+               H("vllm.v1.outputs", "KVConnectorOutput", "invalid_block_ids", kind="attr"),
+               H("base_worker", None, "transfer_failed", kind="literal"),
+               H("pull_worker", None, "make_prepped_xfer", ("notif_msg",), kind="calls"),
+               H("pull_worker", None, "{}:{}", kind="fstring"))
+    monkeypatch.setattr(vllm_compat, "PLUGIN_HOOKS", ())
+    monkeypatch.setattr(vllm_compat, "HOOKS", present)
+    assert vllm_compat.missing_hooks() == []
+    fakes = (H("vllm.v1.outputs", "KVConnectorOutput", "no_such_field", kind="attr"),
+             H("base_worker", None, "no_such_failure_xyz", kind="literal"),
+             H("pull_worker", None, "make_prepped_xfer", ("no_such_kw",), kind="calls"),
+             H("pull_worker", None, "{}|{}", kind="fstring"),
+             H("vllm.entrypoints.launchers.api_server.app_state", None, "no_such_state", kind="assigns"),
+             H("vllm.entrypoints.serve.middleware.register", None, "no_such_arg", kind="reads"))
+    monkeypatch.setattr(vllm_compat, "HOOKS", fakes)
+    problems = vllm_compat.missing_hooks()
+    assert len(problems) == 6, problems
+    assert "KVConnectorOutput.no_such_field: instance attribute never assigned" in problems[0]
+    assert "'no_such_failure_xyz': string no longer in" in problems[1]
+    assert "make_prepped_xfer: no call passes the keywords ('no_such_kw',)" in problems[2]
+    assert "'{}|{}': no f-string shaped" in problems[3]
+    assert "no_such_state: attribute no longer assigned" in problems[4]
+    assert "no_such_arg: attribute no longer read" in problems[5]
