@@ -22,7 +22,7 @@ module's text when it is read (so they are part of :func:`library_hash`).
 
 ``requires`` lists the modules that must be loaded first. ``materialize: NAME
 KIND`` says that view ``NAME`` reads table ``_mat_NAME``, filled from view
-``_calc_NAME`` by :mod:`pdtrace.analysis.db` on refresh: ``full`` recomputes the
+``_calc_NAME`` by :mod:`pdtrace.analysis.materialize` on refresh: ``full`` recomputes the
 whole table, ``request`` only the request keys in ``_scope_keys``; ``scratch``
 holds an intermediate step for the refreshed requests only and is emptied
 after the refresh (read by several later steps, so computed once); ``file``
@@ -149,6 +149,26 @@ def load_order(mods: dict[str, Module] | None = None) -> list[Module]:
     for name in sorted(mods):
         visit(name, name)
     return done
+
+
+def with_requirements(names, mods: dict[str, Module] | None = None) -> list[Module]:
+    """The modules ``names`` and every module they require (``-- requires:``, transitively), in load
+    order (:func:`load_order` of that set): what loading them into a fresh database takes.
+
+    Raises ValueError for an unknown module name or dependency, or a dependency cycle.
+    """
+    mods = modules() if mods is None else mods
+    need: set[str] = set()
+    todo = [(n, None) for n in names]
+    while todo:
+        name, via = todo.pop()
+        if name in need:
+            continue
+        if name not in mods:
+            raise ValueError(f"unknown module {name!r}" if via is None else f"module {via} requires unknown module {name!r}")
+        need.add(name)
+        todo += [(dep, name) for dep in mods[name].requires]
+    return load_order({n: mods[n] for n in need})
 
 
 def base_tables_sql() -> str:

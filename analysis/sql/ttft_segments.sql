@@ -1,5 +1,5 @@
 -- module: ttft_segments
--- requires: request_base, segment_culprits
+-- requires: request_base, segment_culprits, intervals
 -- materialize: _tt_req scratch
 -- materialize: _tt_marks scratch
 -- materialize: _tt_cand scratch
@@ -30,6 +30,7 @@
 --     The critical branch is the one whose last stage ends last (the input
 --     that arrived last); the other branch's stages that overlap it are
 --     hidden; stages that ended before it started (pull: P before D) stay.
+--     J, the chain's end and the input instant I (rule 10): macro _handoff_join.
 --  4. Flatten (Perfetto's startup breakdown): among top-level stages the one
 --     ending last owns each instant ("latest end wins" = walking back from
 --     the first token and following the last-arriving input), so each owns
@@ -37,8 +38,11 @@
 --     Children (handoff.* under handoff.prep, chunks) own their part of their
 --     parent's interval the same way; the parent keeps the rest. Deeper
 --     descendants are not split out (their parent owns their time).
+--     Macro _latest_end_wins (module intervals), at each level.
 --  5. Waits (router.wait) own only instants no stage covers; what remains is
---     an `unattributed` segment named by its neighbours.
+--     an `unattributed` segment named by its neighbours. The instants no
+--     stage covers: macro _uncovered (module intervals), also for a
+--     parent's own time between its children.
 --  Engine-clock window (request_base.ttft_source = 'engine': no router row):
 --  the window is [P's API server received, D's API server wrote the first
 --  token chunk] and the same steps apply. The router's hop between the legs
@@ -130,6 +134,32 @@ CREATE OR REPLACE MACRO _process_key(role, host, pid, engine_id) AS
          WHEN engine_id IS NOT NULL THEN hash(role, engine_id, 'engine') END;
 
 CREATE OR REPLACE MACRO _post_join_stage(g) AS g IN ('handoff.prep', 'kv.transfer', 'kv.ready', 'decode.first_step');
+
+-- The join rule (step 3 with rules 10 and 11): where each request's handoff
+-- starts. `cands` (a table, view or CTE name) holds candidates with columns
+-- rkey, stage, stage_group, branch, s0, e0 (ns, router clock) and
+-- attempt_start_ns (request_base: the dispatch of the attempt that delivered
+-- the first token, NULL without a retry); only stages starting at or after it
+-- count. Returns one row per request that has a post-join stage
+-- (_post_join_stage): join_ns = J, the later of the first post-join stage's
+-- start and input_ns; chain_end_ns = latest end of a post-join stage;
+-- xfer_end_ns = latest end of kv.transfer (NULL: none); input_ns = I (rule
+-- 10), the later of P's KV ready (latest end of a prefill-branch
+-- prefill.compute) and the latest end of dest.register (NULL: neither; pull
+-- has no dest.register); att_ns = attempt_start_ns. All ns.
+CREATE OR REPLACE MACRO _handoff_join(cands) AS TABLE
+SELECT rkey, greatest(post_start_ns, input_ns) AS join_ns, chain_end_ns, xfer_end_ns, input_ns, att_ns
+FROM (
+    SELECT r.rkey,
+           min(r.s0) FILTER (WHERE _post_join_stage(r.stage_group) AND r.s0 >= coalesce(r.attempt_start_ns, r.s0)) AS post_start_ns,
+           max(r.e0) FILTER (WHERE _post_join_stage(r.stage_group) AND r.s0 >= coalesce(r.attempt_start_ns, r.s0)) AS chain_end_ns,
+           max(r.e0) FILTER (WHERE r.stage = 'kv.transfer' AND r.s0 >= coalesce(r.attempt_start_ns, r.s0)) AS xfer_end_ns,
+           greatest(max(r.e0) FILTER (WHERE r.branch = 'prefill' AND r.stage_group = 'prefill.compute'
+                                            AND r.s0 >= coalesce(r.attempt_start_ns, r.s0)),
+                    max(r.e0) FILTER (WHERE r.stage = 'dest.register' AND r.s0 >= coalesce(r.attempt_start_ns, r.s0))) AS input_ns,
+           any_value(r.attempt_start_ns) AS att_ns
+    FROM query_table(cands) r GROUP BY r.rkey
+) WHERE post_start_ns IS NOT NULL;
 
 -- The refreshed complete requests (small; every later step joins it on rkey alone).
 CREATE OR REPLACE VIEW _calc_tt_req AS
@@ -237,22 +267,8 @@ WITH allc AS MATERIALIZED (
     LEFT JOIN par_ok k ON k.rkey = a.rkey AND k.parent_span_id = a.parent_span_id AND k.attempt = a.attempt
           AND k.proc_key = a.proc_key AND k.trace_key IS NOT DISTINCT FROM a.trace_key
     WHERE a.tp_rank IS NULL OR a.tp_rank = r.crit_rank
-), j0 AS (
-    -- the handoff of the attempt that delivered the first token (request_base.attempt_start_ns:
-    -- a retry): only stages starting at or after the retry's dispatch
-    SELECT r.rkey,
-           min(r.s0) FILTER (WHERE _post_join_stage(r.stage_group) AND r.s0 >= coalesce(r.attempt_start_ns, r.s0)) AS post_start_ns,
-           max(r.e0) FILTER (WHERE _post_join_stage(r.stage_group) AND r.s0 >= coalesce(r.attempt_start_ns, r.s0)) AS chain_end_ns,
-           max(r.e0) FILTER (WHERE r.stage = 'kv.transfer' AND r.s0 >= coalesce(r.attempt_start_ns, r.s0)) AS xfer_end_ns,
-           -- rule 10: the handoff's last input (greatest ignores NULL: pull has no dest.register)
-           greatest(max(r.e0) FILTER (WHERE r.branch = 'prefill' AND r.stage_group = 'prefill.compute'
-                                            AND r.s0 >= coalesce(r.attempt_start_ns, r.s0)),
-                    max(r.e0) FILTER (WHERE r.stage = 'dest.register' AND r.s0 >= coalesce(r.attempt_start_ns, r.s0))) AS input_ns,
-           any_value(r.attempt_start_ns) AS att_ns
-    FROM ranked r GROUP BY r.rkey
 ), j AS (
-    SELECT rkey, greatest(post_start_ns, input_ns) AS join_ns, chain_end_ns, xfer_end_ns, input_ns, att_ns
-    FROM j0 WHERE post_start_ns IS NOT NULL
+    SELECT * FROM _handoff_join('ranked')
 ), pre0 AS (
     SELECT ranked.* REPLACE (
                -- rule 6: kv.ready runs from the transfer's end; then rule 10: a
@@ -305,64 +321,47 @@ CREATE OR REPLACE VIEW _tt_tree AS SELECT * FROM _mat_tt_tree;
 
 -- Top-level owners: [s0, oe] with oe = min(e0, earliest start of stages ending later).
 CREATE OR REPLACE VIEW _calc_tt_top AS
-SELECT * FROM (
-    SELECT *, least(e0, coalesce(min(s0) OVER w, e0)) AS oe
-    FROM _tt_tree WHERE NOT is_child AND NOT is_filler
-    WINDOW w AS (PARTITION BY rkey ORDER BY e0 DESC, s0 DESC, span_id
-                 ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING)
-) WHERE oe > s0;
+WITH top_level AS (SELECT * FROM _tt_tree WHERE NOT is_child AND NOT is_filler)
+SELECT * RENAME (owned_end AS oe) FROM _latest_end_wins('top_level', rkey, NULL, s0, e0, span_id);
 CREATE TABLE IF NOT EXISTS _mat_tt_top AS SELECT * FROM _calc_tt_top LIMIT 0;
 CREATE OR REPLACE VIEW _tt_top AS SELECT * FROM _mat_tt_top;
 
 -- Instants no top-level stage owns.
 CREATE OR REPLACE VIEW _tt_gaps AS
-SELECT rkey, gs, ge FROM (
-    SELECT rkey, s0 AS ge, coalesce(lag(oe) OVER (PARTITION BY rkey ORDER BY s0, oe), arrival_ns) AS gs
-    FROM (SELECT rkey, s0, oe, arrival_ns FROM _tt_top
-          UNION ALL SELECT rkey, first_token_ns, first_token_ns, arrival_ns FROM _tt_req)
-) WHERE ge > gs;
+WITH owners AS (SELECT rkey AS k1, NULL AS k2, s0 AS s, oe AS e, arrival_ns AS lo, NULL AS label FROM _tt_top),
+     windows AS (SELECT rkey AS k1, NULL AS k2, arrival_ns AS lo, first_token_ns AS hi FROM _tt_req)
+SELECT k1 AS rkey, gap_start AS gs, gap_end AS ge FROM _uncovered('owners', 'windows');
 
 -- Waits own what they cover of the gaps (latest end wins among waits too).
 CREATE OR REPLACE VIEW _tt_fill AS
-SELECT * FROM (
-    SELECT *, least(fe, coalesce(min(fs) OVER w, fe)) AS foe FROM (
-        SELECT f.rkey, f.span_id, f.stage, f.stage_group, f.category, f.role, f.engine_id, f.tp_rank, f.attempt,
-               greatest(g.gs, f.s0) AS fs, least(g.ge, f.e0) AS fe
-        FROM _tt_gaps g JOIN (SELECT * FROM _tt_tree WHERE is_filler AND NOT is_child) f
-          ON f.rkey = g.rkey AND f.s0 < g.ge AND f.e0 > g.gs
-    )
-    WINDOW w AS (PARTITION BY rkey ORDER BY fe DESC, fs DESC, span_id ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING)
-) WHERE foe > fs;
+WITH in_gaps AS (
+    SELECT f.rkey, f.span_id, f.stage, f.stage_group, f.category, f.role, f.engine_id, f.tp_rank, f.attempt,
+           greatest(g.gs, f.s0) AS fs, least(g.ge, f.e0) AS fe
+    FROM _tt_gaps g JOIN (SELECT * FROM _tt_tree WHERE is_filler AND NOT is_child) f
+      ON f.rkey = g.rkey AND f.s0 < g.ge AND f.e0 > g.gs
+)
+SELECT * RENAME (owned_end AS foe) FROM _latest_end_wins('in_gaps', rkey, NULL, fs, fe, span_id);
 
 -- Children of owned top-level stages, flattened inside their parent's interval.
 CREATE OR REPLACE VIEW _calc_tt_kids AS
-SELECT * FROM (
-    SELECT *, least(ke, coalesce(min(ks) OVER w, ke)) AS koe FROM (
-        SELECT k.rkey, k.span_id, k.stage, k.stage_group, k.category, k.role, k.engine_id, k.tp_rank, k.attempt,
-               a.span_id AS parent_id, greatest(k.s0, a.s0) AS ks, least(k.e0, a.oe) AS ke
-        FROM (SELECT * FROM _tt_tree WHERE is_child AND NOT coalesce(is_deep, false)) k
-        JOIN _tt_top a ON a.rkey = k.rkey AND a.span_id = k.parent_span_id
-        WHERE greatest(k.s0, a.s0) < least(k.e0, a.oe)
-    )
-    WINDOW w AS (PARTITION BY rkey, parent_id ORDER BY ke DESC, ks DESC, span_id
-                 ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING)
-) WHERE koe > ks;
+WITH in_parent AS (
+    SELECT k.rkey, k.span_id, k.stage, k.stage_group, k.category, k.role, k.engine_id, k.tp_rank, k.attempt,
+           a.span_id AS parent_id, greatest(k.s0, a.s0) AS ks, least(k.e0, a.oe) AS ke
+    FROM (SELECT * FROM _tt_tree WHERE is_child AND NOT coalesce(is_deep, false)) k
+    JOIN _tt_top a ON a.rkey = k.rkey AND a.span_id = k.parent_span_id
+    WHERE greatest(k.s0, a.s0) < least(k.e0, a.oe)
+)
+SELECT * RENAME (owned_end AS koe) FROM _latest_end_wins('in_parent', rkey, parent_id, ks, ke, span_id);
 CREATE TABLE IF NOT EXISTS _mat_tt_kids AS SELECT * FROM _calc_tt_kids LIMIT 0;
 CREATE OR REPLACE VIEW _tt_kids AS SELECT * FROM _mat_tt_kids;
 
 -- A parent's own time: its interval minus its children's.
 CREATE OR REPLACE VIEW _tt_parent_self AS
-SELECT rkey, span_id, gs AS start_ns, ge AS end_ns FROM (
-    SELECT x.rkey, x.span_id, x.ks AS ge,
-           coalesce(lag(x.koe) OVER (PARTITION BY x.rkey, x.span_id ORDER BY x.ks, x.koe), x.ps) AS gs
-    FROM (
-        SELECT k.rkey, k.parent_id AS span_id, k.ks, k.koe, a.s0 AS ps
-        FROM _tt_kids k JOIN _tt_top a ON a.rkey = k.rkey AND a.span_id = k.parent_id
-        UNION ALL
-        SELECT a.rkey, a.span_id, a.oe, a.oe, a.s0
-        FROM _tt_top a WHERE EXISTS (SELECT 1 FROM _tt_kids k WHERE k.rkey = a.rkey AND k.parent_id = a.span_id)
-    ) x
-) WHERE ge > gs;
+WITH kids AS (SELECT k.rkey AS k1, k.parent_id AS k2, k.ks AS s, k.koe AS e, a.s0 AS lo, NULL AS label
+              FROM _tt_kids k JOIN _tt_top a ON a.rkey = k.rkey AND a.span_id = k.parent_id),
+     parents AS (SELECT a.rkey AS k1, a.span_id AS k2, a.s0 AS lo, a.oe AS hi
+                 FROM _tt_top a WHERE EXISTS (SELECT 1 FROM _tt_kids k WHERE k.rkey = a.rkey AND k.parent_id = a.span_id))
+SELECT k1 AS rkey, k2 AS span_id, gap_start AS start_ns, gap_end AS end_ns FROM _uncovered('kids', 'parents');
 
 CREATE OR REPLACE VIEW _calc_tt_owned AS
 SELECT rkey, span_id, stage, stage_group, category, role, engine_id, tp_rank, attempt, s0 AS start_ns, oe AS end_ns
@@ -380,16 +379,12 @@ CREATE OR REPLACE VIEW _tt_owned AS SELECT * FROM _mat_tt_owned;
 
 -- Whatever nothing owns, named by its neighbours.
 CREATE OR REPLACE VIEW _tt_unattributed AS
-SELECT rkey, gs AS start_ns, ge AS end_ns,
-       'between ' || coalesce(prev_stage, 'arrival') || ' and ' || coalesce(next_stage, 'first token') AS detail
-FROM (
-    SELECT rkey, start_ns AS ge, stage AS next_stage,
-           coalesce(lag(end_ns) OVER w, arrival_ns) AS gs,
-           lag(stage) OVER w AS prev_stage
-    FROM (SELECT o.rkey, o.start_ns, o.end_ns, o.stage, q.arrival_ns FROM _tt_owned o JOIN _tt_req q ON q.rkey = o.rkey
-          UNION ALL SELECT rkey, first_token_ns, first_token_ns, NULL, arrival_ns FROM _tt_req)
-    WINDOW w AS (PARTITION BY rkey ORDER BY start_ns, end_ns)
-) WHERE ge > gs;
+WITH owned AS (SELECT o.rkey AS k1, NULL AS k2, o.start_ns AS s, o.end_ns AS e, q.arrival_ns AS lo, o.stage AS label
+               FROM _tt_owned o JOIN _tt_req q ON q.rkey = o.rkey),
+     windows AS (SELECT rkey AS k1, NULL AS k2, arrival_ns AS lo, first_token_ns AS hi FROM _tt_req)
+SELECT k1 AS rkey, gap_start AS start_ns, gap_end AS end_ns,
+       'between ' || coalesce(prev_label, 'arrival') || ' and ' || coalesce(next_label, 'first token') AS detail
+FROM _uncovered('owned', 'windows');
 
 -- (the request's ids are joined after the numbering: strings in a window's rows slow its sort)
 CREATE OR REPLACE VIEW _calc_ttft_segments AS
