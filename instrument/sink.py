@@ -43,8 +43,10 @@ buffer bytes), and when the last client has gone, the parts are merged into one 
 the deletes sees those rows twice, which readers remove by ``record_id``.
 
 Life. The sink exits when no client has been connected for PDTRACE_SINK_IDLE_S, after writing
-and merging everything; on SIGTERM it writes and merges what it holds, answers its clients and
-exits (they start a new one at their next send). SIGINT is ignored. If it is killed, its clients
+and merging everything; on SIGTERM it takes in what its clients sent, writes and merges what it
+holds, answers its clients and exits (they start a new one at their next send; records a client
+sent after the sink's last read are counted as dropped by that client, as after a kill). SIGINT is
+ignored; SIGTERM is unblocked at start (a writer thread that starts the sink blocks it). If it is killed, its clients
 count what they sent since its last answer as dropped, and the next send of any of them starts a
 new sink. It runs niced +10 and its stderr goes to :func:`pdtrace.instrument.hostsink.log_path`.
 """
@@ -461,7 +463,11 @@ class Collector:
                 self._poll(0.0)  # a client that connected just now is served, not reset
                 if not self.conns:
                     return
-        # SIGTERM: everything held is written, every client answered, then the sockets close
+        # SIGTERM: what the clients sent so far is taken in, everything held is written, every client
+        # answered, then the sockets close
+        for _ in range(20):
+            if not self._poll(0.0):
+                break
         for c in self.conns.values():
             c.final = True
         self.write_part()
@@ -717,6 +723,9 @@ def main(argv: list[str], listen: tuple[str, socket.socket]) -> int:
         col.stopping = True
 
     signal.signal(signal.SIGTERM, _term)
+    # A process inherits the signal mask of the thread that started it: a traced process's writer
+    # thread, which blocks SIGTERM (recorder's Writer.start). Unblocked here, or SIGTERM stays pending.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     col.run()
     return 0
 

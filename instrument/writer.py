@@ -228,7 +228,8 @@ class Writer(threading.Thread):
     # ---------------------------------------------------------------- loop
     def start(self) -> None:
         """Start the thread with SIGTERM and SIGINT blocked in it (a thread inherits the signal mask
-        of the thread that starts it; a sink process it starts ignores SIGINT anyway). The kernel
+        of the thread that starts it, and so does a sink process it starts: the sink ignores SIGINT and
+        unblocks SIGTERM itself). The kernel
         then delivers a process-directed signal to a thread that runs Python handlers, the main
         thread: one delivered to this thread only sets Python's flag, and the handler waited,
         unrun, until the main thread woke (a traced process in ``time.sleep(60)`` outlived SIGTERM

@@ -80,17 +80,20 @@ def test_bad_activation_raises():
 
 
 def test_resource_given_to_activate_is_on_every_row(child, tmp_path):
-    """The process's role and engine id go with the start: the sink may write the process's first
+    """The process's role and engine id go with the start: the sink writes the process's first
     ``recorder.stats`` row and clock anchor as soon as its writer connects, before any record (here:
-    five flush intervals with nothing recorded), and none of them is written without the role (the CI
+    the first record waits for that first file), and none of them is written without the role (the CI
     failure behind vllm-router: one process's first stats row had role NULL). A later call adds
     resource columns (here the connector; on the rows converted after it, the final stats row among them)."""
     d = tmp_path / "t"
-    r = child("""
-        import time
+    r = child(f"""
+        import glob, time
         from pdtrace.instrument import activate, tracer
         assert activate('plugin', role='decode', engine_id='E1')
-        time.sleep(0.5)
+        deadline = time.monotonic() + 30
+        while not glob.glob({str(d)!r} + '/*.parquet'):  # the sink's first file: written before any record
+            assert time.monotonic() < deadline, 'the sink wrote no file before the first record'
+            time.sleep(0.02)
         tracer.record('decode.step', None, 1, 2)
         assert activate('plugin', connector='TracedNixlPullConnector')
         tracer.record('decode.step', None, 3, 4)

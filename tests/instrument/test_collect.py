@@ -149,7 +149,10 @@ def test_router_root_with_ttft_attribute_and_only_its_header_id(collector):
         "http.request.header.x-request-id": ["cmpl-R9-0"], "gen_ai.server.time_to_first_token": 0.075})
     s.end(end_time=T0 + 300 * MS)
     router.shutdown()
-    time.sleep(0.5)
+    deadline = time.monotonic() + 30
+    while col.stats["written_spans"] < 1:  # released by the join wait (0.2 s), not by stop's final write
+        assert time.monotonic() < deadline, col.stats
+        time.sleep(0.02)
     col.stop()
     with db.open_trace(col.dir) as tr:
         req = tr.query("SELECT request_id, status, ttft_ms, last_token_ns FROM requests")

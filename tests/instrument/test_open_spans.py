@@ -13,7 +13,7 @@ import time
 
 import duckdb
 
-from pdtrace.instrument import config, recorder, store
+from pdtrace.instrument import config, hostsink, recorder, store
 
 FLUSH = 0.2
 
@@ -64,8 +64,7 @@ def test_span_held_open_across_three_flushes_is_written_refreshed_and_closed(tmp
     # closed: its span row is written, and no open row after it
     t_end = t.now()
     t.end(sid, end_ns=t_end)
-    assert t.force_flush(10)
-    time.sleep(FLUSH * 1.5)
+    assert t.force_flush(10)  # a flush after the close (and shutdown's final one): neither writes an open row
     assert t.shutdown()
     spans = _rows(tmp_path, "record = 'span'")
     by = {r[3]: r for r in spans}
@@ -79,11 +78,10 @@ def test_record_after_the_fact_with_close_and_abandon(tmp_path):
     """The connectors' pattern: start() while waiting, the final row by record(span_id=...) + close();
     abandon() when no span follows leaves one last 'abandoned' open row."""
     t = _tracer(tmp_path)
-    t0 = t.now()
+    t0 = t.now() - int(2 * FLUSH * 1e9)  # started two thresholds ago: open long enough at the first flush
     a = t.start("prefill.queue", "A", start_ns=t0, attrs={"wait.for": "schedule"})
     b = t.start("dest.register", "B", start_ns=t0, attrs={"wait.for": "registration"})
     c = t.start("prefill.queue", "C", start_ns=t0)
-    time.sleep(FLUSH * 1.2)
     assert t.force_flush(10)
     t1 = t.now()
     assert t.record("prefill.queue", "A", t0 + 5, t1, {"request.mode": "push"}, span_id=a) == a
@@ -95,7 +93,6 @@ def test_record_after_the_fact_with_close_and_abandon(tmp_path):
     t.update(12345, {"wait.received": 1})
     assert t._open == {}
     assert t.force_flush(10)
-    time.sleep(FLUSH * 1.5)
     assert t.shutdown()
     opens = _rows(tmp_path, "record = 'open'")
     last = {}
@@ -152,7 +149,7 @@ time.sleep(60)
     finally:
         if p.poll() is None:
             p.kill()
-    time.sleep(1.0)  # the sink writes what it has at end of file, then exits
+    assert hostsink.sync(d, 30)  # the sink has written what the killed process sent (it saw end of file)
     for f in store.store_files(d):
         assert store.check_file(f).ok
     opens = _rows(d, "record = 'open'")
