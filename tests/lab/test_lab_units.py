@@ -111,11 +111,11 @@ def test_stop_group_leaves_no_orphans(tmp_path):
             "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
             "time.sleep(600)\n")
     p = procs.spawn([sys.executable, "-c", code], {"PATH": "/usr/bin:/bin"}, tmp_path / "x.log")
-    time.sleep(1.0)
-    kids = procs.descendants(p.pid)
-    assert kids
-    procs.stop_group(p, term_timeout_s=2)
-    time.sleep(0.2)
+    deadline = time.monotonic() + 30
+    while not (kids := procs.descendants(p.pid)):  # the child has started its own child
+        assert p.poll() is None and time.monotonic() < deadline, "the child never started its child"
+        time.sleep(0.05)
+    procs.stop_group(p, term_timeout_s=2)  # returns once the group and every descendant are gone
     assert p.poll() is not None
     assert not any(k.is_running() and k.status() != "zombie" for k in kids)
 

@@ -120,9 +120,21 @@ def test_kill_decode_mid_run(push_lab):
         assert len(r.token_times_ns) < max_tokens, (r.request_index, len(r.token_times_ns))
     assert t_done - t0 < 120
     lab.stop()
-    time.sleep(1.0)
     import psutil
-    alive = [p for p in all_pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
+    def leftovers():
+        alive = []
+        for p in all_pids:
+            try:
+                if psutil.Process(p).status() != psutil.STATUS_ZOMBIE:
+                    alive.append(p)
+            except psutil.NoSuchProcess:
+                pass
+        return alive, [p for p in ports if procs.port_is_bound(p)]
+
+    deadline = time.monotonic() + 5  # the kernel releases a dead process's ports as it reaps it
+    while any(leftovers()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    alive, bound = leftovers()
     assert not alive, f"orphans: {alive}"
-    bound = [p for p in ports if procs.port_is_bound(p)]
     assert not bound, f"ports still bound: {bound}"
