@@ -58,9 +58,6 @@ def prompt_bucket_sql(col: str = "prompt_tokens") -> str:
     return f"prompt_bucket({col})"
 
 
-#: SQL expression: the prompt-length bucket of a row with a ``prompt_tokens`` column.
-PROMPT_BUCKET_SQL = prompt_bucket_sql()
-
 
 def sorted_buckets(labels: Iterable[str]) -> list[str]:
     """Distinct prompt-bucket labels of :func:`prompt_bucket_sql` in ascending token order, 'unknown' last."""
@@ -82,6 +79,11 @@ class Window:
         if self.end_ns is not None:
             parts.append(f"{col} < {int(self.end_ns)}")
         return " AND ".join(parts) or "TRUE"
+
+    def params(self) -> list:
+        """[start_ns, end_ns] (None: open): the window arguments of the analysis's table macros
+        (``window_summary``, ``category_shares_over_time``, ...: analysis/sql/window_summary.sql)."""
+        return [self.start_ns, self.end_ns]
 
 
 ALL = Window()
@@ -144,38 +146,23 @@ def modes(t: Session) -> list[str]:
 # ---------------------------------------------------------------------------
 
 def headline(t: Session, w: Window = ALL, mode: str | None = None) -> dict:
-    """Counts and percentiles in the window.
+    """Counts and percentiles in the window (the analysis's ``window_summary`` macro).
 
     Keys: requests, complete, incomplete (counts); ttft_p50/p90/p99_ms and
     tpot_p50/p90/p99_ms (ms, quantile_cont over complete requests); share_queue
     / share_compute / share_transfer / share_coordination (fraction of the
-    summed TTFT of requests with a breakdown); unattributed_share (fraction);
+    summed TTFT of requests with a breakdown; NaN without one); unattributed_share (fraction);
     engine_source (count of requests whose TTFT window is the engines' own,
     requests.ttft_source = 'engine': no router record, the router's hop unseen)
     and router_unseen_ms (their summed exposed router.unseen, ms).
     """
-    mf = "TRUE" if mode is None else "mode = $1"
-    p = [mode] if mode is not None else []
-    r = t.df(f"""
-        SELECT count(*) AS requests,
-               count(*) FILTER (WHERE status = 'complete') AS complete,
-               count(*) FILTER (WHERE status <> 'complete') AS incomplete,
-               quantile_cont(ttft_ms, 0.5) AS ttft_p50_ms, quantile_cont(ttft_ms, 0.9) AS ttft_p90_ms,
-               quantile_cont(ttft_ms, 0.99) AS ttft_p99_ms,
-               quantile_cont(tpot_ms, 0.5) AS tpot_p50_ms, quantile_cont(tpot_ms, 0.9) AS tpot_p90_ms,
-               quantile_cont(tpot_ms, 0.99) AS tpot_p99_ms,
-               count(*) FILTER (WHERE ttft_source = 'engine') AS engine_source
-        FROM requests WHERE {w.sql()} AND {mf}""", p).iloc[0].to_dict()
-    s = t.df(f"""
-        SELECT sum(ttft_ms) AS ttft, sum(queue_ms) AS queue, sum(compute_ms) AS compute,
-               sum(transfer_ms) AS transfer, sum(coordination_ms) AS coordination,
-               sum(unattributed_ms) AS unattributed, sum(router_unseen_ms) AS router_unseen
-        FROM ttft_breakdown WHERE {w.sql()} AND {mf}""", p).iloc[0].to_dict()
-    tot = s["ttft"] or 0.0
+    r = t.df("SELECT * FROM window_summary(?, ?, ?)", [*w.params(), mode]).iloc[0].to_dict()
     for c in CATEGORIES:
-        r[f"share_{c}"] = (s[c] / tot) if tot else float("nan")
-    r["unattributed_share"] = (s["unattributed"] / tot) if tot else float("nan")
-    r["router_unseen_ms"] = float(s["router_unseen"] or 0.0)
+        v = r.pop(f"{c}_share")
+        r[f"share_{c}"] = float("nan") if v is None or pd.isna(v) else v
+    if r["unattributed_share"] is None or pd.isna(r["unattributed_share"]):
+        r["unattributed_share"] = float("nan")
+    r["router_unseen_ms"] = float(r["router_unseen_ms"])
     for k in ("requests", "complete", "incomplete", "engine_source"):
         r[k] = int(r[k] or 0)
     return r
@@ -221,45 +208,23 @@ def latency_over_time(t: Session, w: Window, bucket_ns: int) -> pd.DataFrame:
 
 
 def category_share_over_time(t: Session, w: Window, bucket_ns: int) -> pd.DataFrame:
-    """Share of TTFT per category per arrival-time bucket and mode (long form).
+    """Share of TTFT per category per arrival-time bucket and mode (long form; the analysis's
+    ``category_shares_over_time`` macro).
 
-    Columns: bucket_ns (ns since the Unix epoch), mode, category, ms (summed
-    category time in the bucket, ms), share (fraction of the bucket's summed TTFT),
-    requests (count with a breakdown).
+    Columns: bucket_ns (ns since the Unix epoch), mode, category, requests (count with a breakdown),
+    ms (summed category time in the bucket, ms), share (fraction of the bucket's summed TTFT).
     """
-    b = int(bucket_ns)
-    df = t.df(f"""
-        SELECT (arrival_ns // {b}) * {b} AS bucket_ns, mode, count(*) AS requests, sum(ttft_ms) AS ttft_ms,
-               sum(queue_ms) AS queue, sum(compute_ms) AS compute, sum(transfer_ms) AS transfer,
-               sum(coordination_ms) AS coordination
-        FROM ttft_breakdown WHERE {w.sql()} GROUP BY ALL ORDER BY bucket_ns, mode""")
-    return _long_shares(df, ["bucket_ns", "mode"])
-
-
-def _long_shares(df: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
-    if df.empty:
-        return pd.DataFrame(columns=keys + ["requests", "category", "ms", "share"])
-    long = df.melt(id_vars=keys + ["requests", "ttft_ms"], value_vars=list(CATEGORIES), var_name="category",
-                   value_name="ms")
-    long["share"] = long["ms"] / long["ttft_ms"].where(long["ttft_ms"] > 0)
-    return long.drop(columns=["ttft_ms"])
+    return t.df("SELECT * FROM category_shares_over_time(?, ?, ?)", [*w.params(), int(bucket_ns)])
 
 
 def category_share_by_bucket(t: Session, w: Window = ALL) -> pd.DataFrame:
-    """Share of TTFT per category by mode and prompt-length bucket (long form).
+    """Share of TTFT per category by mode and prompt-length bucket (long form; the analysis's
+    ``category_shares_by_prompt_bucket`` macro).
 
-    Columns: mode, prompt_bucket (see :func:`prompt_bucket_sql`), requests (count),
-    category, ms (summed, ms), share (fraction of the group's summed TTFT),
-    mean_ms (per request, ms).
+    Columns: mode, prompt_bucket (see :func:`prompt_bucket_sql`), category, requests (count),
+    ms (summed, ms), share (fraction of the group's summed TTFT), mean_ms (per request, ms).
     """
-    df = t.df(f"""
-        SELECT mode, {PROMPT_BUCKET_SQL} AS prompt_bucket, count(*) AS requests, sum(ttft_ms) AS ttft_ms,
-               sum(queue_ms) AS queue, sum(compute_ms) AS compute, sum(transfer_ms) AS transfer,
-               sum(coordination_ms) AS coordination
-        FROM ttft_breakdown WHERE {w.sql()} GROUP BY ALL""")
-    long = _long_shares(df, ["mode", "prompt_bucket"])
-    long["mean_ms"] = long["ms"] / long["requests"] if not long.empty else pd.Series(dtype="float64")
-    return long
+    return t.df("SELECT * FROM category_shares_by_prompt_bucket(?, ?)", w.params())
 
 
 def in_flight(t: Session, limit: int = 200) -> pd.DataFrame:
@@ -400,14 +365,9 @@ def request_clock(t: Session, rkey: int) -> pd.DataFrame:
 # ---------------------------------------------------------------------------
 
 def percentiles_by_bucket(t: Session, w: Window = ALL) -> pd.DataFrame:
-    """Per mode and prompt-length bucket: requests, TTFT p50/p90/p99 and TPOT p50/p90/p99 (ms), complete only."""
-    return t.df(f"""
-        SELECT mode, {PROMPT_BUCKET_SQL} AS prompt_bucket, count(*) AS requests,
-               quantile_cont(ttft_ms, 0.5) AS ttft_p50_ms, quantile_cont(ttft_ms, 0.9) AS ttft_p90_ms,
-               quantile_cont(ttft_ms, 0.99) AS ttft_p99_ms,
-               quantile_cont(tpot_ms, 0.5) AS tpot_p50_ms, quantile_cont(tpot_ms, 0.9) AS tpot_p90_ms,
-               quantile_cont(tpot_ms, 0.99) AS tpot_p99_ms
-        FROM requests WHERE status = 'complete' AND {w.sql()} GROUP BY ALL ORDER BY mode, min(prompt_tokens)""")
+    """Per mode and prompt-length bucket: requests, TTFT p50/p90/p99 and TPOT p50/p90/p99 (ms), complete only
+    (the analysis's ``percentiles_by_prompt_bucket`` macro)."""
+    return t.df("SELECT * FROM percentiles_by_prompt_bucket(?, ?)", w.params())
 
 
 # ---------------------------------------------------------------------------
@@ -484,27 +444,14 @@ def stall_culprits(t: Session, rkey: int) -> pd.DataFrame:
 # ---------------------------------------------------------------------------
 
 def stage_share_change(t: Session, incident: Window, baseline: Window) -> pd.DataFrame:
-    """Stages ranked by how much their share of TTFT grew from baseline to incident.
+    """Stages ranked by how much their share of TTFT grew from baseline to incident (the analysis's
+    ``stage_share_change`` macro).
 
     Share = a stage's summed critical-path time / the window's summed TTFT
     (fraction). Columns: stage, category, share_baseline, share_incident,
-    growth_pp (percentage points), mean_ms_baseline, mean_ms_incident (per
-    request, ms).
+    mean_ms_baseline, mean_ms_incident (per request, ms), growth_pp (percentage points).
     """
-    df = t.df(f"""
-        WITH b AS (SELECT rkey, ttft_ns, {incident.sql()} AS inc, {baseline.sql()} AS base
-                   FROM ttft_breakdown WHERE ({incident.sql()}) OR ({baseline.sql()})),
-             tot AS (SELECT sum(ttft_ns) FILTER (WHERE inc) AS ti, sum(ttft_ns) FILTER (WHERE base) AS tb,
-                            count(*) FILTER (WHERE inc) AS ni, count(*) FILTER (WHERE base) AS nb FROM b)
-        SELECT s.stage_group AS stage, any_value(s.category) AS category,
-               coalesce(sum(s.dur_ns) FILTER (WHERE b.base), 0) / any_value(tot.tb) AS share_baseline,
-               coalesce(sum(s.dur_ns) FILTER (WHERE b.inc), 0) / any_value(tot.ti) AS share_incident,
-               coalesce(sum(s.dur_ns) FILTER (WHERE b.base), 0) / 1e6 / any_value(tot.nb) AS mean_ms_baseline,
-               coalesce(sum(s.dur_ns) FILTER (WHERE b.inc), 0) / 1e6 / any_value(tot.ni) AS mean_ms_incident
-        FROM ttft_segments s JOIN b USING (rkey), tot
-        GROUP BY s.stage_group""")
-    df["growth_pp"] = (df["share_incident"].fillna(0) - df["share_baseline"].fillna(0)) * 100
-    return df.sort_values(["growth_pp", "stage"], ascending=[False, True]).reset_index(drop=True)
+    return t.df("SELECT * FROM stage_share_change(?, ?, ?, ?)", [*incident.params(), *baseline.params()])
 
 
 #: Attributes "What changed" ranks: label -> SQL expression over ttft_breakdown (alias b).
