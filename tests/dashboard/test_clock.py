@@ -17,6 +17,8 @@ import pytest
 
 from storegen import build_store
 
+from pdtrace.instrument.stages import CATEGORIES
+
 SKEW_MS = 250.0
 N = 12
 
@@ -41,8 +43,7 @@ def _bars_by_stage(fig, raw: bool = False) -> dict[tuple[str, str], float]:
     the hover shows, ms since arrival)."""
     out = {}
     for tr in fig["data"]:
-        if tr.get("type") != "bar" or not tr.get("text") or tr.get("name") in ("queue", "compute", "transfer",
-                                                                               "coordination"):
+        if tr.get("type") != "bar" or not tr.get("text") or tr.get("name") in CATEGORIES:
             continue
         raws = [row[-3] if len(row) == 8 else row[2] for row in tr["customdata"]] if raw else _arr(tr["base"])
         for lane, stage, x in zip(_arr(tr["y"]), _arr(tr["text"]), raws):

@@ -33,8 +33,37 @@ def test_tile_data_permission_is_granted_where_the_cpu_has_amx():
         assert r["granted"] is False and not r["after"] & bit
 
 
-def test_the_lab_sitecustomize_makes_the_request():
+STARTED = """
+import json, platform, sys
+out = {"amx_loaded": "pdtrace.connector.lab.amx" in sys.modules}
+if sys.platform == "linux" and platform.machine() == "x86_64":
+    import ctypes
+    libc = ctypes.CDLL(None)
+    v = ctypes.c_uint64(0)
+    libc.syscall(158, 0x1021, ctypes.byref(v)); out["supp"] = v.value   # ARCH_GET_XCOMP_SUPP
+    libc.syscall(158, 0x1022, ctypes.byref(v)); out["perm"] = v.value   # ARCH_GET_XCOMP_PERM
+print(json.dumps(out))
+"""
+
+
+def test_the_lab_sitecustomize_makes_the_request(tmp_path):
+    """A fresh interpreter with the lab's generated sitecustomize on its path (as the launcher writes it
+    into the run's bootstrap directory) ran it before its own code: the amx module is loaded, no lab
+    patch reported a failure, and where the CPU has AMX the permission is granted (elsewhere the
+    request leaves no trace to read)."""
+    import json
+    import os
+
     from pdtrace.connector.lab.progthread import SITECUSTOMIZE
 
-    compile(SITECUSTOMIZE, "sitecustomize.py", "exec")
-    assert "_pdtrace_amx.install()" in SITECUSTOMIZE
+    (tmp_path / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PDTRACE_", "OTEL_"))}
+    env["PYTHONPATH"] = str(tmp_path)
+    r = subprocess.run([sys.executable, "-c", STARTED], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "pdtrace:" not in r.stderr, r.stderr[-2000:]  # every patch of the sitecustomize installed
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["amx_loaded"] is True
+    bit = 1 << 18  # XFEATURE_XTILEDATA
+    if out.get("supp", 0) & bit:
+        assert out["perm"] & bit

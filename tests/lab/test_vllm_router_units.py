@@ -37,11 +37,11 @@ def test_command_is_accepted_by_the_installed_router():
 
 
 def test_pinned_in_setup_and_checked():
-    assert (vllm_router.DIST, vllm_router.VERSION) == ("vllm-router", "0.1.17")
-    assert "vllm-router==0.1.17" in env.setup_commands("python")[0]
-    found = [p.what for p in env.problems(import_check=False) if "vllm-router" in p.what]
-    installed = env._version("vllm-router")
-    assert (found == []) == (installed == "0.1.17"), (found, installed)
+    """The pin the lab starts (vllm_router.VERSION) is the one its setup installs and its check wants."""
+    assert f"{vllm_router.DIST}=={vllm_router.VERSION}" in env.setup_commands("python")[0]
+    found = [p.what for p in env.problems(import_check=False) if vllm_router.DIST in p.what]
+    installed = env._version(vllm_router.DIST)
+    assert (found == []) == (installed == vllm_router.VERSION), (found, installed)
 
 
 @pytest.mark.parametrize("response_id, want", [
