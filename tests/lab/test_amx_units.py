@@ -35,7 +35,7 @@ def test_tile_data_permission_is_granted_where_the_cpu_has_amx():
 
 STARTED = """
 import json, platform, sys
-out = {"amx_loaded": "pdtrace.connector.lab.amx" in sys.modules}
+out = {"lab_modules": sorted(m.rsplit(".", 1)[1] for m in sys.modules if m.startswith("pdtrace.connector.lab."))}
 if sys.platform == "linux" and platform.machine() == "x86_64":
     import ctypes
     libc = ctypes.CDLL(None)
@@ -48,9 +48,9 @@ print(json.dumps(out))
 
 def test_the_lab_sitecustomize_makes_the_request(tmp_path):
     """A fresh interpreter with the lab's generated sitecustomize on its path (as the launcher writes it
-    into the run's bootstrap directory) ran it before its own code: the amx module is loaded, no lab
-    patch reported a failure, and where the CPU has AMX the permission is granted (elsewhere the
-    request leaves no trace to read)."""
+    into the run's bootstrap directory) ran it before its own code: each lab patch's module is loaded
+    (progthread, kvcore, amx, inject), none reported a failure, and where the CPU has AMX the permission
+    is granted (elsewhere the request leaves no trace to read)."""
     import json
     import os
 
@@ -63,7 +63,7 @@ def test_the_lab_sitecustomize_makes_the_request(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert "pdtrace:" not in r.stderr, r.stderr[-2000:]  # every patch of the sitecustomize installed
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    assert out["amx_loaded"] is True
+    assert {"progthread", "kvcore", "amx", "inject"} <= set(out["lab_modules"]), out
     bit = 1 << 18  # XFEATURE_XTILEDATA
     if out.get("supp", 0) & bit:
         assert out["perm"] & bit
