@@ -291,17 +291,21 @@ causes AS (
     FROM st LEFT JOIN ctot ON ctot.step_span_id = st.span_id LEFT JOIN ktot ON ktot.step_span_id = st.span_id
     WHERE st.excess_ns > coalesce(ctot.conn_ns, 0) AND ktot.tok IS NULL
 )
+-- shares are whole ns (rounded): sums of them are exact, whatever order DuckDB aggregates in
 SELECT st.engine_id, st.step_id, st.start_ns, causes.kind, causes.method, causes.culprit AS culprit_request_id,
-       causes.share_ns, causes.share_ns / 1e6 AS share_ms, st.span_id AS step_span_id
+       round(causes.share_ns)::BIGINT AS share_ns, round(causes.share_ns)::BIGINT / 1e6 AS share_ms,
+       st.span_id AS step_span_id
 FROM causes JOIN st ON st.span_id = causes.span_id
-WHERE causes.share_ns > 0;
+WHERE round(causes.share_ns) > 0;
 CREATE TABLE IF NOT EXISTS _mat_decode_stall_causes AS SELECT * FROM _calc_decode_stall_causes LIMIT 0;
 CREATE OR REPLACE VIEW decode_stall_causes AS SELECT * FROM _mat_decode_stall_causes;
 
 CREATE OR REPLACE VIEW decode_stalls AS
 WITH top AS (
-    -- the largest cause (arg_max over one row order: culprit and kind from the same row)
-    SELECT step_span_id, arg_max({'c': culprit_request_id, 'k': kind}, share_ns) AS top
+    -- the largest cause (arg_max over one row order: culprit and kind from the same row); equal shares
+    -- go to the larger culprit id, then kind, so the answer does not depend on row order
+    SELECT step_span_id,
+           arg_max({'c': culprit_request_id, 'k': kind}, (share_ns, coalesce(culprit_request_id, ''), kind)) AS top
     FROM decode_stall_causes GROUP BY step_span_id
 )
 SELECT b.engine_id, b.step_id, b.start_ns, b.end_ns, b.dur_ns, b.dur_ns / 1e6 AS dur_ms,
@@ -395,15 +399,15 @@ WITH victims AS (
     WHERE e.kind = 'd' AND c.culprit_request_id IS DISTINCT FROM e.request_id
     GROUP BY ALL
 ), per_culprit AS (
-    -- whole ns per culprit: the shares are DOUBLE and a DOUBLE sum depends on the aggregation order,
-    -- which DuckDB does not fix (two builds of one store ranked tied victims differently); sums of
-    -- the rounded values below are exact
-    SELECT request_id, culprit_request_id, round(sum(ns))::BIGINT AS ns, arg_max(kind, ns) AS kind
+    -- whole ns: decode_stall_causes.share_ns is whole ns, so these sums are exact whatever order DuckDB
+    -- aggregates in (a DOUBLE sum is not: two builds of one store ranked tied victims differently); a
+    -- tie in ns goes to the larger culprit id, so the top culprit does not depend on row order either
+    SELECT request_id, culprit_request_id, sum(ns)::BIGINT AS ns, arg_max(kind, (ns, kind)) AS kind
     FROM victims GROUP BY ALL
 )
 SELECT request_id, sum(ns) AS stall_ns,
-       arg_max(culprit_request_id, ns) FILTER (WHERE culprit_request_id IS NOT NULL) AS top_culprit,
-       arg_max(kind, ns) FILTER (WHERE culprit_request_id IS NOT NULL) AS top_kind,
+       arg_max(culprit_request_id, (ns, culprit_request_id)) FILTER (WHERE culprit_request_id IS NOT NULL) AS top_culprit,
+       arg_max(kind, (ns, culprit_request_id)) FILTER (WHERE culprit_request_id IS NOT NULL) AS top_kind,
        max(ns) FILTER (WHERE culprit_request_id IS NOT NULL) AS top_ns
 FROM per_culprit GROUP BY request_id;
 CREATE TABLE IF NOT EXISTS _mat_stall_victims AS SELECT * FROM _calc_stall_victims LIMIT 0;
@@ -463,7 +467,7 @@ COMMENT ON COLUMN decode_stall_causes.start_ns IS 'step start (ns since the Unix
 COMMENT ON COLUMN decode_stall_causes.kind IS 'connector.load | connector.poll | connector.save (work serving a handoff) | prefill | recompute | unexplained';
 COMMENT ON COLUMN decode_stall_causes.method IS 'vLLM connector method for connector causes (vllm.method)';
 COMMENT ON COLUMN decode_stall_causes.culprit_request_id IS 'request whose handoff/prefill/recompute caused it (NULL: unexplained)';
-COMMENT ON COLUMN decode_stall_causes.share_ns IS 'share of the step''s excess (duration ns)';
+COMMENT ON COLUMN decode_stall_causes.share_ns IS 'share of the step''s excess, rounded to the ns (duration ns; the shares of a step add up to its excess within a few ns)';
 COMMENT ON COLUMN decode_stall_causes.share_ms IS 'share_ns in ms';
 COMMENT ON COLUMN decode_stall_causes.step_span_id IS 'span id of the decode.step';
 

@@ -104,6 +104,40 @@ def test_j_connector_work_shares_the_excess(analyse):
     assert sum(r["share_ms"] for r in causes.values()) == 600
 
 
+# J3. Case J with three requests recomputed in step 50, 100 prompt tokens each: the 600 ms excess
+#   splits into three equal shares. A tie has one answer whatever the row order: the largest
+#   culprit id. Shares are whole ns, so every sum of them is exact.
+def _case_j3():
+    c = Case()
+    for rid in "ABC":
+        c.router_request(rid, 0, 4000, "pull", first_token_ms=1000, last_token_ms=3600, output_tokens=101)
+    for rid in "RST":
+        c.router_request(rid, 900, 4000, "pull", first_token_ms=2620, last_token_ms=3600, output_tokens=50)
+    t = 1000
+    for k in range(100):
+        dur = 620 if k == 50 else 20
+        batch = "A:d1;B:d1;C:d1" + (";S:r100;R:r100;T:r100" if k == 50 else "")
+        c.span("decode", "decode.step", t, t + dur, engine="d0", rank=0,
+               attrs={"step.id": k, "step.batch": batch, "step.decode_tokens": 3,
+                      "step.recompute_tokens": 300 if k == 50 else 0})
+        t += dur
+    return c
+
+
+def test_j3_tied_culprits_have_one_answer(analyse):
+    tr = analyse(_case_j3())
+    causes = tr.query("SELECT culprit_request_id, kind, share_ns, typeof(share_ns) AS t FROM decode_stall_causes "
+                      "ORDER BY culprit_request_id")
+    assert causes == [{"culprit_request_id": r, "kind": "recompute", "share_ns": 200_000_000, "t": "BIGINT"}
+                      for r in "RST"]
+    st = tr.query("SELECT step_id, culprit_request_id, culprit_kind FROM decode_stalls WHERE excess_ns > 0")
+    assert st == [{"step_id": 50, "culprit_request_id": "T", "culprit_kind": "recompute"}]
+    rs = {r["request_id"]: r for r in tr.query("SELECT * FROM request_stalls")}
+    for rid in "ABC":
+        assert rs[rid]["stall_ns"] == 600_000_000
+        assert (rs[rid]["top_culprit_request_id"], rs[rid]["top_culprit_ms"]) == ("T", 200.0)
+
+
 # M. Routine polling on every step (what real stores look like): vLLM calls
 #   start_load_kv, wait_for_save and get_transfer_results on every step, so
 #   every decode.step has idle connector children naming no request. A, B, C
