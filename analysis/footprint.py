@@ -40,11 +40,13 @@ import os
 import re
 import time
 
+from pdtrace.instrument import stages
+
 #: Module name in a pdtrace helper process's command line (``python -m pdtrace.instrument.sink``).
 HELPER_MODULE = "pdtrace.instrument.sink"
 
 #: Roles whose threads are engine threads (the router is pdtrace's lab router, not an engine).
-ENGINE_ROLES = ("prefill", "decode")
+ENGINE_ROLES = stages.ENGINE_ROLES
 
 _SEQ = re.compile(r"^(?P<prefix>.+)-[a-z](?P<seq>\d{6})\.parquet$")
 

@@ -37,7 +37,7 @@ _FLOAT_OK = frozenset((float, int))
 _STR_OK = frozenset((str,))
 #: Records of one key tuple from which a batch converts them a column at a time: a column-wise
 #: group costs ~80-110 µs of numpy/pyarrow calls and saves ~0.5-0.7 µs per record against
-#: converting value by value (BENCHMARKS.md, "Recorder: sink conversion"), so it pays from ~200 records;
+#: converting value by value (BENCHMARKS.md "Sink conversion"), so it pays from ~200 records;
 #: smaller batches (the per-second part files of a lightly loaded engine) keep the per-value path.
 GROUP_MIN = 256
 
@@ -77,7 +77,7 @@ class Converter:
         segments' order, each with its own resource columns, clock offset and default ``tp_rank``.
         The host's sink converts all its clients' records of one part file in one call: the fixed
         cost of a table (~0.23 ms: one Arrow array per column) is then paid once per file, not
-        once per client (BENCHMARKS.md, Collector). ``dropped_attributes`` is not changed: the
+        once per client (BENCHMARKS.md "Host sink"). ``dropped_attributes`` is not changed: the
         caller credits each segment's count to its process. Raises ValueError when there is no
         record, and what :meth:`table` raises for a record it cannot convert.
         """

@@ -71,7 +71,7 @@ log = logging.getLogger("pdtrace")
 # buffer then survive into the oldest generation and trigger full
 # collections; in a process whose heap was frozen (vLLM's engine calls
 # gc.freeze()), those took 3.5-4.4 ms each, GIL held, every ~120,000 records
-# (BENCHMARKS.md, Recorder).
+# (BENCHMARKS.md "Recorder overhead").
 R_SPAN, R_EVENT, R_CLOCK, R_STATS, R_OPEN = 0, 1, 2, 3, 4
 
 _tls = threading.local()

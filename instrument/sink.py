@@ -6,7 +6,7 @@ its ``pdtrace-writer`` thread (:mod:`pdtrace.instrument.writer`) connects over a
 messages; the first one starts the sink as ``python -m pdtrace.instrument.sink --dir DIR --by
 PID``, detached (own session, reparented to init), so it outlives the process that started it.
 Conversion to Arrow, Parquet encoding, file I/O and OTLP export all happen here, so none of it
-holds a traced process's GIL (BENCHMARKS.md, Recorder, says why this matters).
+holds a traced process's GIL (BENCHMARKS.md "Host sink" says why this matters).
 
 Messages from a client (tuples, each connection keeps its own state):
 

@@ -29,7 +29,7 @@ COMPRESSION = "zstd"
 
 #: Parquet compression of the sink's *part* files, which live until their merge into a zstd segment
 #: (PDTRACE_ROTATE_S): with ~35 columns a small part's zstd encoding cost 3.6 ms against 1.9 ms for lz4
-#: (120 rows; sizes 1.4x zstd's), and the sink writes one every flush interval (BENCHMARKS.md, Collector).
+#: (120 rows; sizes 1.4x zstd's), and the sink writes one every flush interval (BENCHMARKS.md "Host sink").
 PART_COMPRESSION = "lz4"
 
 _RECORD_DEFAULTS = {

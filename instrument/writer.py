@@ -11,7 +11,7 @@ held its GIL for up to 5 ms at a time (page faults in fresh Arrow buffers);
 here the writer holds the GIL only to pickle one chunk (~0.25 ms), releases
 it while the socket write blocks, and pauses :data:`YIELD_S` after a chunk
 whose write returned at once, so that a thread waiting for the GIL gets it.
-BENCHMARKS.md (Recorder) has the figures.
+BENCHMARKS.md "Recorder overhead" and "Host sink" have the figures.
 
 Every flush interval (PDTRACE_FLUSH_INTERVAL_S, default 1 s) the writer sends
 the ``open`` records of the spans open at least PDTRACE_OPEN_AFTER_S
@@ -58,7 +58,7 @@ log = logging.getLogger("pdtrace")
 #: Target CPU time (ns) of one chunk's GIL-holding work (pop + pickle + free): the chunk
 #: size follows the cost per record measured on the last chunks, between :data:`CHUNK_MIN`
 #: and :data:`CHUNK_MAX` records. The recorder's goal bounds a GIL hold at 1 ms
-#: (BENCHMARKS.md, Recorder: 0.3 µs per record pickled alone, 1.5-3 µs inside a flush).
+#: (0.3 µs per record pickled alone, BENCHMARKS.md "Host sink").
 HOLD_NS = 250_000
 CHUNK_MIN, CHUNK_MAX = 32, 512
 
@@ -67,7 +67,7 @@ CHUNK_MIN, CHUNK_MAX = 32, 512
 #: a waiter has waited its switch interval (5 ms); a pipe write that returns at
 #: once lets the writer re-take the GIL before the waiting thread has woken, so
 #: without the pause an engine thread could wait 5 ms per chunk (the "convoy
-#: effect", bpo-7946; BENCHMARKS.md, Recorder). A write that blocked on a full
+#: effect", bpo-7946; BENCHMARKS.md "Recorder overhead"). A write that blocked on a full
 #: pipe has already given waiters that time.
 YIELD_S = 0.0002
 

@@ -54,7 +54,7 @@ CREATE OR REPLACE MACRO _outcome_category(category, status_code, kv_bytes, error
 -- Stage names as an ENUM (stored as a small integer): the critical path
 -- (module ttft_segments) sorts and joins millions of candidate rows, and in
 -- DuckDB's window sort a row carrying long strings costs ~3x one carrying
--- integers (BENCHMARKS.md "Analysis: cold build"). Every stage and stage group
+-- integers (BENCHMARKS.md "Analysis cold build"). Every stage and stage group
 -- of the vocabulary, and 'unattributed'; casting another name raises, so only
 -- rows joined with `stages` are cast.
 CREATE OR REPLACE TYPE _stage_name AS ENUM (

@@ -37,7 +37,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from pdtrace.instrument import config
+from pdtrace.instrument import config, stages
 
 from . import procs
 from .kvcore import ENV_SWITCH as KV_CORES_ENV
@@ -150,7 +150,7 @@ def engine_command(cfg: LabConfig, eng: EngineConfig) -> list[str]:
            "--max-model-len", str(cfg.max_model_len), "--max-num-seqs", str(cfg.max_num_seqs)]
     if eng.role != "single":
         kv = {"kv_connector": cfg.connector(),
-              "kv_role": "kv_producer" if eng.role == "prefill" else "kv_consumer",
+              "kv_role": stages.KV_ROLES[eng.role],
               "kv_buffer_device": "cpu", "engine_id": eng.engine_id}
         if cfg.connector_module:
             kv["kv_connector_module_path"] = cfg.connector_module

@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from pdtrace.instrument import clock
+
 from .sse import SSEDecoder
 from .workload import ReplayRequest, Workload
 
@@ -61,13 +63,13 @@ class ClientRecord:
 
 
 class _Clock:
-    """Epoch ns from the monotonic clock, anchored once."""
+    """Epoch ns from the monotonic clock, anchored once (:func:`pdtrace.instrument.clock.wall_minus_mono_ns`)."""
 
     def __init__(self):
-        self.wall0, self.mono0 = time.time_ns(), time.monotonic_ns()
+        self.offset = clock.wall_minus_mono_ns()
 
     def now(self) -> int:
-        return self.wall0 + (time.monotonic_ns() - self.mono0)
+        return clock.now_ns() + self.offset
 
 
 def _count_tokens(obj: dict, prev: int) -> tuple[int, int]:

@@ -55,7 +55,7 @@ cols = st.columns(2)
 for col, name, h in ((cols[0], a_name, ha), (cols[1], b_name, hb)):
     with col:
         st.subheader(name)
-        st.plotly_chart(charts.split_bar({c: h[f"share_{c}"] for c in ("queue", "compute", "transfer", "coordination")},
+        st.plotly_chart(charts.split_bar({c: h[f"share_{c}"] for c in ui.CATEGORIES},
                                          title=f"Share of TTFT ({h['complete']:,} complete)"),
                         width="stretch", key=f"split_{name}")
         m = st.columns(4)

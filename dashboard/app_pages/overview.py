@@ -36,7 +36,7 @@ st.title("Where TTFT went")
 if (note := data.engine_source_note(h["engine_source"], h["requests"])):
     st.warning(note + (f" Exposed router.unseen in the window: {data.fmt_ms(h['router_unseen_ms'])}."
                        if h["router_unseen_ms"] else ""), icon=":material/visibility_off:")
-st.plotly_chart(charts.split_bar({c: h[f"share_{c}"] for c in ("queue", "compute", "transfer", "coordination")},
+st.plotly_chart(charts.split_bar({c: h[f"share_{c}"] for c in ui.CATEGORIES},
                                  title=f"Share of TTFT over {h['complete']:,} complete requests in the window"),
                 width="stretch", key="split")
 st.markdown(" · ".join(f":{ui.CATEGORY_MD[c]}[**{c}** {ui.pct(h[f'share_{c}'])}]" for c in ui.CATEGORIES)

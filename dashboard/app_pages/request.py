@@ -51,7 +51,7 @@ complete = row["status"] == "complete"
 st.subheader(f"`{rid}` · {row['mode']} · {row['status']}" + ("" if complete else f" — cause: {row['cause']}"))
 m = st.columns(7)
 m[0].metric("TTFT", data.fmt_ms(row["ttft_ms"]))
-for i, c in enumerate(("queue", "compute", "transfer", "coordination")):
+for i, c in enumerate(ui.CATEGORIES):
     m[i + 1].metric(c.capitalize(), data.fmt_ms(row.get(f"{c}_ms")))
 m[5].metric("Hidden", data.fmt_ms(row.get("hidden_ms")), help="Stage time that ran off the critical path "
             "(the losing branch of a join): speeding it up would not lower TTFT.")
