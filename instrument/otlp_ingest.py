@@ -1,5 +1,8 @@
 """Foreign OTLP spans → store records: the mapping ``pdtrace collect`` applies (DESIGN.md §6, "any router").
 
+(Over 400 lines on purpose: the mapping from foreign spans to store records is one set of rules
+(ids, roles, stages, attributes, units), kept together so a rule and its exceptions are read side by side.)
+
 Input: decoded ``ExportTraceServiceRequest`` messages (opentelemetry-proto) from
 routers and engines pdtrace did not instrument -- vLLM's own ``llm_request``
 spans (``--otlp-traces-endpoint``), a foreign router's spans, anything else.

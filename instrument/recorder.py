@@ -1,5 +1,9 @@
 """The span recorder: the call-site API, run on the caller's thread.
 
+(Over 400 lines on purpose: most of it is one class, :class:`Tracer`, the call-site API, whose every
+method follows the same rules -- never raise into the engine, never block, bounded memory -- and reads
+best in one place.)
+
 Contract (the *processor* role of OpenTelemetry's SDK): every method is
 thread-safe, never blocks on I/O and never raises into the caller. A record is
 a tuple appended to a bounded deque; a background thread

@@ -1,5 +1,10 @@
 """The sink: one helper process per host and trace directory that turns its clients' records into Parquet files.
 
+(Over 400 lines on purpose: the helper process's life -- start by the first client, adoption by the
+next, SIGTERM and SIGKILL handling -- and the collector loop that writes its files share the guarantees
+README "What the recorder guarantees to the engine" lists: at most one flush interval lost, every file readable at
+any moment. They are checked together here.)
+
 Every traced process on the host whose ``PDTRACE_DIR`` names the same directory is a *client*:
 its ``pdtrace-writer`` thread (:mod:`pdtrace.instrument.writer`) connects over a local socket
 (:mod:`pdtrace.instrument.hostsink`: the address, the lock, the start) and sends pickled

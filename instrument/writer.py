@@ -1,5 +1,8 @@
 """The ``pdtrace-writer`` thread: drains the recorder's buffer and hands the records to the host's sink.
 
+(A little over 400 lines: one thread class, :class:`Writer`, and the pickling it needs; its drain,
+send, reconnect and drop-and-count paths share one state and are kept together.)
+
 Contract (the *exporter* role of OpenTelemetry's SDK): no caller's thread
 ever waits for it. It pickles records in chunks sized to hold the GIL about
 :data:`HOLD_NS` and sends them over a local socket to the sink of its trace
