@@ -21,3 +21,10 @@ def analyse(tmp_path):
     for tr in opened:
         tr.close()
 
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    """A fresh PDTRACE_CACHE_DIR (default caches and library templates) under the test's tmp_path."""
+    root = tmp_path / "cache-root"
+    monkeypatch.setenv("PDTRACE_CACHE_DIR", str(root))
+    return root

@@ -12,13 +12,6 @@ from test_ttft_cases import _case_a, _case_h
 _Q = "SELECT * EXCLUDE (rkey) FROM ttft_breakdown ORDER BY request_id"
 
 
-@pytest.fixture
-def cache_dir(tmp_path, monkeypatch):
-    root = tmp_path / "cache-root"
-    monkeypatch.setenv("PDTRACE_CACHE_DIR", str(root))
-    return root
-
-
 def _store(tmp_path, name="s"):
     d = tmp_path / name
     _case_a().write(d, prefix="a-")

@@ -13,13 +13,6 @@ from test_ttft_cases import _case_a, _case_h
 _Q = "SELECT * EXCLUDE (rkey) FROM ttft_breakdown ORDER BY request_id"
 
 
-@pytest.fixture
-def cache_dir(tmp_path, monkeypatch):
-    root = tmp_path / "cache-root"
-    monkeypatch.setenv("PDTRACE_CACHE_DIR", str(root))
-    return root
-
-
 def test_answers_are_the_engines_and_the_cache_is_the_default_file(tmp_path, cache_dir):
     d = tmp_path / "s"
     _case_a().write(d)
