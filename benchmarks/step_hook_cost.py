@@ -52,7 +52,7 @@ def _scheduler(batch: int):
 def _loop(s, sched, n: int, hooks: bool) -> int:
     """Thread CPU (ns) of ``n`` steps, with or without the two hooks."""
     from pdtrace.connector.traced.safety import safe
-    from pdtrace.connector.traced.wmeta import StepReport
+    from pdtrace.connector.traced.messages import StepReport
     from pdtrace.instrument import tracer
 
     so = types.SimpleNamespace(num_scheduled_tokens=sched, preempted_req_ids=set())
@@ -64,7 +64,7 @@ def _loop(s, sched, n: int, hooks: bool) -> int:
                                     failed_recving=None)
         if hooks:
             safe(s._pdt_step_start, so, meta, tracer.now())
-            rep.step = meta._pdtrace[0]
+            rep.step = meta._pdtrace.step
             safe(s._pdt_step_end, out, tracer.now())
     return time.thread_time_ns() - t0
 
