@@ -31,7 +31,7 @@ polling; ``get_finished`` legacy)
 """
 from __future__ import annotations
 
-from pdtrace.instrument import activate, selfcpu, tracer
+from pdtrace.instrument import activate, selfcpu, stages, tracer
 
 from .. import vllm_compat
 from .safety import safe
@@ -42,7 +42,7 @@ STOCK_NAMES = ("NixlConnector", "NixlPullConnector", "NixlPushConnector")
 
 
 def _role_name(kv_role: str) -> str:
-    return "prefill" if kv_role == "kv_producer" else "decode"
+    return stages.role_of_kv_role(kv_role, stages.DECODE)
 
 
 def activation_of(kv_transfer_config) -> str:

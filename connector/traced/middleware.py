@@ -50,7 +50,7 @@ import sys
 
 from pdtrace.instrument import activate, tracer
 from pdtrace.instrument import attributes as _attrs
-from pdtrace.instrument import config
+from pdtrace.instrument import config, stages
 
 from .common import split_id
 from .safety import safe
@@ -80,7 +80,7 @@ def _kv_config_from_argv(argv) -> dict | None:
 def role_of(kv_role: str | None) -> str | None:
     """pdtrace's role of a ``kv_role`` from ``--kv-transfer-config``: 'prefill' (kv_producer), 'decode'
     (kv_consumer), None for another value or none (no frontend span name can be chosen)."""
-    return {"kv_producer": "prefill", "kv_consumer": "decode"}.get(kv_role)
+    return stages.role_of_kv_role(kv_role)
 
 
 def _role_from_argv(argv) -> str | None:
@@ -177,7 +177,7 @@ class FrontendMiddleware:
         Starts this process's recorder (on iff ``PDTRACE_DIR`` is set)."""
         self.app = app
         self.role = role or _role_from_argv(sys.argv) or config.raw("PDTRACE_ROLE") or "decode"
-        if self.role not in ("prefill", "decode"):
+        if self.role not in stages.ENGINE_ROLES:
             self.role = "decode"
         self.name = f"{self.role}.frontend"
         # engine_id puts this process's rows in its engine's clock domain (same host clock), so the

@@ -43,13 +43,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlBase
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_scheduler import NixlPushConnectorScheduler
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import NixlPushConnectorWorker
 
-from pdtrace.instrument import tracer
+from pdtrace.instrument import clock, tracer
 
 from .common import PUSH_REG_PREFIX, split_id
 from .facade import TracedFacadeMixin
 from .safety import safe
 from .scheduler import TracedSchedulerMixin
-from .worker import Ctx, TracedWorkerMixin, wall_to_mono
+from .worker import Ctx, TracedWorkerMixin
 
 ALLOC_KEY = "_pdt_alloc_wall_ns"
 SENT_KEY = "_pdt_sent_wall_ns"
@@ -84,7 +84,7 @@ class TracedNixlPushConnectorScheduler(TracedSchedulerMixin, NixlPushConnectorSc
         super()._pdt_alloc(request, num_external_tokens, t)
         reg = self._push_pending_registrations.get(request.request_id)
         if reg is not None:
-            reg[ALLOC_KEY] = time.time_ns() - (tracer.now() - t)
+            reg[ALLOC_KEY] = clock.mono_to_wall(t)
 
     def build_connector_meta(self, scheduler_output):
         if not tracer.on or not self._push_registration_deadlines:
@@ -179,14 +179,14 @@ class TracedNixlPushConnectorWorker(TracedWorkerMixin, NixlPushConnectorWorker):
         # t (just after the drain that returned it) bounds the arrival from above
         # nixl_wrapper is pdtrace's TracedAgent here (installed with tracing on); drain_lo its own attribute
         arrived = reg_arrival(t, self.nixl_wrapper.drain_lo,
-                              wall_to_mono(sent) if isinstance(sent, int) else None)
+                              clock.wall_to_mono(sent) if isinstance(sent, int) else None)
         self._pdt_regs[f"{x}\x00{pidx}"] = arrived
         if len(self._pdt_regs) > 50_000:
             self._pdt_regs.clear()
         alloc = reg.get(ALLOC_KEY)
         if isinstance(alloc, int) and keep:
             # Start is D's wall clock (raw, another process/host); the analysis corrects skew.
-            tracer.record("dest.register", x, min(wall_to_mono(alloc), arrived), arrived,
+            tracer.record("dest.register", x, min(clock.wall_to_mono(alloc), arrived), arrived,
                           {"request.internal_id": rid, "peer.engine_id": peer, "request.mode": "push",
                            "clock.send_ns": alloc},
                           prompt_index=pidx, tp_rank=self._pdt_rank)

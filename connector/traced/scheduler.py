@@ -1,5 +1,8 @@
 """Scheduler-side tracing shared by pull and push (mixed into vLLM's scheduler classes).
 
+(Over 400 lines on purpose: one mixin, the scheduler side of both handoff modes, whose hooks share one
+per-request state (``SReq``) and one per-step state; the stage rules that read them are kept side by side.)
+
 Side: EngineCore process, the engine-core thread (the one running
 ``schedule()`` → ``execute_model`` → ``update_from_output``). Every hook calls
 ``super()`` first or last unchanged and does its own work through
@@ -62,10 +65,9 @@ pull)                     worker's row ends it at the post)
 """
 from __future__ import annotations
 
-import time
 from collections import deque
 
-from pdtrace.instrument import selfcpu, tracer
+from pdtrace.instrument import clock, selfcpu, stages, tracer
 
 from .common import split_id
 from .messages import StepInfo, StepReport
@@ -136,8 +138,8 @@ class TracedSchedulerMixin:
 
     def __init__(self, vllm_config, engine_id, kv_cache_config):
         super().__init__(vllm_config, engine_id, kv_cache_config)
-        self._pdt_role = "prefill" if vllm_config.kv_transfer_config.kv_role == "kv_producer" else "decode"
-        self._pdt_step_name = "prefill.step" if self._pdt_role == "prefill" else "decode.step"
+        self._pdt_role = stages.role_of_kv_role(vllm_config.kv_transfer_config.kv_role, stages.DECODE)
+        self._pdt_step_name = f"{self._pdt_role}.step"
         # ranks whose receive report a request waits for (one per TP worker of this engine)
         self._pdt_tp = max(1, int(vllm_config.parallel_config.tensor_parallel_size))
         self._pdt_reqs: dict[str, SReq] = {}
@@ -165,7 +167,7 @@ class TracedSchedulerMixin:
         # on_new_request runs. That wait is queue time, not an unattributed gap.
         arr = request.arrival_time
         if arr:
-            a = int(arr * 1e9) - (time.time_ns() - time.monotonic_ns())
+            a = clock.wall_to_mono(int(arr * 1e9))
             if st.t_queued - 60_000_000_000 < a < st.t_queued:
                 st.t_queued = a
         self._pdt_reqs[request.request_id] = st

@@ -26,10 +26,9 @@ the step id the scheduler put on the metadata.
 from __future__ import annotations
 
 import threading
-import time
 
 from pdtrace.instrument import attributes as _attrs
-from pdtrace.instrument import tracer
+from pdtrace.instrument import stages, tracer
 
 from .agent import TracedAgent
 from .common import split_id
@@ -86,7 +85,7 @@ class TracedWorkerMixin:
 
     def __init__(self, vllm_config, engine_id, kv_cache_config):
         super().__init__(vllm_config, engine_id, kv_cache_config)
-        self._pdt_role = "prefill" if vllm_config.kv_transfer_config.kv_role == "kv_producer" else "decode"
+        self._pdt_role = stages.role_of_kv_role(vllm_config.kv_transfer_config.kv_role, stages.DECODE)
         self._pdt_rank = self.tp_rank
         self._pdt_tls = threading.local()
         self._pdt_req: dict[str, ReqState] = {}
@@ -280,7 +279,3 @@ class TracedWorkerMixin:
                 rep = self._pdt_report_obj()
             rep.recv.setdefault(rid, {})[self._pdt_rank] = (min(end, t_seen), t_seen)
 
-
-def wall_to_mono(wall_ns: int) -> int:
-    """Convert a wall-clock ns reading (possibly another host's) to this process's monotonic ns, raw."""
-    return wall_ns - (time.time_ns() - time.monotonic_ns())
