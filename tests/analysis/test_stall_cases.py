@@ -107,6 +107,10 @@ def test_h1_pd_decode_freeze_keeps_ttft_counts_emitted_tokens(analyse):
         assert r["hung"] is True and r["emitted_tokens"] == 50 and round(r["tpot_ms"], 9) == 20.0
         assert r["open_stall_ms"] == 4920.0 and r["stall_ms"] == 0
         assert round(r["tpot_without_stalls_ms"], 9) == 20.0
+    # the report's summaries take the same TPOT (one definition, requests.sql _tpot_ms): the hung
+    # requests count there too, not only in requests
+    m = tr.query("SELECT tpot_mean_ms, tpot_p50_ms FROM summary_by_mode WHERE mode = 'pull'")[0]
+    assert round(m["tpot_mean_ms"], 9) == round(m["tpot_p50_ms"], 9) == 20.0
 
 
 def test_h1_step_that_never_returns_is_an_engine_stall(analyse):
