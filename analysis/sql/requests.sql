@@ -22,15 +22,6 @@
 -- the delivered first token, the formula beside request_base.wasted_compute_ns.
 -- flags: the notable facts of the request (module request_flags: one line per flag, its rule there).
 
--- TPOT (ms per token), the one definition (requests.tpot_ms, the summaries): (last token - first token) /
--- (output_tokens - 1); hung after the first token (no last token): (end of its last decode step - first
--- token) / its decode steps; NULL otherwise.
-CREATE OR REPLACE MACRO _tpot_ms(output_tokens, first_token_ns, last_token_ns, decode_steps, last_decode_end_ns) AS
-    CASE WHEN output_tokens > 1 AND last_token_ns IS NOT NULL
-         THEN (last_token_ns - first_token_ns) / 1e6 / (output_tokens - 1)
-         WHEN first_token_ns IS NOT NULL AND last_token_ns IS NULL AND decode_steps > 0
-         THEN (last_decode_end_ns - first_token_ns) / 1e6 / decode_steps END;
-
 CREATE OR REPLACE VIEW requests AS
 SELECT q.run_id, q.request_id, q.prompt_index, q.mode,
        q.prompt_tokens, q.cached_tokens, q.uncached_tokens, q.output_tokens,

@@ -440,7 +440,7 @@ te AS (
     FROM q
 )
 SELECT q.run_id, q.request_id, q.prompt_index, q.mode, q.output_tokens, q.arrival_ns,
-       q.decode_ns / 1e6 / nullif(q.n_tokens - 1, 0) AS tpot_ms,
+       _tpot_ms(q.output_tokens, q.first_token_ns, q.last_token_ns, q.decode_steps, q.last_decode_end_ns) AS tpot_ms,
        coalesce(p.stall_ns, 0) AS stall_ns, coalesce(p.stall_ns, 0) / 1e6 AS stall_ms,
        coalesce(p.stall_ns, 0) / 1e6 / nullif(q.n_tokens - 1, 0) AS stall_tpot_ms,
        (q.decode_ns - coalesce(p.stall_ns, 0)) / 1e6 / nullif(q.n_tokens - 1, 0) AS tpot_without_stalls_ms,

@@ -1,5 +1,5 @@
 -- module: summary
--- requires: ttft_breakdown, request_base, requests
+-- requires: ttft_breakdown, request_base, stalls
 --
 -- Summaries of ttft_breakdown and TPOT by mode, prompt-length bucket (prompt
 -- tokens, and uncached prompt tokens), and arrival-rate window. Buckets are
