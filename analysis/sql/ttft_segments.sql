@@ -322,15 +322,15 @@ CREATE OR REPLACE VIEW _tt_tree AS SELECT * FROM _mat_tt_tree;
 -- Top-level owners: [s0, oe] with oe = min(e0, earliest start of stages ending later).
 CREATE OR REPLACE VIEW _calc_tt_top AS
 WITH top_level AS (SELECT * FROM _tt_tree WHERE NOT is_child AND NOT is_filler)
-SELECT * RENAME (owned_end AS oe) FROM _latest_end_wins('top_level', rkey, NULL, s0, e0, span_id);
+SELECT * RENAME (owned_end AS oe) FROM _latest_end_wins('top_level', rkey, s0, e0, span_id);
 CREATE TABLE IF NOT EXISTS _mat_tt_top AS SELECT * FROM _calc_tt_top LIMIT 0;
 CREATE OR REPLACE VIEW _tt_top AS SELECT * FROM _mat_tt_top;
 
 -- Instants no top-level stage owns.
 CREATE OR REPLACE VIEW _tt_gaps AS
-WITH owners AS (SELECT rkey AS k1, NULL AS k2, s0 AS s, oe AS e, arrival_ns AS lo, NULL AS label FROM _tt_top),
-     windows AS (SELECT rkey AS k1, NULL AS k2, arrival_ns AS lo, first_token_ns AS hi FROM _tt_req)
-SELECT k1 AS rkey, gap_start AS gs, gap_end AS ge FROM _uncovered('owners', 'windows');
+WITH owners AS (SELECT rkey AS k, s0 AS s, oe AS e, arrival_ns AS lo, NULL AS label FROM _tt_top),
+     windows AS (SELECT rkey AS k, arrival_ns AS lo, first_token_ns AS hi FROM _tt_req)
+SELECT k AS rkey, gap_start AS gs, gap_end AS ge FROM _uncovered('owners', 'windows');
 
 -- Waits own what they cover of the gaps (latest end wins among waits too).
 CREATE OR REPLACE VIEW _tt_fill AS
@@ -340,7 +340,7 @@ WITH in_gaps AS (
     FROM _tt_gaps g JOIN (SELECT * FROM _tt_tree WHERE is_filler AND NOT is_child) f
       ON f.rkey = g.rkey AND f.s0 < g.ge AND f.e0 > g.gs
 )
-SELECT * RENAME (owned_end AS foe) FROM _latest_end_wins('in_gaps', rkey, NULL, fs, fe, span_id);
+SELECT * RENAME (owned_end AS foe) FROM _latest_end_wins('in_gaps', rkey, fs, fe, span_id);
 
 -- Children of owned top-level stages, flattened inside their parent's interval.
 CREATE OR REPLACE VIEW _calc_tt_kids AS
@@ -351,17 +351,17 @@ WITH in_parent AS (
     JOIN _tt_top a ON a.rkey = k.rkey AND a.span_id = k.parent_span_id
     WHERE greatest(k.s0, a.s0) < least(k.e0, a.oe)
 )
-SELECT * RENAME (owned_end AS koe) FROM _latest_end_wins('in_parent', rkey, parent_id, ks, ke, span_id);
+SELECT * RENAME (owned_end AS koe) FROM _latest_end_wins('in_parent', row(rkey, parent_id), ks, ke, span_id);
 CREATE TABLE IF NOT EXISTS _mat_tt_kids AS SELECT * FROM _calc_tt_kids LIMIT 0;
 CREATE OR REPLACE VIEW _tt_kids AS SELECT * FROM _mat_tt_kids;
 
 -- A parent's own time: its interval minus its children's.
 CREATE OR REPLACE VIEW _tt_parent_self AS
-WITH kids AS (SELECT k.rkey AS k1, k.parent_id AS k2, k.ks AS s, k.koe AS e, a.s0 AS lo, NULL AS label
+WITH kids AS (SELECT {'rkey': k.rkey, 'span_id': k.parent_id} AS k, k.ks AS s, k.koe AS e, a.s0 AS lo, NULL AS label
               FROM _tt_kids k JOIN _tt_top a ON a.rkey = k.rkey AND a.span_id = k.parent_id),
-     parents AS (SELECT a.rkey AS k1, a.span_id AS k2, a.s0 AS lo, a.oe AS hi
+     parents AS (SELECT {'rkey': a.rkey, 'span_id': a.span_id} AS k, a.s0 AS lo, a.oe AS hi
                  FROM _tt_top a WHERE EXISTS (SELECT 1 FROM _tt_kids k WHERE k.rkey = a.rkey AND k.parent_id = a.span_id))
-SELECT k1 AS rkey, k2 AS span_id, gap_start AS start_ns, gap_end AS end_ns FROM _uncovered('kids', 'parents');
+SELECT k.rkey AS rkey, k.span_id AS span_id, gap_start AS start_ns, gap_end AS end_ns FROM _uncovered('kids', 'parents');
 
 CREATE OR REPLACE VIEW _calc_tt_owned AS
 SELECT rkey, span_id, stage, stage_group, category, role, engine_id, tp_rank, attempt, s0 AS start_ns, oe AS end_ns
@@ -379,10 +379,10 @@ CREATE OR REPLACE VIEW _tt_owned AS SELECT * FROM _mat_tt_owned;
 
 -- Whatever nothing owns, named by its neighbours.
 CREATE OR REPLACE VIEW _tt_unattributed AS
-WITH owned AS (SELECT o.rkey AS k1, NULL AS k2, o.start_ns AS s, o.end_ns AS e, q.arrival_ns AS lo, o.stage AS label
+WITH owned AS (SELECT o.rkey AS k, o.start_ns AS s, o.end_ns AS e, q.arrival_ns AS lo, o.stage AS label
                FROM _tt_owned o JOIN _tt_req q ON q.rkey = o.rkey),
-     windows AS (SELECT rkey AS k1, NULL AS k2, arrival_ns AS lo, first_token_ns AS hi FROM _tt_req)
-SELECT k1 AS rkey, gap_start AS start_ns, gap_end AS end_ns,
+     windows AS (SELECT rkey AS k, arrival_ns AS lo, first_token_ns AS hi FROM _tt_req)
+SELECT k AS rkey, gap_start AS start_ns, gap_end AS end_ns,
        'between ' || coalesce(prev_label, 'arrival') || ' and ' || coalesce(next_label, 'first token') AS detail
 FROM _uncovered('owned', 'windows');
 

@@ -43,11 +43,12 @@ def _run(con, sql: str) -> tuple[list[str], list[tuple]]:
 
 # ---------------------------------------------------------------- _latest_end_wins
 
-def _lew(con, values: str, *, k2: str = "NULL", order: str = "k1, id") -> tuple[list[str], list[tuple]]:
-    """_latest_end_wins over rows (k1, k2, id, s, e, label) given as a VALUES list (or a typed empty SELECT)."""
+def _lew(con, values: str, *, key: str = "k1") -> tuple[list[str], list[tuple]]:
+    """_latest_end_wins over rows (k1, k2, id, s, e, label) given as a VALUES list (or a typed empty SELECT),
+    partitioned by ``key``."""
     return _run(con, f"""
         WITH t AS (SELECT * FROM ({values}) v(k1, k2, id, s, e, label))
-        SELECT * FROM _latest_end_wins('t', k1, {k2}, s, e, id) ORDER BY {order}""")
+        SELECT * FROM _latest_end_wins('t', {key}, s, e, id) ORDER BY k1, id""")
 
 
 LEW_COLS = ["k1", "k2", "id", "s", "e", "label", "owned_end"]
@@ -106,12 +107,12 @@ def test_latest_end_wins_keys_are_independent(con):
     # key (1, 0):  |A [0, 6]|            key (1, 1):  |C [0, 6]|
     #                 |B [4, 9]|
     # key (2, 0):  |D [2, 3]|
-    # => only rows of the same (k1, k2) compete: A [0, 4], B [4, 9], C [0, 6], D [2, 3]
+    # => with key row(k1, k2), only rows of the same (k1, k2) compete: A [0, 4], B [4, 9], C [0, 6], D [2, 3]
     cols, rows = _lew(con, "VALUES (1, 0, 1, 0, 6, 'A'), (1, 0, 2, 4, 9, 'B'), (1, 1, 3, 0, 6, 'C'),"
-                           " (2, 0, 4, 2, 3, 'D')", k2="k2")
+                           " (2, 0, 4, 2, 3, 'D')", key="row(k1, k2)")
     assert rows == [(1, 0, 1, 0, 6, "A", 4), (1, 0, 2, 4, 9, "B", 9), (1, 1, 3, 0, 6, "C", 6),
                     (2, 0, 4, 2, 3, "D", 3)]
-    # the same rows with k2 not a key: C competes with A and B (C ends before B, after A)
+    # the same rows with key k1: C competes with A and B
     # key 1: |A [0, 6]| |C [0, 6]| |B [4, 9]|  => B [4, 9]; A and C end together and start together:
     #        the lower id (A) owns [0, 4], C nothing
     cols, rows = _lew(con, "VALUES (1, 0, 1, 0, 6, 'A'), (1, 0, 2, 4, 9, 'B'), (1, 1, 3, 0, 6, 'C'),"
@@ -139,16 +140,16 @@ def test_latest_end_wins_empty_input(con):
 
 # ---------------------------------------------------------------- _uncovered
 
-UNC_COLS = ["k1", "k2", "gap_start", "gap_end", "prev_label", "next_label"]
+UNC_COLS = ["k", "gap_start", "gap_end", "prev_label", "next_label"]
 
 
 def _unc(con, intervals: str, windows: str) -> tuple[list[str], list[tuple]]:
-    """_uncovered over intervals (k1, k2, s, e, label) and windows (k1, k2, lo, hi), VALUES lists or typed
-    empty SELECTs; each interval row carries its window's lo as the macro asks."""
+    """_uncovered over intervals (k, s, e, label) and windows (k, lo, hi), VALUES lists or typed empty
+    SELECTs; each interval row carries its window's lo as the macro asks."""
     return _run(con, f"""
-        WITH w AS (SELECT * FROM ({windows}) v(k1, k2, lo, hi)),
-             i AS (SELECT i.*, w.lo FROM ({intervals}) i(k1, k2, s, e, label) JOIN w USING (k1, k2))
-        SELECT * FROM _uncovered('i', 'w') ORDER BY k1, k2, gap_start""")
+        WITH w AS (SELECT * FROM ({windows}) v(k, lo, hi)),
+             i AS (SELECT i.*, w.lo FROM ({intervals}) i(k, s, e, label) JOIN w USING (k))
+        SELECT * FROM _uncovered('i', 'w') ORDER BY k, gap_start""")
 
 
 def test_uncovered_gaps_named_by_neighbours(con):
@@ -156,29 +157,33 @@ def test_uncovered_gaps_named_by_neighbours(con):
     # 0    2    5    9    12   15   20
     # .....|a---|b---|....|c---|.....
     # => gaps [0, 2] (window start .. a), [9, 12] (b .. c), [15, 20] (c .. window end)
-    cols, rows = _unc(con, "VALUES (1, 0, 2, 5, 'a'), (1, 0, 5, 9, 'b'), (1, 0, 12, 15, 'c')",
-                      "VALUES (1, 0, 0, 20)")
+    cols, rows = _unc(con, "VALUES (1, 2, 5, 'a'), (1, 5, 9, 'b'), (1, 12, 15, 'c')",
+                      "VALUES (1, 0, 20)")
     assert cols == UNC_COLS
-    assert rows == [(1, 0, 0, 2, None, "a"), (1, 0, 9, 12, "b", "c"), (1, 0, 15, 20, "c", None)]
+    assert rows == [(1, 0, 2, None, "a"), (1, 9, 12, "b", "c"), (1, 15, 20, "c", None)]
 
 
 def test_uncovered_empty_and_covered_windows(con):
-    # key (1, 0): window [0, 10], no intervals          => one gap [0, 10]
-    # key (1, 1): window [0, 10] |a [0, 4]|b [4, 10]|   => covered: no gap
-    # key (2, 0): window [5, 5] (zero length)           => no gap
-    # key (3, 0): window [0, 8], |a [0, 3]| .. |b [6, 8]| => [3, 6]; no gap at either edge
-    cols, rows = _unc(con, "VALUES (1, 1, 0, 4, 'a'), (1, 1, 4, 10, 'b'), (3, 0, 0, 3, 'a'), (3, 0, 6, 8, 'b')",
-                      "VALUES (1, 0, 0, 10), (1, 1, 0, 10), (2, 0, 5, 5), (3, 0, 0, 8)")
+    # key 1: window [0, 10], no intervals                  => one gap [0, 10]
+    # key 2: window [0, 10] |a [0, 4]|b [4, 10]|           => covered: no gap
+    # key 3: window [5, 5] (zero length)                   => no gap
+    # key 4: window [0, 8] |a [0, 3]| .. |b [6, 8]|        => [3, 6]; no gap at either edge
+    cols, rows = _unc(con, "VALUES (2, 0, 4, 'a'), (2, 4, 10, 'b'), (4, 0, 3, 'a'), (4, 6, 8, 'b')",
+                      "VALUES (1, 0, 10), (2, 0, 10), (3, 5, 5), (4, 0, 8)")
     assert cols == UNC_COLS
-    assert rows == [(1, 0, 0, 10, None, None), (3, 0, 3, 6, "a", "b")]
+    assert rows == [(1, 0, 10, None, None), (4, 3, 6, "a", "b")]
 
 
-def test_uncovered_keys_are_independent(con):
-    # key (1, 0): window [0, 10] |a [2, 4]|
-    # key (1, 1): window [0, 10]           |b [6, 10]|
-    # => (1, 0): [0, 2], [4, 10]   (1, 1): [0, 6] -- b does not cover (1, 0)'s instants
-    cols, rows = _unc(con, "VALUES (1, 0, 2, 4, 'a'), (1, 1, 6, 10, 'b')", "VALUES (1, 0, 0, 10), (1, 1, 0, 10)")
-    assert rows == [(1, 0, 0, 2, None, "a"), (1, 0, 4, 10, "a", None), (1, 1, 0, 6, None, "b")]
+def test_uncovered_struct_keys_are_independent(con):
+    # a parent's own time (ttft_segments: key {rkey, span_id}, window = the parent's interval)
+    # key {1, 7}: window [0, 10] |a [2, 4]|
+    # key {1, 8}: window [0, 10]           |b [6, 10]|
+    # => {1, 7}: [0, 2], [4, 10]   {1, 8}: [0, 6] -- b does not cover {1, 7}'s instants
+    k7, k8 = "{'rkey': 1, 'span_id': 7}", "{'rkey': 1, 'span_id': 8}"
+    cols, rows = _unc(con, f"VALUES ({k7}, 2, 4, 'a'), ({k8}, 6, 10, 'b')", f"VALUES ({k7}, 0, 10), ({k8}, 0, 10)")
+    assert cols == UNC_COLS
+    r7, r8 = {"rkey": 1, "span_id": 7}, {"rkey": 1, "span_id": 8}
+    assert rows == [(r7, 0, 2, None, "a"), (r7, 4, 10, "a", None), (r8, 0, 6, None, "b")]
 
 
 def test_uncovered_null_end(con):
@@ -188,12 +193,12 @@ def test_uncovered_null_end(con):
     #           |b---|    b [6, 8]
     # => [0, 2] before a; after a its end is unknown, so the gap before b starts at the window's
     #    start: [0, 6] (callers pass closed intervals); [8, 10] after b
-    cols, rows = _unc(con, "VALUES (1, 0, 2, NULL, 'a'), (1, 0, 6, 8, 'b')", "VALUES (1, 0, 0, 10)")
-    assert rows == [(1, 0, 0, 2, None, "a"), (1, 0, 0, 6, "a", "b"), (1, 0, 8, 10, "b", None)]
+    cols, rows = _unc(con, "VALUES (1, 2, NULL, 'a'), (1, 6, 8, 'b')", "VALUES (1, 0, 10)")
+    assert rows == [(1, 0, 2, None, "a"), (1, 0, 6, "a", "b"), (1, 8, 10, "b", None)]
 
 
 def test_uncovered_empty_input(con):
-    cols, rows = _unc(con, "SELECT 1, 0, 0, 1, 'a' WHERE false", "SELECT 1, 0, 0, 1 WHERE false")
+    cols, rows = _unc(con, "SELECT 1, 0, 1, 'a' WHERE false", "SELECT 1, 0, 1 WHERE false")
     assert cols == UNC_COLS
     assert rows == []
 
