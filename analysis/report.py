@@ -62,9 +62,9 @@ def collect(con) -> dict[str, Any]:
                                        "ORDER BY mode, prompt_bucket_lo"),
         "dominant_stages": _rows(con, "SELECT mode, dominant_stage, count(*) AS requests, "
                                       "round(avg(dominant_ms), 3) AS mean_ms FROM ttft_breakdown "
-                                      "GROUP BY ALL ORDER BY mode, requests DESC"),
+                                      "GROUP BY ALL ORDER BY mode, requests DESC, dominant_stage"),
         "incomplete": _rows(con, "SELECT cause, count(*) AS requests, round(avg(time_to_failure_ms), 3) "
-                                 "AS mean_time_to_failure_ms FROM incomplete_requests GROUP BY cause ORDER BY requests DESC"),
+                                 "AS mean_time_to_failure_ms FROM incomplete_requests GROUP BY cause ORDER BY requests DESC, cause"),
         "clock": _rows(con, "SELECT clock_a, clock_b, offset_ms, bound_ms, messages, samples, consistent "
                             "FROM clock_offsets WHERE window_start_ns IS NULL ORDER BY clock_a, clock_b"),
         "transfers": _rows(con, "SELECT count(*) AS transfers, count(*) FILTER (WHERE descriptor_bound) "
@@ -198,7 +198,7 @@ def compare_delta(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
                                  "sum(mean_b_ms) AS mean_b_ms, sum(delta_ms) AS delta_ms, "
                                  "any_value(ttft_delta_ms) AS ttft_delta_ms FROM ttft_stage_delta() "
                                  "GROUP BY scope, prompt_bucket_lo, category "
-                                 "ORDER BY scope = 'bucket', prompt_bucket_lo NULLS FIRST, abs(sum(delta_ms)) DESC")
+                                 "ORDER BY scope = 'bucket', prompt_bucket_lo NULLS FIRST, abs(sum(delta_ms)) DESC, category")
         only = {}
         for side, x, y in (("only_a", "compare_a", "compare_b"), ("only_b", "compare_b", "compare_a")):
             only[side] = [r["prompt_bucket_lo"] for r in _rows(
