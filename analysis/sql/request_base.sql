@@ -244,11 +244,14 @@ WHERE NOT (rt.rkey IS NULL AND en.rkey IN (SELECT rkey FROM linked));
 CREATE TABLE IF NOT EXISTS _mat_req_base AS SELECT * FROM _calc_req_base LIMIT 0;
 CREATE OR REPLACE VIEW _req_base AS SELECT * FROM _mat_req_base;
 
--- TPOT (ms per token), the one definition (requests.tpot_ms, request_stalls.tpot_ms, the summaries): (last token - first token) /
--- (output_tokens - 1); hung after the first token (no last token): (end of its last decode step - first
--- token) / its decode steps; NULL otherwise.
+-- TPOT (ms per token), the one definition (requests.tpot_ms, request_stalls.tpot_ms, the summaries): (last
+-- token - first token) / (output_tokens - 1); hung after the first token (no last token): (end of its last
+-- decode step - first token) / its decode steps, when that step ended after the first token (a step that
+-- ended before the router wrote the first token says nothing about the tokens after it); NULL otherwise.
+-- The summaries pass no decode steps: their TPOT is that of finished requests.
 CREATE OR REPLACE MACRO _tpot_ms(output_tokens, first_token_ns, last_token_ns, decode_steps, last_decode_end_ns) AS
     CASE WHEN output_tokens > 1 AND last_token_ns IS NOT NULL
          THEN (last_token_ns - first_token_ns) / 1e6 / (output_tokens - 1)
          WHEN first_token_ns IS NOT NULL AND last_token_ns IS NULL AND decode_steps > 0
+              AND last_decode_end_ns > first_token_ns
          THEN (last_decode_end_ns - first_token_ns) / 1e6 / decode_steps END;

@@ -1,5 +1,5 @@
 -- module: summary
--- requires: ttft_breakdown, request_base, stalls
+-- requires: ttft_breakdown, request_base
 --
 -- Summaries of ttft_breakdown and TPOT by mode, prompt-length bucket (prompt
 -- tokens, and uncached prompt tokens), and arrival-rate window. Buckets are
@@ -26,11 +26,10 @@ SELECT q.rkey, q.mode, q.arrival_ns, q.prompt_tokens, q.uncached_tokens,
        q.first_token_ns IS NOT NULL AS complete,
        b.ttft_ms, b.ttft_ns, b.queue_ns, b.compute_ns, b.transfer_ns, b.coordination_ns, b.unattributed_ns,
        b.hidden_ns,
-       _tpot_ms(q.output_tokens, q.first_token_ns, q.last_token_ns, ds.decode_steps, ds.last_decode_end_ns) AS tpot_ms,
+       _tpot_ms(q.output_tokens, q.first_token_ns, q.last_token_ns, NULL, NULL) AS tpot_ms,  -- finished requests
        _bucket_lo(q.prompt_tokens) AS prompt_bucket, _bucket_lo(q.uncached_tokens) AS uncached_bucket,
        q.arrival_ns // _rate_window_ns() AS window_idx
-FROM _req_base q LEFT JOIN _mat_ttft_breakdown b ON b.rkey = q.rkey
-LEFT JOIN _mat_req_decode_steps ds ON ds.request_id = q.request_id;
+FROM _req_base q LEFT JOIN _mat_ttft_breakdown b ON b.rkey = q.rkey;
 
 CREATE OR REPLACE MACRO _summary(k1, k2) AS TABLE
 SELECT k1 AS key1, k2 AS key2,
@@ -63,7 +62,7 @@ COMMENT ON COLUMN summary_by_mode.ttft_mean_ms IS 'mean TTFT (ms)';
 COMMENT ON COLUMN summary_by_mode.ttft_p50_ms IS 'median TTFT (ms)';
 COMMENT ON COLUMN summary_by_mode.ttft_p90_ms IS '90th percentile TTFT (ms)';
 COMMENT ON COLUMN summary_by_mode.ttft_p99_ms IS '99th percentile TTFT (ms)';
-COMMENT ON COLUMN summary_by_mode.tpot_mean_ms IS 'mean TPOT (requests.tpot_ms: hung requests by their decode steps; ms per token)';
+COMMENT ON COLUMN summary_by_mode.tpot_mean_ms IS 'mean TPOT of the finished requests (requests.tpot_ms without the hung ones, which request_stalls reports; ms per token)';
 COMMENT ON COLUMN summary_by_mode.tpot_p50_ms IS 'median TPOT (ms per token)';
 COMMENT ON COLUMN summary_by_mode.tpot_p90_ms IS '90th percentile TPOT (ms per token)';
 COMMENT ON COLUMN summary_by_mode.tpot_p99_ms IS '99th percentile TPOT (ms per token)';

@@ -107,10 +107,24 @@ def test_h1_pd_decode_freeze_keeps_ttft_counts_emitted_tokens(analyse):
         assert r["hung"] is True and r["emitted_tokens"] == 50 and round(r["tpot_ms"], 9) == 20.0
         assert r["open_stall_ms"] == 4920.0 and r["stall_ms"] == 0
         assert round(r["tpot_without_stalls_ms"], 9) == 20.0
-    # the report's summaries take the same TPOT (one definition, requests.sql _tpot_ms): the hung
-    # requests count there too, not only in requests
+    # the report's summaries (one TPOT definition, request_base _tpot_ms) take finished requests only:
+    # the hung ones are reported by request_stalls
     m = tr.query("SELECT tpot_mean_ms, tpot_p50_ms FROM summary_by_mode WHERE mode = 'pull'")[0]
-    assert round(m["tpot_mean_ms"], 9) == round(m["tpot_p50_ms"], 9) == 20.0
+    assert m == {"tpot_mean_ms": None, "tpot_p50_ms": None}
+
+
+# H1b. A hung request whose only decode step ended before the router wrote its first token (a
+#   two-token warm-up request of a lab run: D's step ended at 95, the router wrote the first token at
+#   100, the second token never reached the router). That step says nothing about the time per token
+#   after the first: TPOT is NULL, not (95 - 100) / 1 = -5 ms.
+def test_h1b_a_step_before_the_first_token_gives_no_tpot(analyse):
+    c = Case(connector=PULL)
+    _hung_root(c, "W", 0, 300, 100)
+    _steps(c, "d0", 75, ["W:p1", "W:d1"], [10, 10])
+    tr = analyse(c)
+    rq = _rows(tr, "SELECT request_id, hung, tpot_ms FROM requests")
+    assert rq == {"W": {"request_id": "W", "hung": True, "tpot_ms": None}}
+    assert tr.query("SELECT tpot_ms FROM request_stalls WHERE request_id = 'W'") == [{"tpot_ms": None}]
 
 
 def test_h1_step_that_never_returns_is_an_engine_stall(analyse):
