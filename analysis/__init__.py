@@ -6,6 +6,14 @@ refresh engine), :mod:`.materialize` (its incremental steps), :mod:`.cache` (cac
 library template), :mod:`.files` (which store files to read or skip), :mod:`.sandbox` (the read-only
 rule), :mod:`.loader` (the SQL library in ``sql/``).
 """
-from .session import Session, open
-
 __all__ = ["Session", "open"]
+
+
+def __getattr__(name: str):
+    """``open`` and ``Session`` from :mod:`.session`, imported on first use: importing a light part of
+    the analysis (``footprint``, in ``pdtrace lab``) does not load DuckDB and the SQL library."""
+    if name in __all__:
+        from . import session
+
+        return getattr(session, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -136,10 +136,11 @@ class Trace(Materializer):
     #: Failed attempts one :meth:`refresh` makes when store files vanish under it before it raises.
     refresh_attempts = 3
 
-    def refresh(self) -> RefreshResult:
+    def refresh(self, warn: bool = True) -> RefreshResult:
         """Absorb new/changed files, drop vanished ones, recompute what they touch.
 
-        Warns (SkippedFileWarning) once per bad file. Returns a RefreshResult.
+        Warns (SkippedFileWarning) once per bad file unless ``warn`` is False (the files are in the
+        result's ``skipped`` either way). Returns a RefreshResult.
 
         New files are decoded in full before they are absorbed (every value of
         every column; all new files in one statement, each alone only when
@@ -227,7 +228,7 @@ class Trace(Materializer):
                 break
         out.dirty_requests = self.con.execute("SELECT count(DISTINCT rkey) FROM _refreshed_keys").fetchone()[0]
         self.con.execute("DROP TABLE IF EXISTS _refreshed_keys")
-        for path, reason in out.skipped:
+        for path, reason in out.skipped if warn else ():
             warnings.warn(f"skipped store file {path}: {reason}", _files.SkippedFileWarning, stacklevel=2)
         out.seconds = time.perf_counter() - t0
         return out

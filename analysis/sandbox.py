@@ -2,9 +2,11 @@
 dashboard, :func:`pdtrace.analysis.open`).
 
 Two fences: :func:`readonly_statements` parses a text first and refuses anything but a query (SELECT,
-EXPLAIN of a query); and the connection itself reads no file beyond the trace's (:func:`restrict_to_directory`
-on a connection that still refreshes, :func:`lock_down` on a finished cache opened read-only), with
-extension autoloading off, so a query cannot write files, attach databases or load extensions.
+EXPLAIN of a query); and the connection itself reads no file it should not -- :func:`lock_down` (the
+store's absorbed files only, configuration locked: a finished look such as ``pdtrace sql``) or
+:func:`restrict_to_directory` (files under the trace directory: a session that keeps refreshing,
+the dashboard) -- with extension autoloading off, so a query cannot write files, attach databases or
+load extensions.
 """
 from __future__ import annotations
 
@@ -71,13 +73,15 @@ def readonly_statements(con: duckdb.DuckDBPyConnection, sql: str) -> list:
 
 
 class ReadOnlyConnection:
-    """A DuckDB connection that runs only queries (SELECT, EXPLAIN), on locked-down settings.
+    """A DuckDB connection (or cursor) that runs only queries (SELECT, EXPLAIN).
 
-    Two fences: every statement is parsed first and anything but a query
-    raises :class:`ReadOnlyError` (COPY, ATTACH, EXPORT, CREATE, SET, PRAGMA,
-    INSTALL...); and the connection itself has file system access disabled
-    except for reading the store's own files, extension autoloading off and
-    its configuration locked (see :func:`lock_down`).
+    Two fences: every statement is parsed first and anything but a query raises
+    :class:`ReadOnlyError` (COPY, ATTACH, EXPORT, CREATE, SET, PRAGMA, INSTALL...); and the
+    connection under it reads no file it should not: the store's absorbed files only, its
+    configuration locked (:func:`lock_down`, a finished look at a trace), or files under the trace
+    directory only (:func:`restrict_to_directory`, a session that keeps refreshing). Results are
+    read from this object itself (``execute`` returns it), so nothing runs on the connection
+    under it unchecked.
     """
 
     def __init__(self, con: duckdb.DuckDBPyConnection):
@@ -88,22 +92,39 @@ class ReadOnlyConnection:
         ReadOnlyError otherwise, duckdb.ParserException for text that does not parse."""
         return readonly_statements(self._con, sql)
 
-    def execute(self, sql: str, params: list | None = None) -> duckdb.DuckDBPyConnection:
-        """Run one or more queries; return the connection positioned on the last result.
+    def execute(self, sql: str, params: list | None = None) -> "ReadOnlyConnection":
+        """Run one or more queries; return this connection, positioned on the last result.
 
         Raises ReadOnlyError for a non-query statement, duckdb.Error for a bad query.
         """
         readonly_statements(self._con, sql)
         if params:
-            return self._con.execute(sql, params)
-        return self._con.execute(sql)
+            self._con.execute(sql, params)
+        else:
+            self._con.execute(sql)
+        return self
+
+    def cursor(self) -> "ReadOnlyConnection":
+        """A new read-only cursor on the same database (for another thread, or a second result)."""
+        return ReadOnlyConnection(self._con.cursor())
 
     @property
     def description(self):
+        """The last result's columns (DB-API ``description``), None when it has none."""
         return self._con.description
+
+    def fetchone(self):
+        return self._con.fetchone()
+
+    def fetchmany(self, size: int = 1):
+        return self._con.fetchmany(size)
 
     def fetchall(self):
         return self._con.fetchall()
+
+    def df(self):
+        """The last result as a pandas DataFrame (pandas must be installed)."""
+        return self._con.df()
 
     def close(self) -> None:
         """Close the underlying connection (safe to call twice)."""
@@ -138,15 +159,18 @@ def connect_readonly(cache: str | os.PathLike) -> ReadOnlyConnection:
     return lock_down(duckdb.connect(str(cache), read_only=True))
 
 
-def restrict_to_directory(con: duckdb.DuckDBPyConnection, directory: str | os.PathLike) -> None:
-    """Let ``con`` read files under ``directory`` only (DuckDB ``allowed_directories`` with external
+def restrict_to_directory(con: duckdb.DuckDBPyConnection, directories: list[str | os.PathLike]) -> None:
+    """Let ``con`` read files under ``directories`` only (DuckDB ``allowed_directories`` with external
     access off) and never install or autoload an extension; its own database file stays writable, so
-    the connection can still refresh (read the store's files, write its tables). Idempotent: a
-    connection already restricted is left as it is (DuckDB refuses to re-enable external access).
+    the connection can still refresh (read the store's files, write its tables). Pass the trace
+    directory and the resolved directories of store files that are symlinks (DuckDB checks the file
+    a link points to). Idempotent: a connection already restricted is left as it is (DuckDB refuses
+    to re-enable external access).
     """
     if not con.execute("SELECT current_setting('enable_external_access')").fetchone()[0]:
         return
     con.execute("SET autoinstall_known_extensions = false")
     con.execute("SET autoload_known_extensions = false")
-    con.execute("SET allowed_directories = ?", [[str(Path(directory).resolve()) + os.sep]])
+    dirs = sorted({str(Path(d).resolve()) + os.sep for d in directories})
+    con.execute("SET allowed_directories = ?", [dirs])
     con.execute("SET enable_external_access = false")

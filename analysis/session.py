@@ -9,8 +9,13 @@ one place:
   memory. When the file is locked by another process (a dashboard holds it while ``pdtrace report``
   runs), the session works in memory instead and says so (:attr:`Session.cache_locked`).
 * **Read-only.** With ``read_only=True`` (the default) every statement run through the session must
-  be a query (:func:`pdtrace.analysis.sandbox.readonly_statements`), and DuckDB may read files under
-  the trace directory only (:func:`pdtrace.analysis.sandbox.restrict_to_directory`). Only the
+  be a query (:func:`pdtrace.analysis.sandbox.readonly_statements`), and DuckDB reads no file it
+  should not. A one-look session (``live=False``: the CLI, the lab's report) is locked down after
+  its refresh as ``pdtrace sql`` always was (:meth:`pdtrace.analysis.db.Trace.readonly`: the cache
+  reopened read-only, only the absorbed store files readable, the configuration locked). A live
+  session (``live=True``: the dashboard) keeps refreshing, so DuckDB may read files under the trace
+  directory (and the directories its symlinked store files point into) only
+  (:func:`pdtrace.analysis.sandbox.restrict_to_directory`, applied after the first refresh). Only the
   session's own refresh writes, and only into its cache, never into the store.
 * **Refresh.** :meth:`Session.refresh` absorbs the files that appeared or changed since the last
   one (:meth:`pdtrace.analysis.db.Trace.refresh`); refreshes are serialized, queries run on their
@@ -21,7 +26,6 @@ from __future__ import annotations
 
 import os
 import threading
-import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -29,7 +33,6 @@ import duckdb
 
 from . import cache as _cache
 from . import db as _db
-from . import files as _files
 from . import sandbox as _sandbox
 
 
@@ -38,15 +41,18 @@ class Session:
 
     Build one with :func:`open`; nothing is opened or read until its first :meth:`refresh`. Attributes: ``directory`` (Path), ``cache_path`` (the cache file in
     use, None in memory), ``cache_locked`` (True when the cache asked for was held by another process
-    and the session fell back to memory), ``read_only``, ``version`` (an int that changes whenever a
+    and the session fell back to memory), ``read_only``, ``live`` (keeps refreshing), ``version`` (an int that changes whenever a
     refresh changed the views: a key for cached results), ``last_refresh`` (the
     :class:`pdtrace.analysis.db.RefreshResult` of the last refresh, None before the first).
     """
 
     def __init__(self, directory: str | os.PathLike, cache: str | os.PathLike | bool | None = True,
-                 read_only: bool = True, threads: int | None = None, memory_limit: str | None = None):
+                 read_only: bool = True, live: bool = False, threads: int | None = None,
+                 memory_limit: str | None = None):
         self.directory = Path(directory)
         self.read_only = read_only
+        self.live = live
+        self._looked: _sandbox.ReadOnlyConnection | None = None  # a one-look session, locked down
         self._cache_arg = cache
         self._threads = threads
         self._memory_limit = memory_limit
@@ -75,8 +81,6 @@ class Session:
         except duckdb.IOException:  # the cache file is held by another process: work in memory
             tr = _db.Trace(self.directory, cache=None, **kw)
             self.cache_locked = True
-        if self.read_only:
-            _sandbox.restrict_to_directory(tr.con, self.directory)
         self._trace = tr
         self.cache_path = tr.cache
 
@@ -84,24 +88,46 @@ class Session:
         """Absorb new, changed and vanished store files; True when the views changed (files absorbed or
         dropped, a rebuild, or a different set of skipped files). False while the directory does not
         exist. Raises what :meth:`pdtrace.analysis.db.Trace.refresh` raises (out of memory, an
-        interrupt, a fault in the SQL); a skipped file is not an error (see :attr:`skipped`)."""
+        interrupt, a fault in the SQL); a skipped file is not an error (see :attr:`skipped`).
+        Raises RuntimeError on a read-only session that is not ``live`` after its first refresh
+        (it is locked down: open another to see new files) and after :meth:`close`."""
         with self._lock:
+            if self._closed:
+                raise RuntimeError(f"session of {self.directory} is closed")
+            if self._looked is not None:
+                raise RuntimeError(f"session of {self.directory} was opened for one look (live=False): "
+                                   "open another to see new files")
             if self._trace is None:
                 if not self.exists:
                     return False
                 self._connect()
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", _files.SkippedFileWarning)  # they are in self.skipped
-                res = self._trace.refresh()
+            res = self._trace.refresh(warn=False)  # skipped files are in self.skipped
             changed = bool(res.new or res.gone or res.rebuilt) or self.skipped != res.skipped
             self.last_refresh, self.skipped = res, res.skipped
             if changed or self.version == 0:
                 self.version += 1
+            if self.read_only:
+                self._sandbox()
             return changed
 
+    def _sandbox(self) -> None:
+        """After a refresh of a read-only session: lock a one-look session down, restrict a live one."""
+        con = self._trace.con
+        if not self.live:
+            self._looked = self._trace.readonly()
+            return
+        dirs = [self.directory] + [Path(p).resolve().parent for (p,) in
+                                   con.execute("SELECT path FROM _files WHERE ok").fetchall()]
+        _sandbox.restrict_to_directory(con, dirs)
+
+    _closed = False
+
     def close(self) -> None:
-        """Close the database (safe to call twice); the session cannot be queried afterwards."""
+        """Close the database (safe to call twice); the session cannot be queried or refreshed afterwards."""
         with self._lock:
+            self._closed = True
+            if self._looked is not None:
+                self._looked.close()
             if self._trace is not None:
                 self._trace.close()
                 self._trace = None
@@ -118,17 +144,22 @@ class Session:
         :class:`pdtrace.analysis.sandbox.ReadOnlyConnection` in a read-only session, else a plain DuckDB
         cursor. Raises FileNotFoundError when the directory has not appeared yet, RuntimeError after
         :meth:`close`."""
-        if self._trace is None:
-            if not self.exists:
-                raise FileNotFoundError(f"trace directory not found: {self.directory}")
-            raise RuntimeError(f"session of {self.directory} is closed or was never refreshed")
-        cur = self._trace.con.cursor()
+        with self._lock:
+            if self._closed or self._trace is None:
+                if not self._closed and not self.exists:
+                    raise FileNotFoundError(f"trace directory not found: {self.directory}")
+                raise RuntimeError(f"session of {self.directory} is closed or was never refreshed")
+            if self._looked is not None:
+                return self._looked.cursor()
+            cur = self._trace.con.cursor()
         return _sandbox.ReadOnlyConnection(cur) if self.read_only else cur
 
-    def execute(self, sql: str, params: Sequence[Any] | None = None) -> duckdb.DuckDBPyConnection:
+    def execute(self, sql: str, params: Sequence[Any] | None = None) -> Any:
         """Run ``sql`` on a new cursor and return it positioned on the result (``fetchall()``,
-        ``df()``, ``description``). Raises :class:`pdtrace.analysis.sandbox.ReadOnlyError` for a
-        statement that is not a query in a read-only session, ``duckdb.Error`` for a failing one."""
+        ``df()``, ``description``; in a read-only session the cursor is a
+        :class:`pdtrace.analysis.sandbox.ReadOnlyConnection`, so what runs on it next is checked too).
+        Raises :class:`pdtrace.analysis.sandbox.ReadOnlyError` for a statement that is not a query in a
+        read-only session, ``duckdb.Error`` for a failing one."""
         return self.cursor().execute(sql, list(params or []))
 
     def query(self, sql: str, params: Sequence[Any] | None = None) -> list[dict]:
@@ -150,7 +181,7 @@ class Session:
 
 
 def open(directory: str | os.PathLike, cache: str | os.PathLike | bool | None = True, read_only: bool = True,
-         *, refresh: bool = True, missing_ok: bool = False, threads: int | None = None,
+         *, live: bool = False, refresh: bool = True, missing_ok: bool = False, threads: int | None = None,
          memory_limit: str | None = None) -> Session:
     """Open the trace in ``directory`` and absorb its files (with ``refresh=False``, at the first
     :meth:`Session.refresh`): the one way in.
@@ -158,14 +189,16 @@ def open(directory: str | os.PathLike, cache: str | os.PathLike | bool | None = 
     ``cache``: True for the directory's default cache file, a path for that file, None or False for
     an in-memory database (kept nowhere); a locked cache file falls back to memory. ``read_only``:
     queries only, DuckDB reading files under ``directory`` only (False: any statement, any file; for
-    tests and tools that build on the views). ``missing_ok``: a directory that does not exist yet is
+    tests and tools that build on the views). ``live``: the session keeps refreshing (the dashboard
+    following a growing directory); a read-only session that is not live is locked down after its
+    first refresh (see the module docstring). ``missing_ok``: a directory that does not exist yet is
     not an error; the session opens when it appears (:meth:`Session.refresh`). ``threads``,
     ``memory_limit``: DuckDB settings (see :class:`pdtrace.analysis.db.Trace`).
 
     Raises FileNotFoundError when ``directory`` does not exist (unless ``missing_ok``), and what a
     refresh raises.
     """
-    s = Session(directory, cache=cache, read_only=read_only, threads=threads, memory_limit=memory_limit)
+    s = Session(directory, cache=cache, read_only=read_only, live=live, threads=threads, memory_limit=memory_limit)
     if not missing_ok and not s.exists:
         raise FileNotFoundError(f"trace directory not found: {s.directory}")
     if refresh:

@@ -25,7 +25,7 @@ import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Iterable, Sequence
 
 import pandas as pd
 
@@ -103,7 +103,8 @@ def session(directory: str | os.PathLike, memory_limit: str | None = None, refre
     with _SESSIONS_LOCK:
         s = _SESSIONS.get(key)
         if s is None:
-            s = _SESSIONS[key] = analysis.open(key, missing_ok=True, refresh=False, memory_limit=memory_limit)
+            s = _SESSIONS[key] = analysis.open(key, live=True, missing_ok=True, refresh=False,
+                                                      memory_limit=memory_limit)
     if refresh and s.version == 0:
         s.refresh()
     return s

@@ -435,7 +435,10 @@ te AS (
 ), t AS (
     SELECT *,
            CASE WHEN hung THEN 1 + coalesce(decode_steps, 0) ELSE output_tokens END AS n_tokens,
-           CASE WHEN hung THEN last_decode_end_ns - first_token_ns ELSE last_token_ns - first_token_ns END AS decode_ns,
+           -- a hung request's decode time runs to the end of its last decode step, when that ended after
+           -- the first token (as _tpot_ms: a step before it says nothing about the later tokens)
+           CASE WHEN NOT hung THEN last_token_ns - first_token_ns
+                WHEN last_decode_end_ns > first_token_ns THEN last_decode_end_ns - first_token_ns END AS decode_ns,
            CASE WHEN hung THEN greatest(first_token_ns, last_step_end_ns) END AS last_emit_ns
     FROM q
 )

@@ -57,23 +57,62 @@ def test_a_read_only_session_runs_queries_only(tmp_path, cache_dir, sql):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache-root", "s"]
 
 
-def test_a_read_only_session_reads_no_file_outside_the_trace(tmp_path, cache_dir):
+def test_a_one_look_session_reads_the_absorbed_store_files_only(tmp_path, cache_dir):
+    """pdtrace sql, report, check: after its refresh the session is locked down -- the cache reopened
+    read-only, only the absorbed store files readable (not the run's other files in the same
+    directory), the configuration locked; it refreshes no more."""
     d = tmp_path / "s"
     paths = _case_a().write(d)
+    (d / "run.json").write_text('{"secret": 1}')
     (tmp_path / "outside.parquet").write_bytes(paths[0].read_bytes())
     with analysis.open(d) as s:
         assert s.query(f"SELECT count(*) AS n FROM read_parquet('{paths[0]}')")[0]["n"] > 0
+        for q in (f"SELECT * FROM read_json('{d / 'run.json'}')", f"SELECT * FROM glob('{d}/*')",
+                  f"SELECT count(*) FROM read_parquet('{tmp_path / 'outside.parquet'}')"):
+            with pytest.raises(duckdb.PermissionException):
+                s.query(q)
+        assert s.query("SELECT current_setting('lock_configuration') AS v")[0]["v"] is True
+        with pytest.raises(ReadOnlyError):                  # the cursor execute returns checks what runs next
+            s.execute("SELECT 1").execute("CREATE TABLE t AS SELECT 1")
+        with pytest.raises(RuntimeError, match="one look"):
+            s.refresh()
+
+
+def test_a_live_session_reads_files_under_the_trace_directory_only(tmp_path, cache_dir):
+    d = tmp_path / "s"
+    paths = _case_a().write(d)
+    (tmp_path / "outside.parquet").write_bytes(paths[0].read_bytes())
+    with analysis.open(d, live=True) as s:
+        assert s.query(f"SELECT count(*) AS n FROM read_parquet('{paths[0]}')")[0]["n"] > 0
         with pytest.raises(duckdb.PermissionException):
             s.query(f"SELECT count(*) FROM read_parquet('{tmp_path / 'outside.parquet'}')")
+        with pytest.raises(ReadOnlyError):
+            s.execute("SELECT 1").execute("CREATE TABLE t AS SELECT 1")
     with analysis.open(d, read_only=False) as s:      # a tool's session: any statement, any file
         s.execute("CREATE TEMP TABLE t AS SELECT 1 AS a")
         assert s.query(f"SELECT count(*) AS n FROM read_parquet('{tmp_path / 'outside.parquet'}')")[0]["n"] > 0
 
 
+@pytest.mark.parametrize("live", [False, True])
+def test_a_store_of_symlinks_is_read(tmp_path, cache_dir, live):
+    """Store files that are symlinks to another directory (a shared volume mounted elsewhere) are
+    absorbed and queried, in both kinds of session."""
+    real = tmp_path / "real"
+    _case_a().write(real)
+    d = tmp_path / "links"
+    d.mkdir()
+    for f in real.iterdir():
+        (d / f.name).symlink_to(f)
+    with db.open_trace(real) as tr:
+        want = tr.query(_Q)
+    with analysis.open(d, live=live) as s:
+        assert s.skipped == [] and s.query(_Q) == want
+
+
 def test_refresh_absorbs_new_files_and_bumps_the_version(tmp_path, cache_dir):
     d = tmp_path / "s"
     _case_a().write(d, prefix="a-")
-    with analysis.open(d) as s:
+    with analysis.open(d, live=True) as s:
         assert s.version == 1 and len(s.query(_Q)) == 3
         assert s.refresh() is False and s.version == 1       # nothing new
         _case_h().write(d, prefix="h-")
@@ -95,7 +134,7 @@ def test_a_missing_directory(tmp_path, cache_dir):
     d = tmp_path / "later"
     with pytest.raises(FileNotFoundError):
         analysis.open(d)
-    s = analysis.open(d, missing_ok=True)
+    s = analysis.open(d, live=True, missing_ok=True)
     assert not s.exists and s.refresh() is False
     with pytest.raises(FileNotFoundError):
         s.cursor()

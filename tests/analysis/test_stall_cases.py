@@ -124,7 +124,8 @@ def test_h1b_a_step_before_the_first_token_gives_no_tpot(analyse):
     tr = analyse(c)
     rq = _rows(tr, "SELECT request_id, hung, tpot_ms FROM requests")
     assert rq == {"W": {"request_id": "W", "hung": True, "tpot_ms": None}}
-    assert tr.query("SELECT tpot_ms FROM request_stalls WHERE request_id = 'W'") == [{"tpot_ms": None}]
+    assert tr.query("SELECT tpot_ms, stall_tpot_ms, tpot_without_stalls_ms FROM request_stalls "
+                    "WHERE request_id = 'W'") == [{"tpot_ms": None, "stall_tpot_ms": 0.0, "tpot_without_stalls_ms": None}]
 
 
 def test_h1_step_that_never_returns_is_an_engine_stall(analyse):
