@@ -322,18 +322,24 @@ def test_module_loads_with_only_its_requirements(name):
     assert created and set(created) <= made
 
 
-def test_an_undeclared_requirement_inside_a_table_macro_fails():
-    """window_summary without `summary` (prompt_bucket) in its header loads, but binding its table macros fails."""
+def _without(name: str, header: str, dropped: str) -> tuple[duckdb.DuckDBPyConnection, list]:
+    """A fresh database with the base tables, and the modules to load for ``name`` when its
+    ``-- requires:`` line ``header`` lacks ``dropped`` (so ``name`` no longer declares it)."""
     mods = loader.modules()
-    text = mods["window_summary"].text.replace("-- requires: requests, ttft_breakdown, summary",
-                                               "-- requires: requests, ttft_breakdown")
-    assert text != mods["window_summary"].text
-    mods["window_summary"] = loader.read_module("window_summary", text)
+    text = mods[name].text.replace(header, header.replace(f", {dropped}", ""))
+    assert text != mods[name].text
+    mods[name] = loader.read_module(name, text)
     con = duckdb.connect()
     con.execute(loader.base_tables_sql())
-    for mod in loader.with_requirements(["window_summary"], mods):
+    return con, loader.with_requirements([name], mods)
+
+
+def test_an_undeclared_requirement_inside_a_table_macro_fails():
+    """window_summary without `summary` (prompt_bucket) in its header loads, but binding its table macros fails."""
+    con, order = _without("window_summary", "-- requires: requests, ttft_breakdown, summary", "summary")
+    for mod in order:
         con.execute(mod.text)                               # loads
-    if any(m.name == "summary" for m in loader.with_requirements(["window_summary"], mods)):
+    if any(m.name == "summary" for m in order):
         pytest.skip("summary is still required through another module")
     with pytest.raises(duckdb.CatalogException, match="prompt_bucket"):
         con.execute("SELECT * FROM category_shares_by_prompt_bucket(NULL, NULL) LIMIT 0").fetchall()
@@ -341,13 +347,7 @@ def test_an_undeclared_requirement_inside_a_table_macro_fails():
 
 def test_an_undeclared_requirement_fails_to_load():
     """The check above can fail: ttft_segments without `intervals` in its header does not load."""
-    mods = loader.modules()
-    text = mods["ttft_segments"].text.replace("-- requires: request_base, segment_culprits, intervals",
-                                              "-- requires: request_base, segment_culprits")
-    assert text != mods["ttft_segments"].text
-    mods["ttft_segments"] = loader.read_module("ttft_segments", text)
-    con = duckdb.connect()
-    con.execute(loader.base_tables_sql())
+    con, order = _without("ttft_segments", "-- requires: request_base, segment_culprits, intervals", "intervals")
     with pytest.raises(duckdb.CatalogException, match="_latest_end_wins"):
-        for mod in loader.with_requirements(["ttft_segments"], mods):
+        for mod in order:
             con.execute(mod.text)
