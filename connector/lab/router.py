@@ -37,7 +37,9 @@ before the leg is sent), ``router.wait`` (one per leg: sent → P's response /
 D's first token chunk received), the event ``router.first_token`` on the root
 at the instant the first chunk carrying a generated token is handed to the
 client's connection (read just before the write, so it never falls after the
-client could have the token; TTFT end, DESIGN.md §3), ``router.last_token`` and ``router.leg_failed``. No prompt or completion
+client could have the token; TTFT end, DESIGN.md §3), ``router.last_token`` (the last chunk with a
+token; a non-streamed response hands every token over in one write, so both events carry that write's
+instant) and ``router.leg_failed``. No prompt or completion
 text is recorded or logged.
 
 The router also keeps its own added latency per request (``GET /_lab/stats``):
@@ -512,7 +514,10 @@ class Router:
                         await resp.write_eof()
                         ctx["first_token_ns"] = t_w
                         if ctx["sampled"]:  # an unsampled request leaves no row (PDTRACE_SAMPLE)
+                            # one write carries every token: first and last token at the same instant
+                            # (without the last, the analysis would flag the request hung)
                             sp.event("router.first_token", x, root, t=t_w, pidx=pidx)
+                            sp.event("router.last_token", x, root, t=t_w, pidx=pidx)
                         ctx["done"] = True
                         ctx["t_done"] = _now()
                         return resp

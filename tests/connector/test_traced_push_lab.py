@@ -250,3 +250,17 @@ def test_engine_clock_window_without_the_routers_files(traced_run):
     TTFT (ttft_source = engine) whose breakdown tiles the window to the ns, within the router's TTFT."""
     from engine_window import check_engine_window
     check_engine_window(traced_run["dir"], [r.router_request_id for r in traced_run["recs"]])
+
+
+def test_non_streamed_requests_are_finished_not_hung(traced_run):
+    """A non-streamed response hands every token over in one write: the router records the first and the
+    last token at that write, so the request is complete with TPOT 0 -- before, it had no last token and
+    was flagged ``hung_after_first_token`` (the lab's warm-up request was, in every run)."""
+    ids = traced_run["conc"] + traced_run["serial"]
+    rows = traced_run["tr"].query(
+        "SELECT request_id, status, hung, first_token_ns = last_token_ns AS one_write, tpot_ms, flags "
+        "FROM requests WHERE list_contains(?, request_id) ORDER BY request_id", [ids])
+    assert len(rows) == len(ids) == 2 * SEQ, rows
+    for r in rows:
+        assert (r["status"], r["hung"], r["one_write"], r["tpot_ms"]) == ("complete", False, True, 0.0), r
+        assert "hung_after_first_token" not in r["flags"], r
