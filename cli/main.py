@@ -17,6 +17,7 @@ _SUBCOMMANDS = {
     "check": ("pdtrace.analysis.cli", "check", "Check that tracing works: processes writing, drops, errors, clocks."),
     "dashboard": ("pdtrace.dashboard.cli", "dashboard", "Serve the Streamlit dashboard for a trace directory."),
     "collect": ("pdtrace.instrument.collect", "collect", "Receive OTLP/HTTP spans from routers and engines into a trace directory."),
+    "mark": ("pdtrace.instrument.tailmark", "mark", "Mark a time window in which tail retention keeps every request."),
 }
 
 

@@ -30,6 +30,21 @@ variable                       default    meaning
                                           flush interval, rotation and idle time are those of the
                                           process that started it
 ``PDTRACE_ANCHOR_INTERVAL_S``  ``10``     write a (monotonic, wall) clock anchor this often (s)
+``PDTRACE_RETAIN``             ``all``    ``tail``: the host's sink holds each request's records and
+                                          writes only the requests that miss a threshold below, fail,
+                                          fall in a marked window (``pdtrace mark``) or are
+                                          head-sampled (:mod:`pdtrace.instrument.retention`); the
+                                          sink's setting (of the process that started it) is used
+``PDTRACE_TAIL_TTFT_MS``       ``0``      tail: keep a request whose TTFT >= this (ms); 0: no TTFT rule
+``PDTRACE_TAIL_TPOT_MS``       ``0``      tail: keep a request whose TPOT >= this (ms); 0: no TPOT rule
+``PDTRACE_TAIL_HEAD``          ``0.1``    tail: fraction of the other requests kept anyway, by
+                                          sha256 of the request id (not PDTRACE_SAMPLE's hash)
+``PDTRACE_TAIL_HOLD_S``        ``30``     tail: a request not ended this long (s) after its first
+                                          record is decided then (kept: it never ended)
+``PDTRACE_TAIL_MEMORY_MB``     ``256``    tail: bound of the records held undecided (MiB, estimated);
+                                          over it the oldest requests are decided early
+``PDTRACE_TAIL_STEP_MS``       ``0``      tail: a step span this long (ms) is a stall and kept; 0: a
+                                          step > 2x the median of its process's last 255 steps
 ``PDTRACE_RUN_ID``             (unset)    run id written on every row (resource)
 ``PDTRACE_ROLE``               (unset)    role resource (router/prefill/decode/...) if the
                                           process does not set one itself
@@ -126,6 +141,13 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
     Variable("PDTRACE_SINK_IDLE_S", "5", "[0.1, 86400]", "recorder", "the host's sink exits this long after its last client"),
     Variable("PDTRACE_ANCHOR_INTERVAL_S", "10", "[0.01, 86400]", "recorder", "clock anchor interval (s)"),
     Variable("PDTRACE_RUN_ID", None, "text", "recorder", "run id written on every row"),
+    Variable("PDTRACE_RETAIN", "all", "all | tail", "recorder", "tail: keep only slow, failed, marked or head-sampled requests"),
+    Variable("PDTRACE_TAIL_TTFT_MS", "0", "[0, 3.6e6]", "recorder", "tail: keep requests with TTFT >= this (ms)"),
+    Variable("PDTRACE_TAIL_TPOT_MS", "0", "[0, 3.6e6]", "recorder", "tail: keep requests with TPOT >= this (ms)"),
+    Variable("PDTRACE_TAIL_HEAD", "0.1", "[0, 1]", "recorder", "tail: fraction of other requests kept anyway"),
+    Variable("PDTRACE_TAIL_HOLD_S", "30", "[0.1, 86400]", "recorder", "tail: a request not ended after this is decided"),
+    Variable("PDTRACE_TAIL_MEMORY_MB", "256", "[1, 65536]", "recorder", "tail: bound of the held records (MiB)"),
+    Variable("PDTRACE_TAIL_STEP_MS", "0", "[0, 3.6e6]", "recorder", "tail: a step this long (ms) is kept; 0: automatic"),
     Variable("PDTRACE_ROLE", None, "text", "recorder", "role resource if the process sets none"),
     Variable("PDTRACE_OTLP", "0", "0 | 1", "recorder", "export over OTLP without OTEL_* endpoint variables"),
     Variable("PDTRACE_SELF_CPU", "0", "0 | 1", "recorder", "measure pdtrace's own CPU per engine step"),
@@ -220,6 +242,13 @@ class Config:
     otlp_timeout_s: float | None = None
     self_cpu: bool = False
     helper_cpus: tuple[int, ...] | None = None
+    retain: str = "all"
+    tail_ttft_ms: float = 0.0
+    tail_tpot_ms: float = 0.0
+    tail_head: float = 0.1
+    tail_hold_s: float = 30.0
+    tail_memory_mb: float = 256.0
+    tail_step_ms: float = 0.0
 
     @property
     def enabled(self) -> bool:
@@ -256,7 +285,18 @@ def from_env(env: dict | None = None) -> Config:
     if self_cpu not in ("0", "1", ""):
         _warn("PDTRACE_SELF_CPU", self_cpu, "0", "not 0 or 1")
         self_cpu = "0"
+    retain = (env.get("PDTRACE_RETAIN") or "all").strip().lower()
+    if retain not in ("all", "tail"):
+        _warn("PDTRACE_RETAIN", retain, "all", "not all or tail")
+        retain = "all"
     return Config(
+        retain=retain,
+        tail_ttft_ms=_float(env, "PDTRACE_TAIL_TTFT_MS", 0.0, 0.0, 3.6e6),
+        tail_tpot_ms=_float(env, "PDTRACE_TAIL_TPOT_MS", 0.0, 0.0, 3.6e6),
+        tail_head=_float(env, "PDTRACE_TAIL_HEAD", 0.1, 0.0, 1.0),
+        tail_hold_s=_float(env, "PDTRACE_TAIL_HOLD_S", 30.0, 0.1, 86400.0),
+        tail_memory_mb=_float(env, "PDTRACE_TAIL_MEMORY_MB", 256.0, 1.0, 65536.0),
+        tail_step_ms=_float(env, "PDTRACE_TAIL_STEP_MS", 0.0, 0.0, 3.6e6),
         self_cpu=self_cpu == "1",
         helper_cpus=_cpulist(env, "PDTRACE_HELPER_CPUS"),
         trace_dir=env.get("PDTRACE_DIR") or None,

@@ -114,6 +114,7 @@ import pyarrow as pa  # noqa: E402
 from . import attributes, clock, config, hostsink, schema, store  # noqa: E402
 from .convert import Converter  # noqa: E402
 from .recorder import R_CLOCK, R_STATS  # noqa: E402
+from .retention import SIGNAL_WINDOW_S, TailRetention  # noqa: E402
 from .writer import stats  # noqa: E402
 
 log = logging.getLogger("pdtrace")
@@ -129,6 +130,10 @@ attributes.register("pdtrace.activation", str,
                     "'explicit' (pdtrace's class names, --middleware, the lab's router, or code)")
 for _k in ("recorded", "dropped", "written", "write_errors", "export_errors", "dropped_attributes"):
     attributes.register(f"recorder.{_k}", int, f"recorder counter '{_k}', cumulative since process start (records)")
+attributes.register("recorder.tail_dropped", int,
+                    "records of this process the host's sink dropped by tail retention (PDTRACE_RETAIN=tail: the "
+                    "request was fast and not head-sampled, or a step no kept request was in), cumulative; "
+                    "recorded = dropped + written + tail_dropped + pending; absent without tail retention")
 attributes.register("recorder.writer_cpu_ns", int,
                     "CPU time of the traced process's pdtrace-writer thread since it started (thread CPU clock), ns")
 attributes.register("recorder.sink_cpu_ns", int,
@@ -195,6 +200,8 @@ class Sink:
         self.written = 0
         self.dropped = 0
         self.write_errors = 0
+        self.tail_dropped: int | None = None  # set to 0 by a collector with tail retention (counted from then)
+        self.tail_held = 0  # records of this client held undecided by tail retention
         self._warned: set[str] = set()
         self.warnings: list[str] = []  # not yet sent to the client
         self.otlp = None
@@ -208,10 +215,14 @@ class Sink:
                 self._warn_once("otlp-init", "pdtrace: OTLP export disabled (%s: %s)", type(exc).__name__, exc)
 
     def counters(self) -> dict[str, int]:
-        """written, dropped (failed writes), write_errors, export_errors, dropped_attributes, sink_cpu_ns."""
-        return {"written": self.written, "dropped": self.dropped, "write_errors": self.write_errors,
-                "export_errors": self.otlp.errors if self.otlp is not None else 0,
-                "dropped_attributes": self.conv.dropped_attributes, "sink_cpu_ns": time.process_time_ns()}
+        """written, dropped (failed writes), write_errors, export_errors, dropped_attributes, sink_cpu_ns;
+        and tail_dropped with tail retention (:mod:`pdtrace.instrument.retention`)."""
+        out = {"written": self.written, "dropped": self.dropped, "write_errors": self.write_errors,
+               "export_errors": self.otlp.errors if self.otlp is not None else 0,
+               "dropped_attributes": self.conv.dropped_attributes, "sink_cpu_ns": time.process_time_ns()}
+        if self.tail_dropped is not None:
+            out["tail_dropped"] = self.tail_dropped
+        return out
 
     def set_allowed(self, allowed: dict) -> None:
         """The client's allowlist (its ``attributes.ALLOWED``) for records received from now on."""
@@ -444,17 +455,35 @@ class Collector:
         self._warned: set[str] = set()
         self.stopping = False
         self.files_written = 0
+        self.mark_asked = False  # SIGUSR1: mark a window (retention.SIGNAL_WINDOW_S)
+        self._retired: list[_Conn] = []  # ended clients whose records tail retention still holds
+        self.retention = TailRetention(cfg, self.dir, self._host) if cfg.retain == "tail" else None
+        if self.retention is not None:
+            r = self.retention
+            log.warning("pdtrace: tail retention on in %s: TTFT >= %.1f ms, TPOT >= %.1f ms, head %.3f, hold %.1f s, "
+                        "memory bound %.1f MiB (held records, estimated)", self.dir, cfg.tail_ttft_ms,
+                        cfg.tail_tpot_ms, r.head, cfg.tail_hold_s, r.bound / (1 << 20))
 
     # ------------------------------------------------------------------ loop
     def run(self) -> None:
         """Serve until idle for PDTRACE_SINK_IDLE_S with no client, or until SIGTERM; then write, merge, return."""
         interval = self.cfg.flush_interval_s
+        ret = self.retention
         while not self.stopping:
             timeout = max(0.0, self._next_write - time.monotonic())
             if not self.conns:
                 timeout = min(timeout, max(0.0, self._idle_since + self.cfg.sink_idle_s - time.monotonic()))
+            if ret is not None:
+                due = ret.next_due_s()
+                timeout = min(timeout, 0.5 if due is None else due)  # 0.5: the marks file is looked at
             self._poll(timeout)
             now = time.monotonic()
+            if ret is not None:
+                if self.mark_asked:
+                    self.mark_asked = False
+                    t = time.time_ns()
+                    ret.mark(t - int(SIGNAL_WINDOW_S[0] * 1e9), t + int(SIGNAL_WINDOW_S[1] * 1e9), "signal")
+                ret.tick()
             if any(c.sync for c in self.conns.values()):
                 for _ in range(20):  # take in what every client sent before the sync (an ended client's EOF)
                     if not self._poll(0.0):
@@ -464,7 +493,8 @@ class Collector:
                 self.write_part()
                 if due:
                     self._next_write = now + interval
-            if not self.conns and not self._parts and time.monotonic() - self._idle_since >= self.cfg.sink_idle_s:
+            if not self.conns and not self._parts and not self._retired \
+                    and time.monotonic() - self._idle_since >= self.cfg.sink_idle_s:
                 self._poll(0.0)  # a client that connected just now is served, not reset
                 if not self.conns:
                     return
@@ -477,6 +507,10 @@ class Collector:
             c.final = True
         self.write_part()
         self._merge_parts()
+        if self.retention is not None:
+            self.retention.write_summary()
+            self.retention.close()
+            log.warning("pdtrace: tail retention summary %s", self.retention.summary())
 
     def _poll(self, timeout: float) -> int:
         """One select round (``timeout`` s); handle accepts and input. Returns the events handled."""
@@ -538,8 +572,11 @@ class Collector:
         sink = c.sink
         try:
             if kind == "recs":
-                sink.add(msg[1])
-                c.since_tick += len(msg[1])
+                recs = msg[1]
+                c.since_tick += len(recs)
+                if self.retention is not None:
+                    recs = self.retention.admit(sink, recs)
+                sink.add(recs)
             elif kind == "tick":
                 _, gen, c.traced, mode = msg
                 c.since_tick = 0
@@ -553,6 +590,8 @@ class Collector:
                 sink.set_allowed(msg[1])
             elif kind == "init":
                 c.sink = Sink(*msg[1:])
+                if self.retention is not None:
+                    c.sink.tail_dropped = 0
             elif kind == "sync":
                 c.sync = True
         except Exception as exc:  # never die on one bad batch: count it and go on
@@ -570,9 +609,12 @@ class Collector:
         """Write every client's pending records as one part file; answer, and drop the clients that ended."""
         entries = []  # [conn, tables, rows]
         joint = []  # (conn, segments) converted together
-        for c in list(self.conns.values()):
+        if self.retention is not None and (any(c.sync for c in self.conns.values()) or not any(
+                c.sink is not None and not (c.final or c.eof) for c in self.conns.values())):
+            self.retention.decide_all()  # a sync, or no client left: nothing stays held
+        for c in list(self.conns.values()) + self._retired:
             c.in_part = False
-            if c.sink is None:
+            if c.sink is None or (c.eof and c in self._retired and not c.sink._pending_rows):
                 continue
             try:
                 got = c.sink.take(c.traced, c.final or c.eof, c.since_tick)
@@ -585,7 +627,7 @@ class Collector:
             tables, segs, rows = got
             e = [c, tables, rows]
             entries.append(e)
-            if c.sink.otlp is None:
+            if c.sink.otlp is None or c.sink._closed:  # closed: an ended client's late-decided records
                 joint.append((e, segs))
             else:  # its OTLP export needs tables of its own rows (one resource per table)
                 t, bad = c.sink.convert_segments(segs)
@@ -625,6 +667,10 @@ class Collector:
         due = self.cfg.rotate_s > 0 and time.monotonic() - self._segment_started >= self.cfg.rotate_s
         if due or self._parts_bytes >= self.cfg.rotate_bytes or not staying:
             self._merge_parts()
+        for c in list(self._retired):
+            if c.sink.tail_held <= 0 and not c.sink._pending_rows:
+                self._retired.remove(c)
+                c.sink.close()
         for c in list(self.conns.values()):
             if c.sink is not None and (c.final or c.eof):
                 c.sink.close()  # its OTLP export done before it is told its records are written
@@ -672,7 +718,10 @@ class Collector:
             except OSError:
                 pass
         if c.sink is not None:
-            c.sink.close()
+            if c.sink.tail_held > 0:  # tail retention holds some of its records: written when decided
+                self._retired.append(c)
+            else:
+                c.sink.close()
         try:
             self.sel.unregister(c.sock)
         except (KeyError, ValueError):
@@ -687,6 +736,8 @@ class Collector:
         return f"sink-{self._host}-{os.getpid()}-{self._start_tag}-{kind}{self._seq:06d}.parquet"
 
     def _merge_parts(self) -> None:
+        if self.retention is not None:
+            self.retention.write_summary()
         parts, self._parts, self._parts_bytes = self._parts, [], 0
         self._segment_started = time.monotonic()
         if len(parts) <= 1:
@@ -728,9 +779,14 @@ def main(argv: list[str], listen: tuple[str, socket.socket]) -> int:
         col.stopping = True
 
     signal.signal(signal.SIGTERM, _term)
+
+    def _usr1(signum, frame):
+        col.mark_asked = True
+
+    signal.signal(signal.SIGUSR1, _usr1)
     # A process inherits the signal mask of the thread that started it: a traced process's writer
     # thread, which blocks SIGTERM (recorder's Writer.start). Unblocked here, or SIGTERM stays pending.
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGUSR1})
     col.run()
     return 0
 

@@ -111,7 +111,9 @@ def stats(traced: dict, sink: dict) -> dict[str, int]:
     rows of failed writes; sink_cpu_ns is the CPU time of the current sink process
     (the host's, shared with the other traced processes writing into the same directory);
     hook_errors counts the errors swallowed in the traced process's hooks
-    (:mod:`pdtrace.instrument.hookerrors`).
+    (:mod:`pdtrace.instrument.hookerrors`). With tail retention in the sink
+    (:mod:`pdtrace.instrument.retention`) tail_dropped counts the records it dropped by its
+    decision (not lost: not kept), and recorded = dropped + written + tail_dropped + pending.
     ``traced["base"]`` holds the counters of earlier sinks of the same
     process (a sink that died is replaced), added in.
     """
@@ -120,11 +122,14 @@ def stats(traced: dict, sink: dict) -> dict[str, int]:
     def both(k: str) -> int:
         return sink.get(k, 0) + base.get(k, 0)
 
-    return {"recorded": traced.get("recorded", 0), "dropped": traced.get("dropped", 0) + both("dropped"),
-            "written": both("written"), "write_errors": both("write_errors"),
-            "export_errors": both("export_errors"), "dropped_attributes": both("dropped_attributes"),
-            "writer_cpu_ns": traced.get("writer_cpu_ns", 0), "sink_cpu_ns": sink.get("sink_cpu_ns", 0),
-            "hook_errors": traced.get("hook_errors", 0)}
+    out = {"recorded": traced.get("recorded", 0), "dropped": traced.get("dropped", 0) + both("dropped"),
+           "written": both("written"), "write_errors": both("write_errors"),
+           "export_errors": both("export_errors"), "dropped_attributes": both("dropped_attributes"),
+           "writer_cpu_ns": traced.get("writer_cpu_ns", 0), "sink_cpu_ns": sink.get("sink_cpu_ns", 0),
+           "hook_errors": traced.get("hook_errors", 0)}
+    if "tail_dropped" in sink or "tail_dropped" in base:
+        out["tail_dropped"] = both("tail_dropped")
+    return out
 
 
 def _name_os_thread(name: str) -> None:
@@ -460,7 +465,8 @@ class Writer(threading.Thread):
             pass
         # what the lost sink had not answered for is lost with it; its counters carry over
         last = self._sink
-        self.dropped_in_writer += max(0, self._sent - last.get("written", 0) - last.get("dropped", 0))
+        self.dropped_in_writer += max(0, self._sent - last.get("written", 0) - last.get("dropped", 0)
+                                      - last.get("tail_dropped", 0))
         for k, v in last.items():
             if k != "sink_cpu_ns":
                 self._base[k] = self._base.get(k, 0) + v
