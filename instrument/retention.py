@@ -127,10 +127,12 @@ _HEAD_SALT = b"pdtrace-tail-head\0"
 
 
 def held_bytes(rec: tuple) -> int:
-    """Estimated memory (bytes) a held record costs: its tuple (56 + 8 per slot), the (client, record)
-    pair and list slot (72), about 40 bytes per slot for the objects the slots hold (ints, short strings;
-    names and keys are shared). Calibrated in ``benchmarks/tail_retention.py`` (tracemalloc)."""
-    return 128 + 48 * len(rec)
+    """Estimated memory (bytes) a held record costs: its tuple (40 + 8 per slot), the (client, record)
+    pair and its list slot (72), and about 24 bytes per slot for the objects the slots hold (ints, times,
+    ids; names and keys are shared by the records of one message). ``benchmarks/tail_retention.py``
+    compares it with tracemalloc (records unpickled a request and role per message: fewer shared
+    objects than the sink's 32-512-record messages): the estimate is the larger."""
+    return 112 + 32 * len(rec)
 
 
 def head_sampled(rid: str, fraction: float) -> bool:
@@ -404,8 +406,13 @@ class TailRetention:
                 return True, "ttft"
             if g.root_start is not None and g.first_tok is None:
                 return True, "no_first_token"
-            if early and ttft is None and g.t_min is not None and now - g.t_min >= self.ttft_ns:
-                return True, "ttft"  # no first token yet and already older than the threshold
+            if early and ttft is None and g.t_min is not None:
+                # not ended: the router's root (its start) not here yet; from the request's earliest record
+                # (>= the router's receive time: an under-estimate) to its first token, or to now without one
+                t = (g.first_tok if g.first_tok is not None else g.eng_first if g.eng_first is not None
+                     else now) - g.t_min
+                if t >= self.ttft_ns:
+                    return True, "ttft"
         if self.tpot_ns is not None and g.out_tokens > 1:
             first = g.first_tok
             if first is not None and g.last_tok is not None:

@@ -271,6 +271,13 @@ def test_verdicts_ttft_tpot_engine_clock_and_early(tmp_path):
     ret.admit(s, [_span("decode.queue", "young", now, now + ms), _span("decode.queue", "old", now - 500 * ms, now)])
     assert ret.verdict(ret.groups["young"], now, early=True) == (False, "fast")
     assert ret.verdict(ret.groups["old"], now + 1, early=True) == (True, "ttft")
+    # unended with its first token already here: judged by that token, not by its age
+    ret.admit(s, [_span("router.dispatch", "oldfast", now - 900 * ms, now - 899 * ms),
+                  ev("router.first_token", "oldfast", now - 860 * ms),
+                  _span("router.dispatch", "oldslow", now - 900 * ms, now - 899 * ms),
+                  ev("router.first_token", "oldslow", now - 700 * ms)])
+    assert ret.verdict(ret.groups["oldfast"], now, early=True) == (False, "fast")
+    assert ret.verdict(ret.groups["oldslow"], now, early=True) == (True, "ttft")
     # the grace: nothing decided before it, the ended ones after it
     ret.tick(now)
     assert "slow" in ret.groups
