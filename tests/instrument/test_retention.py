@@ -10,6 +10,7 @@ the others present iff head-sampled, nothing else of theirs; the processes' own 
 """
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -75,9 +76,10 @@ def _env(d, **kw):
     return env
 
 
-def _play(tmp_path, d, plan, roles=("decode", "router"), wait_s=0.0, **kw):
-    """Run the players of ``roles`` on ``plan``; after their flush wait ``wait_s`` s (decisions by the
-    sink's clock) with them alive, then stop them and sync. Returns their final counters by role."""
+def _play(tmp_path, d, plan, roles=("decode", "router"), wait_s=0.0, between=None, **kw):
+    """Run the players of ``roles`` on ``plan`` (``between()`` called after the first has flushed); after
+    their flush wait ``wait_s`` s (decisions by the sink's clock) with them alive, then stop them and
+    sync. Returns their final counters by role."""
     pf = tmp_path / "plan.json"
     pf.write_text(json.dumps(plan))
     procs = {}
@@ -86,6 +88,8 @@ def _play(tmp_path, d, plan, roles=("decode", "router"), wait_s=0.0, **kw):
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         json.loads(p.stdout.readline())
         procs[role] = p
+        if between is not None and len(procs) == 1:
+            between()
     time.sleep(wait_s)
     live = _rows(d) if wait_s else None
     out = {}
@@ -224,6 +228,29 @@ def test_memory_bound_holds_under_a_burst_and_unended_requests_are_kept_at_the_e
     assert st["tail_dropped"] == 2 * summ["evicted"] and st["written"] == st["recorded"] - st["tail_dropped"], st
     got = {rid for rid, *_ in _rows(d) if rid}
     assert len(got) == summ["kept"] and all(x >= f"b{15000 - summ['kept']:05d}" for x in got)  # the newest
+
+
+def test_sigusr1_to_the_sink_marks_a_window(tmp_path):
+    """SIGUSR1 to the running sink (found through /proc) while the decode side's records are held: the
+    sink writes the window [now - 30 s, now + 60 s] to the marks file, and every request of the play is
+    kept as 'marked', fast ones included."""
+    d = tmp_path / "t"
+
+    def signal_sink():
+        (pid,) = hostsink.find(d)
+        os.kill(pid, signal.SIGUSR1)
+        deadline = time.monotonic() + 10
+        while not (d / retention.MARKS_FILE).exists():
+            assert time.monotonic() < deadline, "the sink wrote no mark"
+            time.sleep(0.05)
+
+    plan = _plan(n=30, back_ms=1000.0)
+    _play(tmp_path, d, plan, between=signal_sink)
+    assert {rid for rid, *_ in _rows(d) if rid} == {x[0] for x in plan["reqs"]}
+    (m,) = [json.loads(x) for x in (d / retention.MARKS_FILE).read_text().splitlines()]
+    assert m["by"] == "signal" and m["end_ns"] - m["start_ns"] == int(90e9)
+    summ = json.loads(next(d.glob("tail-retention-*.json")).read_text())
+    assert summ["reasons"].get("marked") == 30 - summ["reasons"].get("failed", 0) - summ["reasons"].get("ttft", 0)
 
 
 # ---------------------------------------------------------------- in-process, real Sink objects
