@@ -134,6 +134,12 @@ attributes.register("recorder.tail_dropped", int,
                     "records of this process the host's sink dropped by tail retention (PDTRACE_RETAIN=tail: the "
                     "request was fast and not head-sampled, or a step no kept request was in), cumulative; "
                     "recorded = dropped + written + tail_dropped + pending; absent without tail retention")
+attributes.register("recorder.tail_ttft_ms", float,
+                    "tail retention in force in the sink that wrote this stats row (PDTRACE_RETAIN=tail): its TTFT "
+                    "threshold (ms; 0: none); absent without tail retention")
+attributes.register("recorder.tail_tpot_ms", float, "tail retention: the sink's TPOT threshold (ms; 0: none)")
+attributes.register("recorder.tail_head", float,
+                    "tail retention: the fraction of the other requests the sink keeps anyway (head-sampled)")
 attributes.register("recorder.writer_cpu_ns", int,
                     "CPU time of the traced process's pdtrace-writer thread since it started (thread CPU clock), ns")
 attributes.register("recorder.sink_cpu_ns", int,
@@ -202,6 +208,7 @@ class Sink:
         self.write_errors = 0
         self.tail_dropped: int | None = None  # set to 0 by a collector with tail retention (counted from then)
         self.tail_held = 0  # records of this client held undecided by tail retention
+        self.tail_settings: dict[str, float] = {}  # the collector's retention settings, on every stats row
         self._warned: set[str] = set()
         self.warnings: list[str] = []  # not yet sent to the client
         self.otlp = None
@@ -380,6 +387,7 @@ class Sink:
             attrs["recorder.hook_error_first"] = traced["hook_error_first"]
         # the sampling in force, so that a reader (pdtrace check, view processes) can say what was traced
         attrs["recorder.sample"], attrs["recorder.step_sample"] = float(self.cfg.sample), float(self.cfg.step_sample)
+        attrs.update(self.tail_settings)
         out.append((R_STATS, next(self._ids), None, None, "recorder.stats", schema.KIND_INTERNAL,
                     t, t, 0, None, None, 0, 0, None, THREAD, *attrs, *attrs.values()))
         return out
@@ -592,6 +600,9 @@ class Collector:
                 c.sink = Sink(*msg[1:])
                 if self.retention is not None:
                     c.sink.tail_dropped = 0
+                    c.sink.tail_settings = {"recorder.tail_ttft_ms": float(self.cfg.tail_ttft_ms),
+                                            "recorder.tail_tpot_ms": float(self.cfg.tail_tpot_ms),
+                                            "recorder.tail_head": float(self.cfg.tail_head)}
             elif kind == "sync":
                 c.sync = True
         except Exception as exc:  # never die on one bad batch: count it and go on

@@ -182,6 +182,10 @@ def test_slow_and_failed_requests_kept_whole_others_at_the_head_rate(tmp_path):
     assert rou["tail_dropped"] == 3 * n_drop  # router.request + 2 token events per dropped request
     dropped_steps = sum(1 for off, dur, ids in steps if not (dur >= 200 or off < 48 or any(x in keep for x in ids)))
     assert dec["tail_dropped"] == 2 * n_drop + dropped_steps
+    files = [str(f) for f in store.store_files(d)]
+    settings = duckdb.sql(f"select distinct attr_float['recorder.tail_ttft_ms'], attr_float['recorder.tail_head'] "
+                          f"from read_parquet({files!r}) where record = 'stats'").fetchall()
+    assert settings == [(THRESHOLD_MS, HEAD)]  # the retention in force, on every stats row
     summ = json.loads(next(d.glob("tail-retention-*.json")).read_text())
     assert summ["kept"] == len(keep) and summ["dropped"] == n_drop and summ["evicted"] == 0, summ
     assert summ["reasons"]["failed"] == 1 and summ["held_records"] == 0, summ
