@@ -27,7 +27,6 @@ import argparse
 import logging
 import os
 import pickle
-import resource
 import socket
 import statistics
 import sys
@@ -166,7 +165,6 @@ def cpu_per_request(n: int, rounds: int) -> None:
 def burst(rate: float, bound_mb: float) -> None:
     print(f"2. memory bound under a 10x burst: {rate:g} req/s, then {10 * rate:g}, then {rate:g} (3 s each), "
           f"each request ends 1 s after it starts; bound {bound_mb:g} MiB")
-    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     with tempfile.TemporaryDirectory() as d:
         b = Bench("tail", d, bound_mb=bound_mb, flush_s=0.2)
         ret = b.col.retention
@@ -218,7 +216,7 @@ def burst(rate: float, bound_mb: float) -> None:
         s = ret.summary()
         print(f"   total: {i} requests, kept {s['kept']} ({s['reasons']}), dropped {s['dropped']}, evicted "
               f"{s['evicted']}; slow requests (TTFT 300 ms >= {THRESHOLD_MS:g}) kept {len(slow_ids) - len(lost_slow)} "
-              f"of {len(slow_ids)}; process max RSS +{(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024:.1f} MiB")
+              f"of {len(slow_ids)}")
 
 
 def calibrate(n: int = 20000) -> None:
