@@ -71,15 +71,25 @@ pending; ``recorder.tail_dropped`` on its stats rows).
 
 Cross-host. A request's records are on several hosts (router, P, D), one sink each. One sink can decide
 only from what it holds: the router's host has TTFT and TPOT (router events) and the router's failures;
-an engine host has the engine-clock TTFT only when it holds both P's and D's records. The decision
-reaches the others through the trace directory: every sink appends the ids it keeps (one per line) to
-``tail-keep/<host>-<sink pid>.ids`` (:func:`keep_list_path`), and before it drops a request it reads the
-lines other sinks appended since its last read (:meth:`TailRetention.remote_keeps`): an id another host
-kept is kept here too. Built: the writing and the reading (a shared trace directory, e.g. NFS, or
-per-host directories synced). Not built: an engine host decides at its own end plus grace, which can come
-before the router's host has decided; it must then wait (up to the hold time) for the router host's
-verdict instead of applying its own rule. That needs a role-aware deadline (hold engine-only groups
-until a keep-list entry or ``PDTRACE_TAIL_HOLD_S``), and the keep-list files are not rotated.
+an engine host has the engine-clock TTFT only when it holds both P's and D's records, and a failure seen
+there. The decisions reach the others through the trace directory (shared, e.g. NFS): every sink appends
+its verdicts to ``tail-keep/<host>-<sink pid>.ids`` (:func:`keep_list_path`), one line each,
+``<id> TAB 1|0 TAB R|E``: every keep, and the drops it made *with* the request's router root (``R``:
+authoritative; ``E``: decided without one). Each sink reads the lines the others appended since its last
+look (every :data:`MARK_POLL_S`, :meth:`TailRetention.remote_keeps`). Then:
+
+* a request another sink kept is kept here too (reason ``remote``), whatever the local rule says;
+* a sink that holds no router record of an ended request, while other sinks' lists exist, *waits* for an
+  ``R`` verdict (up to ``PDTRACE_TAIL_HOLD_S`` from its first record) instead of applying its own rule,
+  and follows it when it comes (kept, or dropped as ``remote_drop``, unless something local keeps it: a
+  failure seen here, a mark); at the hold time it applies its own rule.
+
+So a request is kept whole on every host when the router's host keeps it, or when any host saw a
+failure (provided its line is read before the others decide: the router's host decides at its end plus
+grace; a later keep from an engine host keeps the engine side only). Built and tested on one host with a
+second host's list written into the directory (no second host here). Not built: rotation of the lists
+(about 20 bytes per request and host), and lists in per-host directories that are not shared (they
+would need copying between hosts within the hold time).
 """
 from __future__ import annotations
 
@@ -232,8 +242,9 @@ class TailRetention:
         self._next_poll = 0
         self._keep_fd = -1
         self._keep_path = keep_list_path(trace_dir, self.host, os.getpid())
-        self._remote: set[str] = set()
+        self._remote: dict[str, tuple[bool, bool]] = {}  # id -> (kept, authoritative) by other sinks
         self._remote_pos: dict[str, int] = {}
+        self._waiting: set[str] = set()  # ended here without a router record: waiting for an R verdict
         self.poll_files(force=True)
 
     # --------------------------------------------------------------- intake
@@ -420,8 +431,11 @@ class TailRetention:
                     return True, "tpot"
         if head_sampled(g.rid, self.head):
             return True, "head"
-        if g.rid in self._remote:
+        rv = self._remote.get(g.rid)
+        if rv is not None and rv[0]:
             return True, "remote"
+        if rv is not None and rv[1] and g.root_start is None:
+            return False, "remote_drop"
         if not g.ended and not early:
             return True, "unended"
         return False, "fast"
@@ -437,6 +451,9 @@ class TailRetention:
             _, rid = ending.popleft()
             g = groups.get(rid)
             if g is not None:
+                if g.root_start is None and self._remote_pos and rid not in self._remote:
+                    self._waiting.add(rid)  # another host may hold its router: wait for its verdict (hold)
+                    continue
                 self._decide(g, *self.verdict(g, now))
         while groups:
             g = next(iter(groups.values()))
@@ -476,6 +493,7 @@ class TailRetention:
 
     def _decide(self, g: _Group, keep: bool, why: str) -> None:
         del self.groups[g.rid]
+        self._waiting.discard(g.rid)
         self.decided[g.rid] = keep
         if len(self.decided) > DECISIONS:
             self.decided.popitem(last=False)
@@ -490,9 +508,11 @@ class TailRetention:
             self.counts["kept"] += 1
             for sink, rs in by_sink.items():
                 sink.add(rs)
-            self._keep_line(g.rid)
+            self._keep_line(g.rid, True, g.root_start is not None)
         else:
             self.counts["evicted" if why == "evicted" else "dropped"] += 1
+            if g.root_start is not None and self._remote_pos:  # others wait for a router host's verdict
+                self._keep_line(g.rid, False, True)
             for sink, rs in by_sink.items():
                 sink.tail_dropped += len(rs)
             self.counts["records_dropped"] += len(g.recs)
@@ -557,7 +577,8 @@ class TailRetention:
         self.remote_keeps()
 
     def remote_keeps(self) -> None:
-        """Add the ids other sinks appended to their keep-lists since the last read (cross-host)."""
+        """Read the verdicts other sinks appended to their lists since the last read (cross-host; lines
+        ``id TAB 1|0 TAB R|E``, a bare ``id`` is a keep); decide at once the groups waiting for one."""
         d = os.path.join(self.dir, "tail-keep")
         try:
             names = os.listdir(d)
@@ -577,9 +598,22 @@ class TailRetention:
                 continue
             cut = data.rfind(b"\n") + 1  # whole lines only
             self._remote_pos[n] = pos + cut
-            self._remote.update(x.decode("utf-8", "replace") for x in data[:cut].split(b"\n") if x)
+            for line in data[:cut].split(b"\n"):
+                if not line:
+                    continue
+                f = line.decode("utf-8", "replace").split("\t")
+                keep, auth = (len(f) < 2 or f[1] == "1"), (len(f) > 2 and f[2] == "R")
+                old = self._remote.get(f[0], (False, False))
+                self._remote[f[0]] = (keep or old[0], auth or old[1])  # any host's keep wins
+        if self._waiting:
+            now = time.monotonic_ns()
+            for rid in [r for r in self._waiting if r in self._remote]:
+                g = self.groups.get(rid)
+                self._waiting.discard(rid)
+                if g is not None:
+                    self._decide(g, *self.verdict(g, now))
 
-    def _keep_line(self, rid: str) -> None:
+    def _keep_line(self, rid: str, keep: bool, authoritative: bool) -> None:
         if self._keep_fd < 0:
             try:
                 os.makedirs(os.path.dirname(self._keep_path), exist_ok=True)
@@ -588,7 +622,8 @@ class TailRetention:
                 self._keep_fd = -2  # not writable: the local decision stands
         if self._keep_fd >= 0 and "\n" not in rid:
             try:
-                os.write(self._keep_fd, rid.encode("utf-8", "surrogatepass") + b"\n")
+                os.write(self._keep_fd, rid.encode("utf-8", "surrogatepass")
+                         + (b"\t1" if keep else b"\t0") + (b"\tR\n" if authoritative else b"\tE\n"))
             except OSError:
                 pass
 

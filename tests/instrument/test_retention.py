@@ -330,7 +330,42 @@ def test_keep_list_of_another_host_keeps_a_request_here(tmp_path):
     ret.admit(s, [_span("decode.queue", "far", now, now + 1), _span("decode.queue", "near", now, now + 1)])
     ret.decide_all()
     assert ret.decided["far"] is True and ret.reasons.get("remote") == 1
-    assert (tmp_path / "tail-keep" / f"h-{os.getpid()}.ids").read_text().split() == ["far", "near"]  # near: unended
+    assert (tmp_path / "tail-keep" / f"h-{os.getpid()}.ids").read_text().splitlines() == \
+        ["far\t1\tE", "near\t1\tE"]  # near: unended at the decide_all; E: no router record here
+
+
+def test_engine_host_waits_for_the_router_hosts_verdict(tmp_path):
+    """Cross-host, the engine side: D's records of three ended requests, no router record on this host,
+    another host's list present. Past the grace nothing is decided (waiting); when the router host's
+    verdicts arrive (A kept, B dropped with its root: R) A is kept and B dropped at the next look; C,
+    with no verdict, is decided by the local rule at the hold time. A router root here is never waited on."""
+    ret, s = _ret(tmp_path, tail_hold_s=10.0)
+    other = tmp_path / "tail-keep" / "routerhost-7.ids"
+    other.parent.mkdir()
+    other.write_text("")
+    ret.poll_files(force=True)
+    now = time.monotonic_ns()
+    ms = 1_000_000
+    recs = []
+    for x in ("A", "B", "C"):
+        recs += [_span("decode.queue", x, now, now + ms),
+                 _span("decode.frontend", x, now, now + 5 * ms, **{"frontend.part": "out"})]
+    from pdtrace.instrument.recorder import R_EVENT
+
+    recs += [(R_EVENT, 9, None, None, "router.first_token", 1, now - 20 * ms, now - 20 * ms, 0, None, "R1", 0, 0,
+              None, "T"), _span("router.request", "R1", now - 50 * ms, now)]  # a root here: the rule, no wait
+    ret.admit(s, recs)
+    ret.tick(time.monotonic_ns() + ret.grace_ns)
+    assert set(ret.groups) == {"A", "B", "C"} and ret._waiting == {"A", "B", "C"} and "R1" in ret.decided
+    with open(other, "a") as f:
+        f.write("A\t1\tR\nB\t0\tR\n")
+    ret.poll_files(force=True)
+    assert ret.decided["A"] is True and ret.decided["B"] is False and set(ret.groups) == {"C"}
+    assert ret.reasons["remote"] == 1 and ret.reasons["remote_drop"] == 1
+    ret.tick(time.monotonic_ns() + ret.hold_ns)
+    assert ret.decided["C"] is False and ret.reasons["fast"] == 2  # R1 and C: fast, not head-sampled
+    mine = (tmp_path / "tail-keep" / f"h-{os.getpid()}.ids").read_text().splitlines()
+    assert mine == ["R1\t0\tR", "A\t1\tE"]  # its authoritative drop (others wait for it), its keep
 
 
 @pytest.mark.parametrize("n", [2000])
