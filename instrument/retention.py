@@ -245,6 +245,7 @@ class TailRetention:
         self._remote: dict[str, tuple[bool, bool]] = {}  # id -> (kept, authoritative) by other sinks
         self._remote_pos: dict[str, int] = {}
         self._waiting: set[str] = set()  # ended here without a router record: waiting for an R verdict
+        self._open_list()  # at once, empty: the other sinks know this one decides too (they write drops)
         self.poll_files(force=True)
 
     # --------------------------------------------------------------- intake
@@ -613,14 +614,16 @@ class TailRetention:
                 if g is not None:
                     self._decide(g, *self.verdict(g, now))
 
+    def _open_list(self) -> None:
+        """Create (or reopen) this sink's verdict list; not writable: the local decisions stand alone."""
+        try:
+            os.makedirs(os.path.dirname(self._keep_path), exist_ok=True)
+            self._keep_fd = os.open(self._keep_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        except OSError:
+            self._keep_fd = -2
+
     def _keep_line(self, rid: str, keep: bool, authoritative: bool) -> None:
-        if self._keep_fd < 0:
-            try:
-                os.makedirs(os.path.dirname(self._keep_path), exist_ok=True)
-                self._keep_fd = os.open(self._keep_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            except OSError:
-                self._keep_fd = -2  # not writable: the local decision stands
-        if self._keep_fd >= 0 and "\n" not in rid:
+        if self._keep_fd >= 0 and "\n" not in rid and "\t" not in rid:
             try:
                 os.write(self._keep_fd, rid.encode("utf-8", "surrogatepass")
                          + (b"\t1" if keep else b"\t0") + (b"\tR\n" if authoritative else b"\tE\n"))

@@ -324,7 +324,6 @@ def test_keep_list_of_another_host_keeps_a_request_here(tmp_path):
     """Cross-host: an id another host's sink appended to its keep-list is kept here though fast; this
     sink appends what it keeps to its own list."""
     ret, s = _ret(tmp_path)
-    (tmp_path / "tail-keep").mkdir()
     (tmp_path / "tail-keep" / "otherhost-1.ids").write_text("far\n")
     now = time.monotonic_ns()
     ret.admit(s, [_span("decode.queue", "far", now, now + 1), _span("decode.queue", "near", now, now + 1)])
@@ -341,7 +340,7 @@ def test_engine_host_waits_for_the_router_hosts_verdict(tmp_path):
     with no verdict, is decided by the local rule at the hold time. A router root here is never waited on."""
     ret, s = _ret(tmp_path, tail_hold_s=10.0)
     other = tmp_path / "tail-keep" / "routerhost-7.ids"
-    other.parent.mkdir()
+    assert other.parent.is_dir()  # made by the sink at its start, with its own empty list
     other.write_text("")
     ret.poll_files(force=True)
     now = time.monotonic_ns()
