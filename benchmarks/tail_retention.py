@@ -59,7 +59,8 @@ def request_records(i: int, t0: int) -> tuple[dict, list]:
     rid = f"bench{i:08d}"
     ttft = (300 if i % SLOW_EVERY == 0 else 40) * MS
     s = i * 64
-    router = [_span("router.dispatch", rid, t0, t0 + MS, s + 1), _span("router.wait", rid, t0 + MS, t0 + 20 * MS, s + 2),
+    router = [_span("router.dispatch", rid, t0, t0 + MS, s + 1),
+              _span("router.wait", rid, t0 + MS, t0 + 20 * MS, s + 2),
               _span("router.dispatch", rid, t0 + 20 * MS, t0 + 21 * MS, s + 3),
               _ev("router.first_token", rid, t0 + ttft, s + 4),
               _ev("router.last_token", rid, t0 + ttft + 50 * MS, s + 6, **{"gen_ai.usage.output_tokens": 8})]

@@ -41,9 +41,11 @@ Design (single host; the cross-host part is at the end).
   step, engine events) are always written at once. Engine **step spans** (``decode.step``,
   ``prefill.step``) are written when (a) the step *stalled*: it lasted ``PDTRACE_TAIL_STEP_MS`` or, that
   unset, more than :data:`STALL_FACTOR` x the median of its process's last :data:`STALL_WINDOW` steps of
-  the same name (and every step while fewer than :data:`STALL_MIN` are known: no baseline yet); this
-  baseline ignores the batch shape that ``decode_stalls`` compares with, so it keeps more, never fewer,
-  than the analysis would call stalled; or (b) it overlaps a marked window; or (c) a request of its batch
+  the same name (and every step while fewer than :data:`STALL_MIN` are known: no baseline yet). This
+  baseline is coarser than ``decode_stalls``' (the median of recent steps of the same batch shape): a
+  step of a small batch can stall against its own shape and still be under 2x the overall median, and
+  is then not kept by this rule (set ``PDTRACE_TAIL_STEP_MS`` for a fixed threshold); or (b) it overlaps
+  a marked window; or (c) a request of its batch
   (``step.batch``) is kept: held with those requests until they are decided, written with the first
   kept, dropped (and counted) when all are dropped. A kept request thus has every step it was in (its
   TPOT and stall share stay computable); a step of only unknown requests (untraced, or decided and
@@ -60,7 +62,8 @@ Design (single host; the cross-host part is at the end).
   decided *early* until it is under 90 % of it: kept if already failed, marked, head-sampled, over the
   TTFT threshold (its first token came late, or none yet and it is older than the threshold) or over
   the TPOT threshold; otherwise dropped and counted (``evicted``: a request that might have turned slow
-  later). The decisions table adds at most :data:`DECISIONS` x ~120 bytes (~8 MiB). The bound, the peak
+  later). The decisions table adds at most :data:`DECISIONS` x ~160 bytes (~10 MiB), outside the
+  bound. The bound, the peak
   and the counts are logged by the sink at start and exit and written to :func:`summary_path`.
 * **Flush, sync, exit.** A client's flush tick writes what was decided; undecided records stay held (a
   client that ends leaves them held; they are written with its resource when decided). ``hostsink.sync``,
@@ -102,7 +105,7 @@ import socket
 import time
 from collections import OrderedDict, deque
 
-from .recorder import R_EVENT, R_OPEN, R_SPAN
+from .recorder import R_EVENT, R_SPAN
 from .schema import STATUS_ERROR
 
 log = logging.getLogger("pdtrace")

@@ -284,7 +284,8 @@ def test_verdicts_ttft_tpot_engine_clock_and_early(tmp_path):
     ret, s = _ret(tmp_path, tail_tpot_ms=30.0)
     ms = 1_000_000
     now = time.monotonic_ns()
-    ret.admit(s, [ev("router.first_token", "slow", now + 150 * ms), _span("router.request", "slow", now, now + 200 * ms),
+    ret.admit(s, [ev("router.first_token", "slow", now + 150 * ms),
+                  _span("router.request", "slow", now, now + 200 * ms),
                   ev("router.first_token", "fast", now + 50 * ms),
                   ev("router.last_token", "fast", now + 90 * ms, **{"gen_ai.usage.output_tokens": 5}),
                   _span("router.request", "fast", now, now + 100 * ms),
