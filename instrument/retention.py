@@ -1,6 +1,10 @@
 """Tail-based retention in the host's sink: keep every slow, failed or marked request in full, a head-sampled
 fraction of the rest, and nothing of the others (``PDTRACE_RETAIN=tail``; issue 18, item 4).
 
+(Over 400 lines on purpose: most of it is this design and one class, :class:`TailRetention`, whose intake,
+verdicts, memory bound and cross-host lists share one state -- the held groups and the decisions -- and
+the accounting ``recorded = dropped + written + tail_dropped + pending`` that all of them keep.)
+
 Why. ``PDTRACE_SAMPLE`` decides at the source, before anything is known about the request, so a sample of
 a tenth keeps a tenth of the slow requests too. Here the decision waits until the request has ended, in the
 sink (:mod:`pdtrace.instrument.sink`), which sees the records of every traced process of the host.
