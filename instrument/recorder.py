@@ -237,6 +237,14 @@ class Tracer:
         """True iff the per-step spans of engine step ``step_id`` are kept (every k-th step)."""
         return self.on and self._step_every > 0 and step_id % self._step_every == 0
 
+    def step_span_id(self, step_id: int) -> int:
+        """A fresh span id for engine step ``step_id``'s span if its per-step spans are kept
+        (:meth:`step_sampled`), else 0: the two calls in one (once per engine step)."""
+        every = self._step_every
+        if self.on and every > 0 and step_id % every == 0:
+            return next(self._ids)
+        return 0
+
     @staticmethod
     def trace_id(request_id: str) -> str:
         """W3C trace id (32 hex) of a request, the same in every process."""
@@ -273,6 +281,30 @@ class Tracer:
         if len(buf) == self._wake_at:
             self._wake.set()
         return sid
+
+    def record_extra(self, name: str, start_ns: int, end_ns: int, attrs: Mapping[str, object],
+                     keys: tuple, values: tuple, span_id: int, request_id: str | None = None,
+                     parent: int | None = None) -> int:
+        """:meth:`record` of a span whose attributes are ``attrs`` then ``keys`` / ``values`` (two tuples
+        of equal length, keys not in ``attrs``): the row of an open span, whose attribute dict must not
+        change while it is open (the writer may read it), extended at the end without copying the dict
+        (the engine step spans, once per step). ``attrs`` is read, never changed. Returns ``span_id``
+        (0 if not recorded); never raises."""
+        if not self.on:
+            return 0
+        buf = self._buf
+        if len(buf) >= self._cap:
+            next(self._dropped)
+            return 0
+        try:
+            th = _tls.name
+        except AttributeError:
+            th = _thread_name()
+        buf.append((R_SPAN, span_id, span_id, parent, name, KIND_INTERNAL, start_ns, end_ns, STATUS_UNSET, None,
+                    request_id, 0, 0, None, th, *attrs, *keys, *attrs.values(), *values))
+        if len(buf) == self._wake_at:
+            self._wake.set()
+        return span_id
 
     def start(self, name: str, request_id: str | None = None, start_ns: int | None = None,
               parent: int | None = None, attrs: Mapping[str, object] | None = None,

@@ -157,6 +157,16 @@ def thread_pair() -> tuple[int, int]:
     return c[0], thread_time_ns() - 2 * _read_cost * c[1]
 
 
+def thread_pair_at(t_ns: int) -> tuple[int, int]:
+    """:func:`thread_pair` with the calling thread's CPU clock already read (``t_ns``, a
+    :func:`thread_time_ns` reading, e.g. the start of the running hook's window): no clock read."""
+    try:
+        c = _tls.cell
+    except AttributeError:
+        c = _cell()
+    return c[0], t_ns - 2 * _read_cost * c[1]
+
+
 def total_ns() -> int:
     """pdtrace CPU (ns) charged so far in this process, all threads."""
     with _cells_lock:

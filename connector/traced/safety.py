@@ -30,7 +30,9 @@ def _where(fn) -> str:
     return name if isinstance(name, str) else type(fn).__qualname__
 
 
-def _count(exc: BaseException, where: str) -> None:
+def count_error(exc: BaseException, where: str) -> None:
+    """Count (and log once per kind) a tracing error swallowed at ``where`` (a hook's qualified name):
+    what :func:`safe` does with one; for a hook that writes :func:`safe` out on a per-step path."""
     if hookerrors.count(where, exc):
         try:
             frames = "".join(traceback.format_list(traceback.extract_tb(exc.__traceback__)))
@@ -52,14 +54,14 @@ def safe(fn, *args, **kwargs):
         try:
             return fn(*args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - the whole point
-            _count(exc, _where(fn))
+            count_error(exc, _where(fn))
             return None
         finally:
             selfcpu.add(t0)
     try:
         return fn(*args, **kwargs)
     except Exception as exc:  # noqa: BLE001 - the whole point
-        _count(exc, _where(fn))
+        count_error(exc, _where(fn))
         return None
 
 

@@ -66,16 +66,24 @@ pull)                     worker's row ends it at the post)
 from __future__ import annotations
 
 from collections import deque
+from typing import NamedTuple
 
 from pdtrace.instrument import clock, selfcpu, stages, tracer
+from pdtrace.instrument.clock import now_ns as _now
 
 from .common import split_id
 from .messages import StepInfo, StepReport
-from .safety import safe
+from .safety import count_error, safe
 
 
 #: Shared empty mapping for the common case (no receive, no hold this step): never written to.
 _NONE: dict = {}
+#: StepInfo(...) without the NamedTuple's Python-level ``__new__`` frame (what that ``__new__`` does).
+_tuple_new = tuple.__new__
+_thread_time = selfcpu.thread_time_ns
+#: The attributes a step span's row adds to its open span's (:func:`_step_attrs`), in this order.
+_K_IDLE = ("step.idle_before",)
+_K_IDLE_CPU = ("step.idle_before", "step.pdtrace_cpu_ns", "step.thread_cpu_ns")
 
 
 def _step_attrs(step: int, n_reqs: int, n_p: int, n_d: int, n_r: int, batch: str) -> dict:
@@ -91,7 +99,7 @@ class SReq:
     __slots__ = ("req", "x", "pidx", "role", "sampled", "t_queued", "t_alloc", "attempt", "cached",
                  "compute_sid", "t_compute0", "last_end", "chunks", "awaiting", "promoted", "t_promoted",
                  "ranks", "t_kv_ready", "first_step_sid", "queue_open", "prefill_done", "failed", "q_sid",
-                 "w_sids", "h_sid")
+                 "w_sids", "h_sid", "dtag")
 
     def __init__(self, req, role):
         self.req = req
@@ -118,17 +126,27 @@ class SReq:
         self.q_sid = 0  # the open queue span (prefill.queue / decode.queue)
         self.w_sids = ()  # D's open waits for its KV (dest.register / handoff.prep, kv.ready)
         self.h_sid = 0  # P's open prefill.block_hold
+        # its step.batch entry "<X>:d1" once it decodes one token a step (built once: a decode step's batch
+        # reuses it); None until then, and again after a preemption or a failed KV load (kind re-decided)
+        self.dtag = None
 
 
-class PendingStep:
-    __slots__ = ("step", "sid", "t0", "chunks", "promoted", "attrs", "empty")
+class PendingStep(NamedTuple):
+    """One engine step from ``build_connector_meta`` until its output is processed (built with
+    ``_tuple_new(PendingStep, (...))``: no Python-level ``__new__`` frame on the EngineCore thread).
 
-    def __init__(self, step, sid, t0):
-        self.step, self.sid, self.t0 = step, sid, t0
-        self.chunks = []      # (SReq, tokens, chunk_index, last)
-        self.promoted = []    # SReq
-        self.attrs = None
-        self.empty = False
+    ``attrs``: the kept step span's attributes (None: not kept, or nothing scheduled); ``chunks``:
+    (SReq, tokens, chunk_index, last) of the sampled requests' prefill chunks; ``promoted``: the
+    sampled requests promoted in it (D); both the shared empty tuple when the step has none.
+    """
+
+    step: int
+    sid: int
+    t0: int
+    empty: bool
+    attrs: dict | None
+    chunks: list | tuple
+    promoted: list | tuple
 
 
 class TracedSchedulerMixin:
@@ -244,18 +262,31 @@ class TracedSchedulerMixin:
     def build_connector_meta(self, scheduler_output):
         if not tracer.on:
             return super().build_connector_meta(scheduler_output)
-        t0 = tracer.now()
+        t0 = _now()
         meta = super().build_connector_meta(scheduler_output)
-        safe(self._pdt_step_start, scheduler_output, meta, t0)
+        # safe() written out (one frame less per engine step; same counting and self-measurement)
+        if selfcpu.enabled:
+            c0 = _thread_time()
+            try:
+                self._pdt_step_start(scheduler_output, meta, t0)
+            except Exception as exc:  # noqa: BLE001 - tracing never breaks the engine
+                count_error(exc, "TracedSchedulerMixin._pdt_step_start")
+            selfcpu.add(c0)
+        else:
+            try:
+                self._pdt_step_start(scheduler_output, meta, t0)
+            except Exception as exc:  # noqa: BLE001
+                count_error(exc, "TracedSchedulerMixin._pdt_step_start")
         return meta
 
     def _pdt_step_start(self, so, meta, t0) -> None:
+        # Per engine step on the EngineCore thread, so kept short (issue 18: <= 1 % of the thread's CPU):
+        # an idle step allocates one PendingStep and one StepInfo and loops over nothing; a decode
+        # request already in decode adds its cached batch entry (SReq.dtag) and two attribute reads.
         step = self._pdt_step_id
-        self._pdt_step_id += 1
-        keep_step = tracer.step_sampled(step)
-        sid = tracer.new_id() if keep_step else 0
-        ps = PendingStep(step, sid, t0)
-        # metadata → worker: step id, step span id, per-request times the worker needs
+        self._pdt_step_id = step + 1
+        sid = tracer.step_span_id(step)
+        # metadata -> worker: step id, step span id, per-request times the worker needs
         reqs = self._pdt_reqs
         recv_alloc = _NONE
         to_recv = meta.reqs_to_recv
@@ -276,9 +307,85 @@ class TracedSchedulerMixin:
                             kv_ready = {}
                         kv_ready[rid] = h[0]
         sched = so.num_scheduled_tokens
-        meta._pdtrace = StepInfo(step, sid, recv_alloc, kv_ready, not sched)
+        meta._pdtrace = _tuple_new(StepInfo, (step, sid, recv_alloc, kv_ready, not sched))
+        pre = so.preempted_req_ids  # None: vLLM's default when nothing was preempted
+        if pre:
+            self._pdt_preempted(pre, step, t0)
 
-        for rid in so.preempted_req_ids or ():  # None: vLLM's default when nothing was preempted
+        if not sched:
+            # nothing scheduled (P stepping while D reads its held blocks, D polling its receives): no
+            # batch to describe and no open span (a hang in its connector calls shows as the waiting
+            # requests' open stages); if the step turns out busy, _pdt_close_step writes its row with
+            # the same attributes a kept step with an empty batch has
+            ps = _tuple_new(PendingStep, (step, sid, t0, True, None, (), ()))
+        else:
+            chunks = promoted = ()
+            attrs = None
+            parts = []
+            n_p = n_d = n_r = 0
+            for rid, n in sched.items():
+                st = reqs.get(rid)
+                if st is None:
+                    parts.append(f"{rid}:d{n}")
+                    n_d += n
+                    continue
+                req = st.req
+                tag = st.dtag
+                if tag is not None and n == 1 and req.num_computed_tokens >= req.num_prompt_tokens:
+                    # decoding one token, as in its previous decode step (dtag is set only there; a
+                    # request past its prompt is neither a chunk nor, once decoding, a promotion)
+                    parts.append(tag)
+                    n_d += 1
+                    continue
+                if st.awaiting and not st.promoted:
+                    # D's first forward after the KV arrived (it recomputes the last prompt token):
+                    # charged to decode.first_step, not prefill.compute
+                    st.promoted = True
+                    st.t_promoted = t0
+                    if st.sampled:
+                        self._pdt_promote(st, t0)
+                        if not promoted:
+                            promoted = []
+                        promoted.append(st)
+                    kind = "p"
+                    n_p += n
+                elif not st.awaiting and req.num_computed_tokens < req.num_prompt_tokens:
+                    kind = "r" if st.attempt > 0 else "p"
+                    if kind == "r":
+                        n_r += n
+                    else:
+                        n_p += n
+                    last = req.num_computed_tokens + n >= req.num_prompt_tokens
+                    if st.sampled:
+                        self._pdt_chunk_start(st, t0)
+                        if not chunks:
+                            chunks = []
+                        chunks.append((st, n, st.chunks, last))
+                    st.chunks += 1
+                else:
+                    n_d += n
+                    if n == 1:
+                        st.dtag = tag = f"{st.x}:d1"
+                        parts.append(tag)
+                        continue
+                    kind = "d"
+                parts.append(f"{st.x}:{kind}{n}")
+            if sid:
+                # built once: the open span holds this dict (never changed afterwards: the writer thread may
+                # be reading it for an `open` row), and the step's row reads it once more at the end
+                attrs = _step_attrs(step, len(parts), n_p, n_d, n_r, ";".join(parts))
+                # open while it runs: a step that never returns (a hung forward, a stuck collective) is
+                # written as `open` rows at each flush and read as an engine stall (analysis engine_stalls)
+                tracer.start(self._pdt_step_name, None, t0, attrs=attrs, span_id=sid)
+            ps = _tuple_new(PendingStep, (step, sid, t0, False, attrs, chunks, promoted))
+        pend = self._pdt_pending
+        pend.append(ps)
+        if len(pend) > 64:  # a step never paired: do not grow without bound
+            tracer.abandon(pend.popleft()[1])
+
+    def _pdt_preempted(self, rids, step: int, t0: int) -> None:
+        """The requests vLLM preempted in this schedule(): back to the queue, next attempt."""
+        for rid in rids:
             st = self._pdt_reqs.get(rid)
             if st is not None:
                 if st.sampled:
@@ -293,68 +400,6 @@ class TracedSchedulerMixin:
                     self._pdt_drop_open(st, t0)
                     self._pdt_open_queue(st, t0)
 
-        if not sched:
-            # nothing scheduled (P stepping while D reads its held blocks, D polling its receives): no
-            # batch to describe and no open span (a hang in its connector calls shows as the waiting
-            # requests' open stages); if the step turns out busy, _pdt_close_step writes its row with
-            # the same attributes a kept step with an empty batch has
-            ps.empty = True
-            self._pdt_pend(ps)
-            return
-
-        parts = []
-        n_p = n_d = n_r = 0
-        for rid, n in sched.items():
-            st = reqs.get(rid)
-            if st is None:
-                parts.append(f"{rid}:d{n}")
-                n_d += n
-                continue
-            req = st.req
-            if st.awaiting and not st.promoted:
-                st.promoted = True
-                st.t_promoted = t0
-                if st.sampled:
-                    self._pdt_promote(st, t0)
-                    ps.promoted.append(st)
-                first_step = True
-            else:
-                first_step = False
-            if first_step:
-                # D's first forward after the KV arrived (it recomputes the last prompt token):
-                # charged to decode.first_step, not prefill.compute
-                kind = "p"
-                n_p += n
-            elif not st.awaiting and req.num_computed_tokens < req.num_prompt_tokens:
-                kind = "r" if st.attempt > 0 else "p"
-                if kind == "r":
-                    n_r += n
-                else:
-                    n_p += n
-                last = req.num_computed_tokens + n >= req.num_prompt_tokens
-                if st.sampled:
-                    self._pdt_chunk_start(st, t0)
-                    ps.chunks.append((st, n, st.chunks, last))
-                st.chunks += 1
-            else:
-                kind = "d"
-                n_d += n
-            parts.append(f"{st.x}:{kind}{n}")
-        ps.empty = not parts
-        if keep_step:
-            # built once: the open span holds this dict (never changed afterwards: the writer thread may be
-            # reading it for an `open` row), and the step's row copies it once more at the end
-            ps.attrs = _step_attrs(step, len(parts), n_p, n_d, n_r, ";".join(parts))
-            # open while it runs: a step that never returns (a hung forward, a stuck collective) is
-            # written as `open` rows at each flush and read as an engine stall (analysis engine_stalls)
-            tracer.start(self._pdt_step_name, None, t0, attrs=ps.attrs, span_id=sid)
-        self._pdt_pend(ps)
-
-    def _pdt_pend(self, ps: PendingStep) -> None:
-        """Queue ``ps`` until its output is processed (_pdt_step_end)."""
-        self._pdt_pending.append(ps)
-        if len(self._pdt_pending) > 64:  # a step never paired: do not grow without bound
-            tracer.abandon(self._pdt_pending.popleft().sid)
 
     def _pdt_chunk_start(self, st: SReq, t0: int) -> None:
         if st.queue_open:
@@ -387,53 +432,82 @@ class TracedSchedulerMixin:
     def update_connector_output(self, connector_output):
         if not tracer.on:
             return super().update_connector_output(connector_output)
-        t1 = tracer.now()
+        t1 = _now()
         r = super().update_connector_output(connector_output)
-        safe(self._pdt_step_end, connector_output, t1)
+        # safe() written out, as in build_connector_meta
+        if selfcpu.enabled:
+            c0 = _thread_time()
+            try:
+                self._pdt_step_end(connector_output, t1, c0)
+            except Exception as exc:  # noqa: BLE001
+                count_error(exc, "TracedSchedulerMixin._pdt_step_end")
+            selfcpu.add(c0)
+        else:
+            try:
+                self._pdt_step_end(connector_output, t1)
+            except Exception as exc:  # noqa: BLE001
+                count_error(exc, "TracedSchedulerMixin._pdt_step_end")
         return r
 
-    def _pdt_step_end(self, out, t1) -> None:
+    def _pdt_step_end(self, out, t1, c0=None) -> None:
+        """``out``: vLLM's KVConnectorOutput; ``t1``: monotonic ns before vLLM's update_connector_output;
+        ``c0``: with PDTRACE_SELF_CPU=1, this thread's CPU clock (ns) when this hook's measured window
+        began (the end of the thread's CPU since the previous recorded step: no extra clock read)."""
         rep = out.kv_connector_worker_meta  # None: no worker report reached this step's output
-        if not isinstance(rep, StepReport):
+        if type(rep) is not StepReport:  # not isinstance: StepReport is an ABC (slow __instancecheck__)
             rep = None
-        step = rep.step if rep is not None else None
+        pend = self._pdt_pending
         ps = None
-        if step is not None:
-            while self._pdt_pending and self._pdt_pending[0].step <= step:
-                cand = self._pdt_pending.popleft()
-                if cand.step == step:
+        if rep is not None and rep.step is not None:
+            step = rep.step
+            while pend and pend[0][0] <= step:  # [0]: PendingStep.step
+                cand = pend.popleft()
+                if cand[0] == step:
                     ps = cand
                     break
-                tracer.abandon(cand.sid, t1)  # never paired: no span row will come
-        elif self._pdt_pending:
-            ps = self._pdt_pending.popleft()
+                tracer.abandon(cand[1], t1)  # never paired: no span row will come
+        elif pend:
+            ps = pend.popleft()
+        fin_recv = out.finished_recving
+        fin_send = out.finished_sending
         if ps is not None:
-            if ps.empty and not (rep is not None and rep.busy) and not out.finished_recving \
-                    and not out.finished_sending:
+            if ps[3] and not (rep is not None and rep.busy) and not fin_recv and not fin_send:  # [3]: empty
                 # an idle step (nothing scheduled, no connector work): counted, not recorded
                 self._pdt_idle += 1
-                if ps.attrs is not None:
-                    tracer.abandon(ps.sid, t1)
             else:
-                self._pdt_close_step(ps, t1)
+                self._pdt_close_step(ps, t1, c0)
         # per-rank completion times of receives (D). A rank's report reaches the scheduler in the step in
         # which that worker saw its receive done; vLLM reports the request in finished_recving later when
         # other ranks are slower (TP > 1: only once all of them are done) or when the id is held back, so
         # each rank's (transfer end, seen) is kept on the request as it arrives and read at promotion
-        recv = rep.recv if rep is not None else None
-        if recv:
-            reqs = self._pdt_reqs
-            for rid, ranks in recv.items():
-                st = reqs.get(rid)
-                if st is not None:
-                    if st.ranks is None:
-                        st.ranks = {}
-                    st.ranks.update(ranks)
-        for rid in out.finished_recving or ():
-            st = self._pdt_reqs.get(rid)
-            if st is not None and not st.ranks:
-                st.ranks = {0: (t1, t1)}  # no worker report: seen at this step's end
-        for rid in out.failed_recving or ():
+        if rep is not None:
+            recv = rep.recv
+            if recv:
+                reqs = self._pdt_reqs
+                for rid, ranks in recv.items():
+                    st = reqs.get(rid)
+                    if st is not None:
+                        if st.ranks is None:
+                            st.ranks = {}
+                        st.ranks.update(ranks)
+            # P: a rank's lease expiry, like a receive, can be reported steps before the request is in
+            # finished_sending (TP > 1): kept until its hold is closed
+            exp = rep.expired
+            if exp:
+                self._pdt_expired.update(r for r in exp if r in self._pdt_holds)
+        if fin_recv:
+            for rid in fin_recv:
+                st = self._pdt_reqs.get(rid)
+                if st is not None and not st.ranks:
+                    st.ranks = {0: (t1, t1)}  # no worker report: seen at this step's end
+        if out.failed_recving:
+            self._pdt_failed_recv(out.failed_recving, t1)
+        if fin_send:
+            self._pdt_released(fin_send, t1)
+
+    def _pdt_failed_recv(self, rids, t1: int) -> None:
+        """D: KV loads that failed this step (vLLM recomputes the request): an event, the next attempt."""
+        for rid in rids:
             st = self._pdt_reqs.get(rid)
             x, pidx = (st.x, st.pidx) if st else split_id(rid)
             if st.sampled if st else tracer.sampled(x):
@@ -444,12 +518,10 @@ class TracedSchedulerMixin:
                 st.attempt += 1
                 st.awaiting = False
                 st.failed = True
-        # P: a rank's lease expiry, like a receive, can be reported steps before the request is in
-        # finished_sending (TP > 1): kept until its hold is closed
-        exp = rep.expired if rep is not None else None
-        if exp:
-            self._pdt_expired.update(r for r in exp if r in self._pdt_holds)
-        for rid in out.finished_sending or ():
+
+    def _pdt_released(self, rids, t1: int) -> None:
+        """P: the held blocks of ``rids`` were released (vLLM's finished_sending): prefill.block_hold ends."""
+        for rid in rids:
             h = self._pdt_holds.pop(rid, None)
             if h is None:
                 continue
@@ -466,17 +538,26 @@ class TracedSchedulerMixin:
                 tracer.close(st.h_sid)
                 st.h_sid = 0
 
-    def _pdt_close_step(self, ps: PendingStep, t1: int) -> None:
-        if ps.sid:
-            tracer.close(ps.sid)
-            a = dict(ps.attrs) if ps.attrs else _step_attrs(ps.step, 0, 0, 0, 0, "")
-            a["step.idle_before"] = self._pdt_idle
+    def _pdt_close_step(self, ps: PendingStep, t1: int, c0: int | None = None) -> None:
+        sid = ps.sid
+        if sid:
+            tracer.close(sid)
+            idle = self._pdt_idle
             self._pdt_idle = 0
+            a = ps.attrs or _step_attrs(ps.step, 0, 0, 0, 0, "")
+            # the row: the open span's attributes (not copied), then the idle steps before it and, with
+            # PDTRACE_SELF_CPU=1, this (EngineCore) thread's pdtrace CPU and whole CPU since the previous
+            # recorded step span (the hook running now is charged to the next step: it is still running)
             if selfcpu.enabled:
-                # this (EngineCore) thread's pdtrace CPU and whole CPU since the previous recorded step span
-                # (the hook running now is charged to the next step: it is still running)
-                self._pdt_cpu_mark = selfcpu.stamp(a, self._pdt_cpu_mark)
-            tracer.record(self._pdt_step_name, None, ps.t0, t1, a, span_id=ps.sid)
+                mark = self._pdt_cpu_mark
+                pd, th = self._pdt_cpu_mark = selfcpu.thread_pair() if c0 is None else selfcpu.thread_pair_at(c0)
+                if mark is not None:
+                    tracer.record_extra(self._pdt_step_name, ps.t0, t1, a, _K_IDLE_CPU,
+                                        (idle, pd - mark[0], th - mark[1]), span_id=sid)
+                else:
+                    tracer.record_extra(self._pdt_step_name, ps.t0, t1, a, _K_IDLE, (idle,), span_id=sid)
+            else:
+                tracer.record_extra(self._pdt_step_name, ps.t0, t1, a, _K_IDLE, (idle,), span_id=sid)
         for st, n, idx, last in ps.chunks:
             end = t1
             if st.t_kv_ready and st.t_kv_ready >= ps.t0:
@@ -505,6 +586,7 @@ class TracedSchedulerMixin:
                           attempt=st.attempt, parent=None)
             tracer.event("token", st.x, time_ns=t1, prompt_index=st.pidx, attempt=st.attempt,
                          attrs={"gen_ai.usage.output_tokens": 1, "request.internal_id": st.req.request_id})
+
 
     # ------------------------------------------------------------ finish
     def request_finished(self, request, block_ids):
