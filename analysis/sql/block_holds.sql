@@ -44,9 +44,19 @@
 
 CREATE OR REPLACE VIEW block_holds AS
 WITH r AS MATERIALIZED (
-    -- the rows every step below reads, in one pass (spans and events, corrected times)
+    -- the rows every step below reads, in one pass (spans and events, corrected times), with the
+    -- attributes the steps read taken out of the maps (each for the rows that use it only: the
+    -- copy keeps no map)
     SELECT record, name, role, engine_id, tp_rank, rkey, run_id, request_id, prompt_index,
-           c_start_ns AS start_ns, c_end_ns AS end_ns, attr_int, attr_str
+           c_start_ns AS start_ns, c_end_ns AS end_ns,
+           CASE WHEN name IN ('prefill.block_hold', 'decode.block_reserve', 'kv.transfer')
+                THEN attr_int['kv.blocks'] END AS kv_blocks,
+           CASE WHEN name = 'kv.transfer' THEN attr_int['kv.bytes'] END AS kv_bytes,
+           CASE WHEN name = 'kv.transfer' THEN attr_str['kv.op'] END AS kv_op,
+           CASE WHEN name IN ('prefill.block_hold', 'decode.block_reserve')
+                THEN attr_str['kv.release_cause'] END AS kv_release_cause,
+           CASE WHEN name = 'notification.received' THEN attr_str['kv.notif_kind'] END AS kv_notif_kind,
+           attr_int['kv.prefix_hit_blocks'] AS kv_prefix_hit_blocks
     FROM _timed
     WHERE rkey IS NOT NULL
       AND (name IN ('prefill.block_hold', 'decode.block_reserve', 'decode.queue', 'dest.register', 'handoff.prep',
@@ -55,12 +65,12 @@ WITH r AS MATERIALIZED (
                     'kv.transfer_failed', 'kv.load_failed')
            OR attr_int['kv.prefix_hit_blocks'] IS NOT NULL)
 ), h0 AS (
-    SELECT s.rkey, s.run_id, s.request_id, s.prompt_index, s.engine_id, s.tp_rank, s.attr_int['kv.blocks'] AS blocks,
-           s.start_ns, s.end_ns, s.attr_str['kv.release_cause'] AS rec_cause,
+    SELECT s.rkey, s.run_id, s.request_id, s.prompt_index, s.engine_id, s.tp_rank, s.kv_blocks AS blocks,
+           s.start_ns, s.end_ns, s.kv_release_cause AS rec_cause,
            CASE s.name WHEN 'prefill.block_hold' THEN 'prefill' ELSE 'decode' END AS side, 'span' AS src
     FROM r s WHERE s.record = 'span' AND s.name IN ('prefill.block_hold', 'decode.block_reserve')
 ), evn AS (
-    SELECT rkey, role, name AS event, start_ns AS time_ns, attr_str['kv.notif_kind'] AS kind FROM r
+    SELECT rkey, role, name AS event, start_ns AS time_ns, kv_notif_kind AS kind FROM r
     WHERE record = 'event' AND name IN ('notification.received', 'kv.lease_expired', 'request.abort', 'kv.ttl_expired',
                                         'kv.transfer_failed', 'kv.load_failed')
 ), ev AS (
@@ -137,16 +147,16 @@ WITH r AS MATERIALIZED (
            f.cause, 'decode', 'derived'
     FROM dfree f LEFT JOIN dend de ON de.engine_id = f.engine_id
 ), tr AS (
-    SELECT rkey, count(*) AS transfers, sum(coalesce(attr_int['kv.blocks'], 0)) AS blocks_moved,
-           sum(coalesce(attr_int['kv.bytes'], 0)) AS bytes_moved,
-           max(end_ns) FILTER (WHERE coalesce(attr_str['kv.op'], CASE role WHEN 'decode' THEN 'READ' ELSE 'WRITE' END) = 'READ')
+    SELECT rkey, count(*) AS transfers, sum(coalesce(kv_blocks, 0)) AS blocks_moved,
+           sum(coalesce(kv_bytes, 0)) AS bytes_moved,
+           max(end_ns) FILTER (WHERE coalesce(kv_op, CASE role WHEN 'decode' THEN 'READ' ELSE 'WRITE' END) = 'READ')
                AS last_read_end_ns,
-           max(end_ns) FILTER (WHERE coalesce(attr_str['kv.op'], CASE role WHEN 'decode' THEN 'READ' ELSE 'WRITE' END) = 'WRITE')
+           max(end_ns) FILTER (WHERE coalesce(kv_op, CASE role WHEN 'decode' THEN 'READ' ELSE 'WRITE' END) = 'WRITE')
                AS last_write_end_ns
     FROM r WHERE record = 'span' AND name = 'kv.transfer' GROUP BY rkey
 ), hit AS (
-    SELECT rkey, role, max(attr_int['kv.prefix_hit_blocks']) AS prefix_hit_blocks
-    FROM r WHERE record = 'span' AND attr_int['kv.prefix_hit_blocks'] IS NOT NULL GROUP BY rkey, role
+    SELECT rkey, role, max(kv_prefix_hit_blocks) AS prefix_hit_blocks
+    FROM r WHERE record = 'span' AND kv_prefix_hit_blocks IS NOT NULL GROUP BY rkey, role
 ), c AS (
     SELECT h.*,
            coalesce(h.rec_cause,

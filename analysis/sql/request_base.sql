@@ -91,8 +91,10 @@ WITH rt AS (
            max(attr_int['gen_ai.usage.input_tokens']) AS prompt_tokens,
            max(attr_int['gen_ai.usage.output_tokens']) AS output_tokens,
            max(attr_int['request.num_cached_tokens']) AS cached_tokens,
-           list(DISTINCT attr_str['router.linked_request_id'])
-               FILTER (WHERE attr_str['router.linked_request_id'] IS NOT NULL) AS linked_ids,
+           -- the linked ids and the trace ids: the least and the greatest; all of them (multi) only when
+           -- they differ (a DISTINCT aggregate here would copy every router row once more)
+           min(attr_str['router.linked_request_id']) AS linked_lo,
+           max(attr_str['router.linked_request_id']) AS linked_hi,
            max(attempt) AS router_attempt,
            -- P's answer in the attempt that delivered the first token (the router's latest; struct
            -- max compares the attempt first, then the time: the latest D leg dispatched)
@@ -112,7 +114,8 @@ WITH rt AS (
                                                                     AND attr_str['router.leg'] = 'decode')).t
            END AS d_redispatch_ns,
            count(*) FILTER (WHERE record = 'span' AND name = 'router.request') > 0 AS has_root,
-           list(DISTINCT trace_id) FILTER (WHERE record = 'span' AND trace_id IS NOT NULL) AS trace_ids
+           min(trace_id) FILTER (WHERE record = 'span' AND trace_id IS NOT NULL) AS trace_lo,
+           max(trace_id) FILTER (WHERE record = 'span' AND trace_id IS NOT NULL) AS trace_hi
     FROM _timed
     WHERE role = 'router' AND rkey IN (SELECT rkey FROM _scope_keys)
     GROUP BY rkey
@@ -153,9 +156,23 @@ WITH rt AS (
            (max({'a': attempt, 'v': attr_int['gen_ai.usage.output_tokens']})
                 FILTER (WHERE record = 'event' AND name = 'request.finished' AND role = 'decode'
                         AND attr_int['gen_ai.usage.output_tokens'] IS NOT NULL)).v AS decode_output_tokens,
-           list(DISTINCT trace_id) FILTER (WHERE record = 'span' AND trace_id IS NOT NULL) AS trace_ids
+           -- the engines' trace ids: the least and the greatest (as in rt)
+           min(trace_id) FILTER (WHERE record = 'span' AND trace_id IS NOT NULL) AS trace_lo,
+           max(trace_id) FILTER (WHERE record = 'span' AND trace_id IS NOT NULL) AS trace_hi
     FROM _timed
     WHERE role IN ('prefill', 'decode') AND rkey IN (SELECT rkey FROM _scope_keys)
+    GROUP BY rkey
+), multi AS (
+    -- the few requests with more than one linked id, or more than one trace id on the router's or
+    -- the engines' side: their distinct ids, from their own rows (the rows rt and en read)
+    SELECT rkey,
+           count(DISTINCT trace_id) FILTER (WHERE record = 'span' AND trace_id IS NOT NULL) AS trace_count,
+           list(DISTINCT attr_str['router.linked_request_id'])
+               FILTER (WHERE role = 'router' AND attr_str['router.linked_request_id'] IS NOT NULL) AS linked_ids
+    FROM _records
+    WHERE record IN ('span', 'event') AND role IN ('router', 'prefill', 'decode')
+      AND rkey IN (SELECT rkey FROM rt WHERE trace_lo <> trace_hi OR linked_lo <> linked_hi
+                   UNION ALL SELECT rkey FROM en WHERE trace_lo <> trace_hi)
     GROUP BY rkey
 ), linked AS (
     SELECT rkey FROM _req_links
@@ -223,7 +240,7 @@ SELECT coalesce(rt.rkey, en.rkey) AS rkey,
        coalesce(en.first_contact, false) AS first_contact,
        coalesce(en.recomputed, false) AS recomputed,
        coalesce(rt.has_root, false) AS has_router_record,
-       rt.linked_ids,
+       CASE WHEN rt.linked_lo = rt.linked_hi THEN [rt.linked_lo] ELSE mx.linked_ids END AS linked_ids,
        en.last_ns AS engine_last_ns,
        CASE WHEN coalesce(rt.mode, en.connector_mode) = 'pull'
             THEN CASE WHEN rt.rkey IS NOT NULL THEN rt.p_response_ns ELSE coalesce(en.p_token_ns, en.p_fe_out_ns) END
@@ -236,9 +253,13 @@ SELECT coalesce(rt.rkey, en.rkey) AS rkey,
        coalesce(rt.p_redispatch_ns, rt.d_redispatch_ns) AS attempt_start_ns,
        coalesce(w.wasted_compute_ns, 0) AS wasted_compute_ns,
        -- distinct trace ids among the router's and engines' spans (DESIGN.md §3 "Joins")
-       len(list_distinct(list_concat(coalesce(rt.trace_ids, []), coalesce(en.trace_ids, []))))::INTEGER AS trace_count
+       (CASE WHEN mx.rkey IS NOT NULL THEN mx.trace_count
+             ELSE (rt.trace_lo IS NOT NULL)::INTEGER
+                  + (en.trace_lo IS NOT NULL AND en.trace_lo IS DISTINCT FROM rt.trace_lo)::INTEGER END)::INTEGER
+           AS trace_count
 FROM rt FULL OUTER JOIN en ON rt.rkey = en.rkey
 LEFT JOIN w ON w.rkey = coalesce(rt.rkey, en.rkey)
+LEFT JOIN multi mx ON mx.rkey = coalesce(rt.rkey, en.rkey)
 WHERE NOT (rt.rkey IS NULL AND en.rkey IN (SELECT rkey FROM linked));
 
 CREATE TABLE IF NOT EXISTS _mat_req_base AS SELECT * FROM _calc_req_base LIMIT 0;

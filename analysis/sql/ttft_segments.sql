@@ -1,7 +1,6 @@
 -- module: ttft_segments
 -- requires: request_base, segment_culprits, intervals
 -- materialize: _tt_req scratch
--- materialize: _tt_marks scratch
 -- materialize: _tt_cand scratch
 -- materialize: _tt_tree scratch
 -- materialize: _tt_top scratch
@@ -170,35 +169,22 @@ WHERE first_token_ns IS NOT NULL AND arrival_ns IS NOT NULL AND first_token_ns >
 CREATE TABLE IF NOT EXISTS _mat_tt_req AS SELECT * FROM _calc_tt_req LIMIT 0;
 CREATE OR REPLACE VIEW _tt_req AS SELECT * FROM _mat_tt_req;
 
--- The few candidates whose branch, category or start an attribute or event
--- decides (rules 8, 9, 12): router.dispatch's leg, a transfer's category by
--- outcome (macro _outcome_category, module stages; NULL when the outcome
--- keeps the stage's category), and fe_in: a frontend's 'in' part
--- (frontend.part = 'in'). A narrow table, so the candidate scan reads no
--- attribute maps.
-CREATE OR REPLACE VIEW _calc_tt_marks AS
-SELECT rkey, span_id, leg, category, fe_in FROM (
-    SELECT t.rkey, t.span_id,
-           CASE WHEN t.name = 'router.dispatch' AND t.attr_str['router.leg'] IN ('prefill', 'decode')
-                THEN t.attr_str['router.leg'] END AS leg,
-           CASE WHEN t.name <> 'router.dispatch' THEN nullif(
-               _outcome_category(s.category, t.status_code, t.attr_int['kv.bytes'], t.attr_str['error.type'],
-                                 f.span_id IS NOT NULL), s.category) END AS category,
-           CASE WHEN t.name IN ('prefill.frontend', 'decode.frontend') AND t.attr_str['frontend.part'] = 'in'
-                THEN true END AS fe_in
-    FROM _timed t
-    JOIN stages s ON s.stage = t.name
-    LEFT JOIN _kv_failed_spans f ON f.rkey = t.rkey AND f.span_id = t.span_id
-    WHERE t.record = 'span' AND t.name IN ('router.dispatch', 'kv.transfer', 'prefill.frontend', 'decode.frontend')
-      AND t.rkey IN (SELECT rkey FROM _tt_req)
-) WHERE leg IS NOT NULL OR category IS NOT NULL OR fe_in;
-CREATE TABLE IF NOT EXISTS _mat_tt_marks AS SELECT * FROM _calc_tt_marks LIMIT 0;
-CREATE OR REPLACE VIEW _tt_marks AS SELECT * FROM _mat_tt_marks;
-
+-- The candidates. Three columns an attribute or event decides (rules 8, 9, 12) are read in this
+-- one scan, for the stages they concern only (a CASE evaluates its branch on the matching rows
+-- only, so the attribute maps are looked up for those rows): router.dispatch's leg (router.leg),
+-- a kv.transfer's category by outcome (macro _outcome_category, module stages; the failure
+-- events from _kv_failed_spans, looked up by an uncorrelated IN: a join would hash the
+-- candidates, the big side, and EXISTS would group them) and fe_in, a frontend's 'in' part
+-- (frontend.part = 'in'). A row without a span id takes none of them (its stage's own category,
+-- its role's branch). (Until issue 17's cold-cost work they were a second scan, _tt_marks,
+-- joined on (rkey, span_id): the join alone cost more than the scan.)
 CREATE OR REPLACE VIEW _tt_all AS
 SELECT t.rkey, t.span_id, t.parent_span_id, t.name::_stage_name AS stage,
-       -- rule 9: category by outcome (_tt_marks)
-       coalesce(m.category, s.category) AS category,
+       -- rule 9: category by outcome
+       CASE WHEN t.name = 'kv.transfer' AND t.span_id IS NOT NULL
+            THEN _outcome_category(s.category, t.status_code, t.attr_int['kv.bytes'], t.attr_str['error.type'],
+                                   {'r': t.rkey, 's': t.span_id} IN (SELECT {'r': rkey, 's': span_id} FROM _kv_failed_spans))
+            ELSE s.category END AS category,
        s.stage_group::_stage_name AS stage_group, s.is_filler,
        t.role, t.engine_id, t.tp_rank, t.attempt, t.c_end_ns AS end_c,
        _process_key(t.role, t.host, t.pid, t.engine_id) AS proc_key,
@@ -206,14 +192,18 @@ SELECT t.rkey, t.span_id, t.parent_span_id, t.name::_stage_name AS stage,
        -- the branch of a pre-join stage: its engine's role, but dest.register
        -- is D's branch whoever records it (its end is the match on P); a
        -- router.dispatch belongs to the branch of its leg (rule 8)
-       CASE WHEN t.name = 'dest.register' THEN 'decode' ELSE coalesce(m.leg, t.role) END AS branch,
+       CASE WHEN t.name = 'dest.register' THEN 'decode'
+            WHEN t.name = 'router.dispatch' AND t.span_id IS NOT NULL AND t.attr_str['router.leg'] IN ('prefill', 'decode')
+            THEN t.attr_str['router.leg'] ELSE t.role END AS branch,
+       -- rule 12: a frontend's 'in' part
+       coalesce(t.name IN ('prefill.frontend', 'decode.frontend') AND t.span_id IS NOT NULL
+                AND t.attr_str['frontend.part'] = 'in', false) AS fe_in,
        greatest(t.c_start_ns, q.arrival_ns) AS s0,
        least(t.c_end_ns, q.first_token_ns, CASE WHEN t.role = 'prefill' THEN q.prefill_response_ns END) AS e0,
        q.arrival_ns, q.first_token_ns, q.attempt_start_ns
 FROM _timed t
 JOIN _tt_req q ON q.rkey = t.rkey
 JOIN stages s ON s.stage = t.name
-LEFT JOIN _tt_marks m ON m.rkey = t.rkey AND m.span_id = t.span_id
 WHERE t.record = 'span' AND s.owns_ttft
   AND t.c_start_ns <= q.first_token_ns AND t.c_end_ns >= q.arrival_ns
   AND (t.role <> 'prefill' OR q.prefill_response_ns IS NULL OR t.c_start_ns <= q.prefill_response_ns)
@@ -222,7 +212,7 @@ UNION ALL
 SELECT u.rkey, NULL::UBIGINT, NULL::UBIGINT, 'router.unseen'::_stage_name, s.category,
        s.stage_group::_stage_name, s.is_filler, 'router', NULL::VARCHAR, NULL::SMALLINT, 0, u.e0,
        NULL::UBIGINT, NULL::UBIGINT,
-       'router', u.s0, u.e0, u.arrival_ns, u.first_token_ns, u.attempt_start_ns
+       'router', false, u.s0, u.e0, u.arrival_ns, u.first_token_ns, u.attempt_start_ns
 FROM (SELECT rkey, arrival_ns, first_token_ns, attempt_start_ns,
              greatest(CASE WHEN mode = 'pull' THEN prefill_response_ns ELSE arrival_ns END, arrival_ns) AS s0,
              least(decode_arrival_ns, first_token_ns) AS e0
@@ -251,15 +241,14 @@ WITH allc AS MATERIALIZED (
     -- (or the API server's engine unknown), attempt) starts when that part handed the request over
     SELECT q.rkey, q.span_id, max(f.e0) AS in_end_ns
     FROM allc f
-    JOIN _tt_marks m ON m.rkey = f.rkey AND m.span_id = f.span_id AND m.fe_in
-    JOIN allc q ON q.rkey = f.rkey AND q.role = f.role AND q.attempt = f.attempt
+    JOIN allc q ON f.fe_in AND q.rkey = f.rkey AND q.role = f.role AND q.attempt = f.attempt
      AND q.stage IN ('prefill.queue', 'decode.queue')
      AND (f.engine_id IS NULL OR q.engine_id IS NULL OR f.engine_id = q.engine_id)
      AND f.s0 <= q.s0 AND q.s0 < f.e0
     GROUP BY q.rkey, q.span_id
 ), ranked AS MATERIALIZED (
     -- (a parent link that does not qualify is dropped here: par_ok)
-    SELECT a.* EXCLUDE (proc_key, trace_key) REPLACE (
+    SELECT a.* EXCLUDE (proc_key, trace_key, fe_in) REPLACE (
                CASE WHEN h.in_end_ns IS NOT NULL THEN least(h.in_end_ns, a.e0) ELSE a.s0 END AS s0,
                CASE WHEN k.rkey IS NOT NULL THEN a.parent_span_id END AS parent_span_id)
     FROM allc a LEFT JOIN ranks r ON r.rkey = a.rkey AND r.engine_id IS NOT DISTINCT FROM a.engine_id
