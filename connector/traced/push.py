@@ -52,6 +52,8 @@ from .scheduler import TracedSchedulerMixin
 from .worker import Ctx, TracedWorkerMixin
 
 ALLOC_KEY = "_pdt_alloc_wall_ns"
+#: How far ahead of now (s) a registration deadline counts as due in the scheduler's step hook.
+_REG_SLACK_S = 1.0
 SENT_KEY = "_pdt_sent_wall_ns"
 
 
@@ -87,9 +89,13 @@ class TracedNixlPushConnectorScheduler(TracedSchedulerMixin, NixlPushConnectorSc
             reg[ALLOC_KEY] = clock.mono_to_wall(t)
 
     def build_connector_meta(self, scheduler_output):
-        if not tracer.on or not self._push_registration_deadlines:
+        d = self._push_registration_deadlines
+        # vLLM's build_connector_meta expires a prefix of these (perf_counter s, in insertion order) whose
+        # deadline passed at its clock read; a first deadline more than _REG_SLACK_S ahead of ours expires
+        # nothing in this call (unless the call itself takes that long), so the common step copies no set
+        if not tracer.on or not d or next(iter(d.values())) > time.perf_counter() + _REG_SLACK_S:
             return super().build_connector_meta(scheduler_output)
-        before = set(self._push_registration_deadlines)
+        before = set(d)
         meta = super().build_connector_meta(scheduler_output)
         safe(self._pdt_reg_timeouts, before)
         return meta

@@ -86,6 +86,20 @@ _K_IDLE = ("step.idle_before",)
 _K_IDLE_CPU = ("step.idle_before", "step.pdtrace_cpu_ns", "step.thread_cpu_ns")
 
 
+_FINISHED_OK: tuple = ()
+
+
+def _finished_ok() -> tuple:
+    """vLLM's RequestStatus values of a request that finished normally (imported once, on first use:
+    the module imports without vLLM's request module)."""
+    global _FINISHED_OK
+    if not _FINISHED_OK:
+        from vllm.v1.request import RequestStatus
+
+        _FINISHED_OK = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+    return _FINISHED_OK
+
+
 def _step_attrs(step: int, n_reqs: int, n_p: int, n_d: int, n_r: int, batch: str) -> dict:
     """A step span's attributes: step id, requests in the batch, their scheduled prefill / decode /
     recompute tokens, and the batch (``<id>:<kind><tokens>;...``)."""
@@ -221,7 +235,9 @@ class TracedSchedulerMixin:
         return r
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
-        if not tracer.on:
+        # P records nothing here (its blocks are allocated for its own prefill: no KV to receive, no
+        # decode.queue): no hook there, one measured call less per request on P's EngineCore thread
+        if not tracer.on or self._pdt_role != stages.DECODE:
             return super().update_state_after_alloc(request, blocks, num_external_tokens)
         t = tracer.now()
         r = super().update_state_after_alloc(request, blocks, num_external_tokens)
@@ -603,10 +619,8 @@ class TracedSchedulerMixin:
         if st is None:
             return
         self._pdt_drop_open(st, t)
-        from vllm.v1.request import RequestStatus
-
         status = request.status
-        if status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+        if status not in _finished_ok():
             st.failed = True
             a = {"request.internal_id": rid, "lifecycle.cause": status.name[:64],
                  "request.mode": self._pdt_mode}
