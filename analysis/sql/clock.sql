@@ -244,6 +244,14 @@ WITH r AS (
     FROM _mat_clock_engine_part p LEFT JOIN _clock_domain_map m ON m.domain = p.domain
     WHERE p.rkey IN (SELECT rkey FROM query_table(keys))
     GROUP BY p.rkey, p.attempt, coalesce(m.clock_domain, p.domain), p.role
+), ma AS (
+    -- the requests with an attempt other than 0 (a retry, a local recompute): the only ones whose
+    -- engine attempts are mapped to dispatch attempts (e1) and whose legs are checked (leg_ok).
+    -- In any other request every attempt is 0: e1 would map each e0 row to itself (ra = 0) and its
+    -- group in e is that row alone, and leg_ok's check is e's own n_dom = 1 (pairs).
+    SELECT rkey FROM r WHERE attempt <> 0
+    UNION
+    SELECT rkey FROM e0 WHERE attempt <> 0
 ), da AS (
     -- dispatch attempts: the router's; without router rows, the prefill engines'
     SELECT DISTINCT rkey, attempt FROM r
@@ -252,26 +260,30 @@ WITH r AS (
 ), e1 AS (
     -- an engine attempt the router never dispatched (a local recompute) continues the latest dispatch attempt before it
     -- (attempt 0 maps to 0 whatever the dispatch attempts: only the few later attempts are joined)
-    SELECT *, 0 AS ra FROM e0 WHERE attempt = 0
+    SELECT *, 0 AS ra FROM e0 WHERE attempt = 0 AND rkey IN (SELECT rkey FROM ma)
     UNION ALL
     SELECT e0.*, coalesce(da.attempt, e0.attempt) AS ra
     FROM (SELECT * FROM e0 WHERE attempt <> 0) e0 ASOF LEFT JOIN da ON da.rkey = e0.rkey AND e0.attempt >= da.attempt
 ), e AS (
     -- n_dom: engines of the role in the dispatch attempt (more than one: the receiver of a send is unknown)
-    SELECT rkey, ra, domain, role,
-           min(first_start) AS first_start, max(compute_end) AS compute_end, max(first_step_end) AS first_step_end,
-           min(fe_in_start) AS fe_in_start, max(fe_out_end) AS fe_out_end, min(post_start) AS post_start,
-           max(ready_end) AS ready_end, min(notif_recv) AS notif_recv,
-           bool_or(push_seen) AS push_seen, bool_or(nixl_seen) AS nixl_seen,
-           count(*) OVER (PARTITION BY rkey, ra, role) AS n_dom
-    FROM e1 GROUP BY rkey, ra, domain, role
+    SELECT *, count(*) OVER (PARTITION BY rkey, ra, role) AS n_dom FROM (
+        SELECT rkey, attempt AS ra, domain, role, first_start, compute_end, first_step_end, fe_in_start,
+               fe_out_end, post_start, ready_end, notif_recv, push_seen, nixl_seen
+        FROM e0 WHERE rkey NOT IN (SELECT rkey FROM ma)
+        UNION ALL
+        SELECT rkey, ra, domain, role,
+               min(first_start) AS first_start, max(compute_end) AS compute_end, max(first_step_end) AS first_step_end,
+               min(fe_in_start) AS fe_in_start, max(fe_out_end) AS fe_out_end, min(post_start) AS post_start,
+               max(ready_end) AS ready_end, min(notif_recv) AS notif_recv,
+               bool_or(push_seen) AS push_seen, bool_or(nixl_seen) AS nixl_seen
+        FROM e1 GROUP BY rkey, ra, domain, role)
 ), leg_ok AS (
     -- every router attempt that dispatched a leg has exactly one engine of that role: else the
     -- engines did not number the router's attempts (a retry merged into their attempt 0) and
-    -- none of the request's messages of that role is used
+    -- none of the request's messages of that role is used (requests in ma only, see there)
     SELECT a.rkey, a.role, bool_and(coalesce(e.n_dom, 0) = 1) AS ok
-    FROM (SELECT rkey, attempt, 'prefill' AS role FROM r WHERE has_p
-          UNION ALL SELECT rkey, attempt, 'decode' FROM r WHERE has_d) a
+    FROM (SELECT rkey, attempt, 'prefill' AS role FROM r WHERE has_p AND rkey IN (SELECT rkey FROM ma)
+          UNION ALL SELECT rkey, attempt, 'decode' FROM r WHERE has_d AND rkey IN (SELECT rkey FROM ma)) a
     LEFT JOIN e ON e.rkey = a.rkey AND e.ra = a.attempt AND e.role = a.role
     GROUP BY a.rkey, a.role
 ), pairs AS MATERIALIZED (
