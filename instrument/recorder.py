@@ -79,6 +79,7 @@ log = logging.getLogger("pdtrace")
 R_SPAN, R_EVENT, R_CLOCK, R_STATS, R_OPEN = 0, 1, 2, 3, 4
 
 _tls = threading.local()
+_NO_ATTRS: dict = {}  # shared, never written to
 
 
 def _thread_name() -> str:
@@ -282,29 +283,30 @@ class Tracer:
             self._wake.set()
         return sid
 
-    def record_extra(self, name: str, start_ns: int, end_ns: int, attrs: Mapping[str, object],
-                     keys: tuple, values: tuple, span_id: int, request_id: str | None = None,
-                     parent: int | None = None) -> int:
-        """:meth:`record` of a span whose attributes are ``attrs`` then ``keys`` / ``values`` (two tuples
-        of equal length, keys not in ``attrs``): the row of an open span, whose attribute dict must not
-        change while it is open (the writer may read it), extended at the end without copying the dict
-        (the engine step spans, once per step). ``attrs`` is read, never changed. Returns ``span_id``
-        (0 if not recorded); never raises."""
-        if not self.on:
-            return 0
+    def end_extra(self, span_id: int, end_ns: int, keys: tuple, values: tuple) -> bool:
+        """Close a span opened by :meth:`start` at ``end_ns`` with its attributes as started followed by
+        ``keys`` / ``values`` (two tuples of equal length, keys not among them): :meth:`end` with more
+        attributes and no dict merge (the engine step spans, once per step). Returns False, writing
+        nothing, when the span is not open (not started, dropped, already closed) or tracing is off, so
+        the caller can record it itself; never raises."""
+        o = self._open.pop(span_id, None)
+        if o is None or not self.on:
+            return False
+        name, rid, start, parent, a0, kind, attempt, rank, pidx = o
         buf = self._buf
         if len(buf) >= self._cap:
             next(self._dropped)
-            return 0
+            return True
         try:
             th = _tls.name
         except AttributeError:
             th = _thread_name()
-        buf.append((R_SPAN, span_id, span_id, parent, name, KIND_INTERNAL, start_ns, end_ns, STATUS_UNSET, None,
-                    request_id, 0, 0, None, th, *attrs, *keys, *attrs.values(), *values))
+        a0 = a0 or _NO_ATTRS
+        buf.append((R_SPAN, span_id, span_id, parent, name, kind, start, end_ns, STATUS_UNSET, None, rid, pidx,
+                    attempt, rank, th, *a0, *keys, *a0.values(), *values))
         if len(buf) == self._wake_at:
             self._wake.set()
-        return span_id
+        return True
 
     def start(self, name: str, request_id: str | None = None, start_ns: int | None = None,
               parent: int | None = None, attrs: Mapping[str, object] | None = None,

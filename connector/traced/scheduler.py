@@ -331,7 +331,7 @@ class TracedSchedulerMixin:
         if not sched:
             # nothing scheduled (P stepping while D reads its held blocks, D polling its receives): no
             # batch to describe and no open span (a hang in its connector calls shows as the waiting
-            # requests' open stages); if the step turns out busy, _pdt_close_step writes its row with
+            # requests' open stages); if the step turns out busy, _pdt_step_end writes its row with
             # the same attributes a kept step with an empty batch has
             ps = _tuple_new(PendingStep, (step, sid, t0, True, None, (), ()))
         else:
@@ -389,7 +389,8 @@ class TracedSchedulerMixin:
             if sid:
                 # built once: the open span holds this dict (never changed afterwards: the writer thread may
                 # be reading it for an `open` row), and the step's row reads it once more at the end
-                attrs = _step_attrs(step, len(parts), n_p, n_d, n_r, ";".join(parts))
+                attrs = {"step.id": step, "step.num_reqs": len(parts), "step.prefill_tokens": n_p,  # _step_attrs
+                         "step.decode_tokens": n_d, "step.recompute_tokens": n_r, "step.batch": ";".join(parts)}
                 # open while it runs: a step that never returns (a hung forward, a stuck collective) is
                 # written as `open` rows at each flush and read as an engine stall (analysis engine_stalls)
                 tracer.start(self._pdt_step_name, None, t0, attrs=attrs, span_id=sid)
@@ -491,7 +492,28 @@ class TracedSchedulerMixin:
                 # an idle step (nothing scheduled, no connector work): counted, not recorded
                 self._pdt_idle += 1
             else:
-                self._pdt_close_step(ps, t1, c0)
+                sid = ps[1]
+                if sid:
+                    # the step's row: its open span's attributes, then the idle steps before it and, with
+                    # PDTRACE_SELF_CPU=1, this (EngineCore) thread's pdtrace CPU and whole CPU since the
+                    # previous recorded step span (this hook is charged to the next one: it is still running)
+                    idle = self._pdt_idle
+                    self._pdt_idle = 0
+                    keys, vals = _K_IDLE, (idle,)
+                    if selfcpu.enabled:
+                        mark = self._pdt_cpu_mark
+                        pd, th = self._pdt_cpu_mark = (selfcpu.thread_pair() if c0 is None
+                                                       else selfcpu.thread_pair_at(c0))
+                        if mark is not None:
+                            keys, vals = _K_IDLE_CPU, (idle, pd - mark[0], th - mark[1])
+                    if ps[4] is None or not tracer.end_extra(sid, t1, keys, vals):  # [4]: attrs
+                        # no open span: nothing scheduled but busy, or the open-span cap was reached
+                        a = dict(ps[4]) if ps[4] else _step_attrs(ps[0], 0, 0, 0, 0, "")
+                        a.update(zip(keys, vals))
+                        tracer.close(sid)
+                        tracer.record(self._pdt_step_name, None, ps[2], t1, a, span_id=sid)
+                if ps[5] or ps[6]:  # chunks, promoted
+                    self._pdt_step_reqs(ps, t1)
         # per-rank completion times of receives (D). A rank's report reaches the scheduler in the step in
         # which that worker saw its receive done; vLLM reports the request in finished_recving later when
         # other ranks are slower (TP > 1: only once all of them are done) or when the id is held back, so
@@ -554,26 +576,8 @@ class TracedSchedulerMixin:
                 tracer.close(st.h_sid)
                 st.h_sid = 0
 
-    def _pdt_close_step(self, ps: PendingStep, t1: int, c0: int | None = None) -> None:
-        sid = ps.sid
-        if sid:
-            tracer.close(sid)
-            idle = self._pdt_idle
-            self._pdt_idle = 0
-            a = ps.attrs or _step_attrs(ps.step, 0, 0, 0, 0, "")
-            # the row: the open span's attributes (not copied), then the idle steps before it and, with
-            # PDTRACE_SELF_CPU=1, this (EngineCore) thread's pdtrace CPU and whole CPU since the previous
-            # recorded step span (the hook running now is charged to the next step: it is still running)
-            if selfcpu.enabled:
-                mark = self._pdt_cpu_mark
-                pd, th = self._pdt_cpu_mark = selfcpu.thread_pair() if c0 is None else selfcpu.thread_pair_at(c0)
-                if mark is not None:
-                    tracer.record_extra(self._pdt_step_name, ps.t0, t1, a, _K_IDLE_CPU,
-                                        (idle, pd - mark[0], th - mark[1]), span_id=sid)
-                else:
-                    tracer.record_extra(self._pdt_step_name, ps.t0, t1, a, _K_IDLE, (idle,), span_id=sid)
-            else:
-                tracer.record_extra(self._pdt_step_name, ps.t0, t1, a, _K_IDLE, (idle,), span_id=sid)
+    def _pdt_step_reqs(self, ps: PendingStep, t1: int) -> None:
+        """The step's sampled prefill chunks end (prefill.compute), and its promoted requests' first step."""
         for st, n, idx, last in ps.chunks:
             end = t1
             if st.t_kv_ready and st.t_kv_ready >= ps.t0:
