@@ -210,7 +210,10 @@ class FrontendMiddleware:
             return await self.app(scope, receive, send)
 
         async def _send(message):
-            safe(self._on_send, st, message)
+            # once the status, the first chunk's time and a second chunk (request.stream) are noted, the
+            # rest of a stream needs nothing: no hook per streamed chunk on the event loop
+            if not st["seen"]:
+                safe(self._on_send, st, message)
             await send(message)
 
         try:
@@ -228,7 +231,8 @@ class FrontendMiddleware:
             return None
         # open while the exchange lasts (an ``open`` row while it waits for EngineCore; view in_flight)
         sid = tracer.start(self.name, x, start_ns=t0, attrs={"wait.for": "engine", "frontend.part": "whole"})
-        return {"x": x, "status": 0, "first": 0, "chunks": 0, "sid": sid or tracer.new_id()}
+        # chunks: body chunks seen, counted up to 2 (request.stream = more than one); seen: nothing more to note
+        return {"x": x, "status": 0, "first": 0, "chunks": 0, "sid": sid or tracer.new_id(), "seen": False}
 
     def _on_send(self, st, message) -> None:
         typ = message.get("type")
@@ -238,6 +242,8 @@ class FrontendMiddleware:
             st["chunks"] += 1
             if not st["first"]:
                 st["first"] = tracer.now()
+            elif st["status"]:
+                st["seen"] = True  # a second chunk after the start: request.stream is 1, all noted
 
     def _finish(self, st, t0) -> None:
         t1 = tracer.now()
