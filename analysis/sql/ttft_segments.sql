@@ -179,33 +179,41 @@ CREATE OR REPLACE VIEW _tt_req AS SELECT * FROM _mat_tt_req;
 -- its role's branch). (Until issue 17's cold-cost work they were a second scan, _tt_marks,
 -- joined on (rkey, span_id): the join alone cost more than the scan.)
 CREATE OR REPLACE VIEW _tt_all AS
-SELECT t.rkey, t.span_id, t.parent_span_id, t.name::_stage_name AS stage,
-       -- rule 9: category by outcome
-       CASE WHEN t.name = 'kv.transfer' AND t.span_id IS NOT NULL
-            THEN _outcome_category(s.category, t.status_code, t.attr_int['kv.bytes'], t.attr_str['error.type'],
-                                   {'r': t.rkey, 's': t.span_id} IN (SELECT {'r': rkey, 's': span_id} FROM _kv_failed_spans))
-            ELSE s.category END AS category,
-       s.stage_group::_stage_name AS stage_group, s.is_filler,
-       t.role, t.engine_id, t.tp_rank, t.attempt, t.c_end_ns AS end_c,
-       _process_key(t.role, t.host, t.pid, t.engine_id) AS proc_key,
-       CASE WHEN t.trace_id IS NOT NULL THEN hash(t.trace_id) END AS trace_key,
-       -- the branch of a pre-join stage: its engine's role, but dest.register
-       -- is D's branch whoever records it (its end is the match on P); a
-       -- router.dispatch belongs to the branch of its leg (rule 8)
-       CASE WHEN t.name = 'dest.register' THEN 'decode'
-            WHEN t.name = 'router.dispatch' AND t.span_id IS NOT NULL AND t.attr_str['router.leg'] IN ('prefill', 'decode')
-            THEN t.attr_str['router.leg'] ELSE t.role END AS branch,
-       -- rule 12: a frontend's 'in' part
-       coalesce(t.name IN ('prefill.frontend', 'decode.frontend') AND t.span_id IS NOT NULL
-                AND t.attr_str['frontend.part'] = 'in', false) AS fe_in,
+SELECT t.* EXCLUDE (c_start_ns),
        greatest(t.c_start_ns, q.arrival_ns) AS s0,
-       least(t.c_end_ns, q.first_token_ns, CASE WHEN t.role = 'prefill' THEN q.prefill_response_ns END) AS e0,
+       least(t.end_c, q.first_token_ns, CASE WHEN t.role = 'prefill' THEN q.prefill_response_ns END) AS e0,
        q.arrival_ns, q.first_token_ns, q.attempt_start_ns
-FROM _timed t
+FROM (
+    -- each row's own columns, computed before the join with _tt_req (the join then carries no
+    -- attribute map)
+    SELECT t.rkey, t.span_id, t.parent_span_id, t.name::_stage_name AS stage,
+           -- rule 9: category by outcome
+           CASE WHEN t.name = 'kv.transfer' AND t.span_id IS NOT NULL
+                THEN _outcome_category(s.category, t.status_code, t.attr_int['kv.bytes'], t.attr_str['error.type'],
+                                       {'r': t.rkey, 's': t.span_id} IN (SELECT {'r': rkey, 's': span_id}
+                                                                          FROM _kv_failed_spans))
+                ELSE s.category END AS category,
+           s.stage_group::_stage_name AS stage_group, s.is_filler,
+           t.role, t.engine_id, t.tp_rank, t.attempt, t.c_end_ns AS end_c,
+           _process_key(t.role, t.host, t.pid, t.engine_id) AS proc_key,
+           CASE WHEN t.trace_id IS NOT NULL THEN hash(t.trace_id) END AS trace_key,
+           -- the branch of a pre-join stage: its engine's role, but dest.register
+           -- is D's branch whoever records it (its end is the match on P); a
+           -- router.dispatch belongs to the branch of its leg (rule 8)
+           CASE WHEN t.name = 'dest.register' THEN 'decode'
+                WHEN t.name = 'router.dispatch' AND t.span_id IS NOT NULL
+                     AND t.attr_str['router.leg'] IN ('prefill', 'decode')
+                THEN t.attr_str['router.leg'] ELSE t.role END AS branch,
+           -- rule 12: a frontend's 'in' part
+           coalesce(t.name IN ('prefill.frontend', 'decode.frontend') AND t.span_id IS NOT NULL
+                    AND t.attr_str['frontend.part'] = 'in', false) AS fe_in,
+           t.c_start_ns
+    FROM _timed t
+    JOIN stages s ON s.stage = t.name
+    WHERE t.record = 'span' AND s.owns_ttft
+) t
 JOIN _tt_req q ON q.rkey = t.rkey
-JOIN stages s ON s.stage = t.name
-WHERE t.record = 'span' AND s.owns_ttft
-  AND t.c_start_ns <= q.first_token_ns AND t.c_end_ns >= q.arrival_ns
+WHERE t.c_start_ns <= q.first_token_ns AND t.end_c >= q.arrival_ns
   AND (t.role <> 'prefill' OR q.prefill_response_ns IS NULL OR t.c_start_ns <= q.prefill_response_ns)
 UNION ALL
 -- engine-clock window: the router's unseen hop (pseudo-stage router.unseen; see the header)
