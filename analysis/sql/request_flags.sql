@@ -47,7 +47,9 @@ WITH bh AS MATERIALIZED (
     SELECT rkey, side, release_cause, missed_prefix_hit, transfer_after_release FROM block_holds
     WHERE rkey IN (SELECT rkey FROM _scope_keys)
 ), xf AS MATERIALIZED (
-    SELECT rkey, attr_int, attr_str, end_ns - start_ns AS dur_ns FROM _timed
+    -- the two transfer rules' values (the copy keeps no attribute map)
+    SELECT rkey, _transport_fallback(attr_int, attr_str) AS fallback,
+           _descriptor_bound(attr_int['kv.post_ns'], end_ns - start_ns) AS bound FROM _timed
     WHERE record = 'span' AND name = 'kv.transfer' AND rkey IN (SELECT rkey FROM _scope_keys)
 ), q AS (
     SELECT * FROM _req_base WHERE rkey IN (SELECT rkey FROM _scope_keys)
@@ -57,8 +59,8 @@ WITH bh AS MATERIALIZED (
     UNION ALL SELECT rkey, 'write_after_release' FROM bh WHERE side = 'decode' AND transfer_after_release
     UNION ALL SELECT rkey, 'blocks_never_released' FROM bh WHERE release_cause = 'never'
     UNION ALL SELECT rkey, 'missed_prefix_hit' FROM bh WHERE missed_prefix_hit
-    UNION ALL SELECT rkey, 'transport_fallback' FROM xf WHERE _transport_fallback(attr_int, attr_str)
-    UNION ALL SELECT rkey, 'descriptor_bound' FROM xf WHERE _descriptor_bound(attr_int['kv.post_ns'], dur_ns)
+    UNION ALL SELECT rkey, 'transport_fallback' FROM xf WHERE fallback
+    UNION ALL SELECT rkey, 'descriptor_bound' FROM xf WHERE bound
     UNION ALL SELECT rkey, 'first_contact' FROM q WHERE first_contact
     UNION ALL SELECT rkey, 'recomputed' FROM q WHERE recomputed
     UNION ALL SELECT rkey, 'hung_after_first_token' FROM q WHERE first_token_ns IS NOT NULL AND last_token_ns IS NULL
