@@ -39,8 +39,10 @@ variable                       default    meaning
 ``PDTRACE_TAIL_TPOT_MS``       ``0``      tail: keep a request whose TPOT >= this (ms); 0: no TPOT rule
 ``PDTRACE_TAIL_HEAD``          ``0.1``    tail: fraction of the other requests kept anyway, by
                                           sha256 of the request id (not PDTRACE_SAMPLE's hash)
-``PDTRACE_TAIL_HOLD_S``        ``30``     tail: a request not ended this long (s) after its first
-                                          record is decided then (kept: it never ended)
+``PDTRACE_TAIL_HOLD_S``        ``30``     tail: a request that has received no record for this long
+                                          (s) is decided then (kept if it never ended)
+``PDTRACE_TAIL_MAX_HOLD_S``    ``600``    tail: a request held this long (s) after its first record
+                                          is decided then, however busy (kept if not ended)
 ``PDTRACE_TAIL_MEMORY_MB``     ``256``    tail: bound of the records held undecided (MiB, estimated);
                                           over it the oldest requests are decided early
 ``PDTRACE_TAIL_STEP_MS``       ``0``      tail: a step span this long (ms) is a stall and kept; 0: a
@@ -149,7 +151,9 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
              "tail: keep requests with TPOT >= this (ms)"),
     Variable("PDTRACE_TAIL_HEAD", "0.1", "[0, 1]", "recorder", "tail: fraction of other requests kept anyway"),
     Variable("PDTRACE_TAIL_HOLD_S", "30", "[0.1, 86400]", "recorder",
-             "tail: a request not ended after this is decided"),
+             "tail: a request idle (no record) this long is decided"),
+    Variable("PDTRACE_TAIL_MAX_HOLD_S", "600", "[0.1, 86400]", "recorder",
+             "tail: a request held this long after its first record is decided"),
     Variable("PDTRACE_TAIL_MEMORY_MB", "256", "[1, 65536]", "recorder", "tail: bound of the held records (MiB)"),
     Variable("PDTRACE_TAIL_STEP_MS", "0", "[0, 3.6e6]", "recorder",
              "tail: a step this long (ms) is kept; 0: automatic"),
@@ -252,6 +256,7 @@ class Config:
     tail_tpot_ms: float = 0.0
     tail_head: float = 0.1
     tail_hold_s: float = 30.0
+    tail_max_hold_s: float = 600.0
     tail_memory_mb: float = 256.0
     tail_step_ms: float = 0.0
 
@@ -300,6 +305,7 @@ def from_env(env: dict | None = None) -> Config:
         tail_tpot_ms=_float(env, "PDTRACE_TAIL_TPOT_MS", 0.0, 0.0, 3.6e6),
         tail_head=_float(env, "PDTRACE_TAIL_HEAD", 0.1, 0.0, 1.0),
         tail_hold_s=_float(env, "PDTRACE_TAIL_HOLD_S", 30.0, 0.1, 86400.0),
+        tail_max_hold_s=_float(env, "PDTRACE_TAIL_MAX_HOLD_S", 600.0, 0.1, 86400.0),
         tail_memory_mb=_float(env, "PDTRACE_TAIL_MEMORY_MB", 256.0, 1.0, 65536.0),
         tail_step_ms=_float(env, "PDTRACE_TAIL_STEP_MS", 0.0, 0.0, 3.6e6),
         self_cpu=self_cpu == "1",

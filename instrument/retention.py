@@ -102,6 +102,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import heapq
 import json
 import logging
 import os
@@ -109,31 +110,44 @@ import socket
 import time
 from collections import OrderedDict, deque
 
+from .ids import sample_threshold
 from .recorder import R_EVENT, R_SPAN
 from .schema import STATUS_ERROR
+from .stages import FAILURE_EVENTS
 
 log = logging.getLogger("pdtrace")
 
 N_FIXED = 15  # fixed slots of a record tuple (recorder.py layout; convert.N_FIXED)
-_NAME, _START, _END, _STATUS, _RID = 4, 6, 7, 8, 10
+_SID, _NAME, _START, _END, _STATUS, _RID = 2, 4, 6, 7, 8, 10
 
 #: Step spans that follow the step rule (module doc); other request-less records are written at once.
 STEP_NAMES = frozenset(("decode.step", "prefill.step"))
-#: Failure events (stages.EVENTS; the events analysis/sql/incomplete.sql reads as failures).
-FAILURE_EVENTS = frozenset((
-    "request.abort", "request.timeout", "kv.lease_expired", "kv.ttl_expired", "kv.post_failed",
-    "kv.transfer_failed", "kv.load_failed", "registration.timeout", "handshake.failed", "router.leg_failed",
-    "notification.unmatched"))
 #: A step longer than this many times its baseline (median of recent steps) is a stall.
 STALL_FACTOR = 2.0
 #: Steps of one process and name in the stall baseline; below STALL_MIN known steps every step is kept.
 STALL_WINDOW, STALL_MIN = 255, 16
-#: Decisions remembered (request ids), oldest forgotten first.
-DECISIONS = 1 << 16
+#: Bytes counted per decision remembered (OrderedDict entry, (keep, time) tuple, the id's str object
+#: without its characters: CPython 3.10-3.12, 64-bit); the id's length is added.
+DECISION_BYTES = 200
+#: Cap of the decisions table and of the other sinks' verdicts (bytes, each): max(this, bound / 4).
+DECISIONS_MIN_CAP = 16 << 20
 #: Bytes counted per group (the group object, its lists, its dict entries).
 GROUP_BYTES = 600
+#: Bytes a held step entry costs besides its record: the [sink, record, pending, done, bytes] list (88);
+#: plus 8 per group that refers to it (a slot in the group's step list).
+STEP_ENTRY_BYTES, STEP_REF_BYTES = 88, 8
+#: Strings longer than this are counted with their characters in held_bytes (shorter ones -- names,
+#: keys, ids -- are mostly shared by the records of one message).
+LONG_STR = 64
 #: Seconds between looks at the marks file and the other hosts' keep-lists.
 MARK_POLL_S = 0.5
+#: Seconds between touches of this sink's own list (its heartbeat: the others see it live).
+HEARTBEAT_S = 2.0
+#: A list not modified for this long (s, the file's mtime against this host's wall clock) is not a live
+#: sink's: its host does not count as one to wait for.
+LIVE_S = 15.0
+#: Seconds between prunings of the marked windows and the stall baselines of gone clients.
+PRUNE_S = 10.0
 #: The marks file in the trace directory (one JSON object a line: start_ns, end_ns wall, by).
 MARKS_FILE = "tail-marks.jsonl"
 #: Window of a SIGUSR1 mark: (seconds before, seconds after) the signal.
@@ -141,25 +155,32 @@ SIGNAL_WINDOW_S = (30.0, 60.0)
 #: Memory shed when over the bound: down to this fraction of it.
 SHED_TO = 0.9
 _HEAD_SALT = b"pdtrace-tail-head\0"
+_MAX_NS = 1 << 63  # a mark's bounds: non-negative int64 wall ns
 
 
 def held_bytes(rec: tuple) -> int:
     """Estimated memory (bytes) a held record costs: its tuple (40 + 8 per slot), the (client, record)
-    pair and its list slot (72), and about 24 bytes per slot for the objects the slots hold (ints, times,
-    ids; names and keys are shared by the records of one message). ``benchmarks/tail_retention.py``
-    compares it with tracemalloc (records unpickled a request and role per message: fewer shared
-    objects than the sink's 32-512-record messages): the estimate is the larger."""
-    return 112 + 32 * len(rec)
+    pair and its list slot (72), about 24 bytes per slot for the objects the slots hold (ints, times,
+    ids; names and keys are shared by the records of one message), and the characters (+ 49 bytes of
+    str header) of each string longer than :data:`LONG_STR` (a step's ``step.batch``: one id per
+    request of the batch). ``benchmarks/tail_retention.py`` compares it with tracemalloc."""
+    n = 112 + 32 * len(rec)
+    for x in rec:
+        if type(x) is str and len(x) > LONG_STR:
+            n += 49 + len(x)
+    return n
+
+
+def head_hash(rid: str) -> int:
+    """sha256(salt + request id) as a big-endian integer (the head-sampling draw, 0 <= h < 2^256)."""
+    return int.from_bytes(hashlib.sha256(_HEAD_SALT + rid.encode("utf-8", "surrogatepass")).digest(), "big")
 
 
 def head_sampled(rid: str, fraction: float) -> bool:
-    """True iff request ``rid`` is in the head-sampled fraction: sha256(salt + id) < fraction · 2^256."""
-    if fraction >= 1.0:
-        return True
-    if fraction <= 0.0:
-        return False
-    h = int.from_bytes(hashlib.sha256(_HEAD_SALT + rid.encode("utf-8", "surrogatepass")).digest(), "big")
-    return h < int(fraction * (1 << 256))
+    """True iff request ``rid`` is in the head-sampled fraction: :func:`head_hash` < ``fraction`` · 2^256,
+    the bound exact for the float given (:func:`pdtrace.instrument.ids.sample_threshold`; ValueError
+    outside [0, 1])."""
+    return head_hash(rid) < sample_threshold(fraction)
 
 
 def marks_path(trace_dir: str) -> str:
@@ -179,13 +200,34 @@ def summary_path(trace_dir: str, host: str) -> str:
 
 def add_mark(trace_dir: str, start_wall_ns: int, end_wall_ns: int, by: str) -> None:
     """Append a marked window [start, end] (wall ns) to the marks file of ``trace_dir`` (one line, one
-    ``write`` call in append mode: lines of concurrent markers do not interleave). Raises OSError."""
+    ``write`` call in append mode: on a local file system the lines of concurrent markers do not
+    interleave; over NFS, O_APPEND is not atomic between hosts and two markers writing at the same
+    moment can garble a line -- the sinks skip a line they cannot read). Raises OSError."""
     line = json.dumps({"start_ns": int(start_wall_ns), "end_ns": int(end_wall_ns), "by": by}) + "\n"
     fd = os.open(marks_path(trace_dir), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         os.write(fd, line.encode())
     finally:
         os.close(fd)
+
+
+def parse_mark(line: bytes) -> tuple[int, int] | None:
+    """(start, end) wall ns of one line of the marks file; None for a line that is not a mark: not
+    UTF-8 JSON, no integer ``start_ns``/``end_ns`` (a float only when it is integral and finite), a
+    bound outside [0, 2^63), or start > end. Never raises."""
+    try:
+        m = json.loads(line.decode("utf-8", "replace"))
+        out = []
+        for k in ("start_ns", "end_ns"):
+            v = m[k]
+            if type(v) is float and v.is_integer():
+                v = int(v)
+            if type(v) is not int or not 0 <= v < _MAX_NS:
+                return None
+            out.append(v)
+        return (out[0], out[1]) if out[0] <= out[1] else None
+    except Exception:  # noqa: BLE001 - any malformed line (not JSON, not an object, ...) is skipped
+        return None
 
 
 def _attr(rec: tuple, key: str):
@@ -197,19 +239,25 @@ def _attr(rec: tuple, key: str):
     return None
 
 
+def _role(sink) -> str | None:
+    res = getattr(sink, "resource", None)
+    return res.get("role") if isinstance(res, dict) else None
+
+
 class _Group:
     """One request's held records and what is known about it so far (monotonic ns)."""
 
-    __slots__ = ("rid", "recs", "steps", "nbytes", "created", "ended", "root_start", "first_tok", "last_tok",
-                 "eng_first", "p_start", "out_tokens", "failed", "t_min", "t_max")
+    __slots__ = ("rid", "recs", "steps", "nbytes", "created", "last", "ended", "routed", "root_start",
+                 "first_tok", "last_tok", "eng_first", "p_start", "out_tokens", "failed", "t_min", "t_max")
 
     def __init__(self, rid: str, now: int) -> None:
         self.rid = rid
         self.recs: list = []  # (sink, record)
-        self.steps: list = []  # held step entries [sink, record, groups pending, done]
+        self.steps: list = []  # held step entries [sink, record, groups pending, done, bytes]
         self.nbytes = GROUP_BYTES
-        self.created = now
+        self.created = self.last = now  # first and latest record received (sink's monotonic ns)
         self.ended = False
+        self.routed = False  # a router.* record of it is here: only its router.request ends it
         self.root_start = self.first_tok = self.last_tok = self.eng_first = self.p_start = None
         self.out_tokens = 0
         self.failed = False
@@ -229,79 +277,141 @@ class TailRetention:
         self.ttft_ns = int(cfg.tail_ttft_ms * 1e6) or None
         self.tpot_ns = int(cfg.tail_tpot_ms * 1e6) or None
         self.head = cfg.tail_head
+        self._head_thr = sample_threshold(min(1.0, max(0.0, cfg.tail_head)))
         self.hold_ns = int(cfg.tail_hold_s * 1e9)
+        self.max_hold_ns = max(self.hold_ns, int(getattr(cfg, "tail_max_hold_s", 600.0) * 1e9))
         self.bound = int(cfg.tail_memory_mb * (1 << 20))
         self.step_ns = int(cfg.tail_step_ms * 1e6) or None
-        self.grace_ns = int((2 * cfg.flush_interval_s + 0.25) * 1e9)
-        self.groups: dict[str, _Group] = {}  # undecided, oldest first
-        self.ending: deque = deque()  # (due ns, rid) of ended groups, in order of due
-        self.decided: OrderedDict[str, bool] = OrderedDict()
+        self._own_flush = cfg.flush_interval_s
+        self._clients: dict = {}  # sink -> its flush interval (s): the clients whose records are here
+        self._max_flush = cfg.flush_interval_s
+        self.groups: dict[str, _Group] = {}  # undecided, least recently fed first
+        self.ending: list = []  # heap of (due ns, rid) of ended groups
+        self._capq: deque = deque()  # (created + max hold, rid, created), oldest first: the absolute cap
+        self.decided: OrderedDict[str, tuple[bool, int]] = OrderedDict()  # id -> (kept, last used ns)
+        self.decided_bytes = 0
+        self._cap_bytes = max(DECISIONS_MIN_CAP, self.bound // 4)
         self.held = 0  # bytes held (estimate)
         self.peak = 0
         self.held_records = 0
         self.counts = {"kept": 0, "dropped": 0, "evicted": 0, "steps_kept": 0, "steps_dropped": 0,
-                       "records_dropped": 0, "marks": 0}
+                       "records_dropped": 0, "marks": 0, "bad_marks": 0, "decisions_forgotten": 0}
         self.reasons: dict[str, int] = {}
-        self._base: dict = {}  # (sink id, step name) -> (deque of durations, sorted list)
-        self._marks: list[tuple[int, int]] = []  # monotonic ns windows
-        self._marks_stat = None
-        self._mark_keys: set[tuple[int, int]] = set()  # windows in force, as written (wall ns)
-        self._next_poll = 0
+        self._base: dict = {}  # (sink, step name) -> (deque of durations, sorted list)
+        self._marks: dict[tuple[int, int], tuple[int, int]] = {}  # wall-ns key -> monotonic ns window
+        self._marks_off = 0  # bytes of the marks file read
+        self._marks_ino = None
+        self._next_poll = self._next_prune = self._next_beat = 0
         self._keep_fd = -1
         self._keep_path = keep_list_path(trace_dir, self.host, os.getpid())
-        self._remote: dict[str, tuple[bool, bool]] = {}  # id -> (kept, authoritative) by other sinks
+        self._remote: OrderedDict[str, tuple[bool, bool, int]] = OrderedDict()  # id -> (kept, R, read ns)
+        self._remote_bytes = 0
         self._remote_pos: dict[str, int] = {}
+        self._live: dict[str, float] = {}  # other sinks' lists -> mtime (wall s) at the last look
         self._waiting: set[str] = set()  # ended here without a router record: waiting for an R verdict
         self._open_list()  # at once, empty: the other sinks know this one decides too (they write drops)
-        self.poll_files(force=True)
+        self._starting = True
+        self._poll_safe(force=True)  # existing lists: from their end (verdicts of requests gone by)
+        self._starting = False
+
+    # ------------------------------------------------------------- settings
+    @property
+    def grace_ns(self) -> int:
+        """ns an ended request is held before its decision: 2 flush intervals of the slowest current
+        client (the sink's own interval without clients) + 0.25 s."""
+        return int((2 * self._max_flush + 0.25) * 1e9)
+
+    @property
+    def keep_ns(self) -> int:
+        """How long a decision and another sink's verdict are remembered after their last use."""
+        return self.hold_ns + self.grace_ns
+
+    def add_client(self, sink) -> None:
+        """A client connected (or sent records): its flush interval counts in the grace, its role (its
+        resource's, read when needed) in which records end a request here."""
+        fl = getattr(getattr(sink, "cfg", None), "flush_interval_s", self._own_flush)
+        self._clients[sink] = fl
+        if fl > self._max_flush:
+            self._max_flush = fl
+
+    def forget(self, sink) -> None:
+        """A client has gone for good (no record of it held): drop its stall baselines and flush interval."""
+        self._clients.pop(sink, None)
+        self._max_flush = max(self._clients.values(), default=self._own_flush)
+        for k in [k for k in self._base if k[0] is sink]:
+            del self._base[k]
+
+    def _has_role(self, role: str) -> bool:
+        return any(_role(s) == role for s in self._clients)
 
     # --------------------------------------------------------------- intake
     def admit(self, sink, recs: list) -> list:
         """Take one batch of a client's records: returns those to write now (engine-wide, or of a request
         already decided kept); holds the others; drops (and counts on ``sink.tail_dropped``) those of a
-        request decided dropped and steps no kept request needs. Never raises on a malformed record (it is
-        passed through: the converter counts it)."""
+        request decided dropped and steps no kept request needs. A malformed record (times not int, name
+        not str, too short) is passed through (the converter counts it), never held: each record is
+        either returned or held or counted, never two of them. Never raises."""
         out = []
         now = time.monotonic_ns()
+        if sink not in self._clients:
+            self.add_client(sink)
         groups, decided = self.groups, self.decided
         for r in recs:
             try:
                 rid = r[_RID]
+                t0, t1, name = r[_START], r[_END], r[_NAME]
+                if (t0 is not None and type(t0) is not int) or (t1 is not None and type(t1) is not int) \
+                        or type(name) is not str or len(r) < N_FIXED:
+                    out.append(r)
+                    continue
                 if rid is None:
-                    if r[0] == R_SPAN and r[_NAME] in STEP_NAMES:
+                    if r[0] == R_SPAN and name in STEP_NAMES:
                         self._admit_step(sink, r, out)
                     else:
                         out.append(r)
                     continue
+                if type(rid) is not str:
+                    out.append(r)
+                    continue
                 d = decided.get(rid)
                 if d is not None:
-                    if d:
+                    decided[rid] = (d[0], now)  # in use: remembered from now on
+                    decided.move_to_end(rid)
+                    if d[0]:
                         out.append(r)
                     else:
                         sink.tail_dropped += 1
                         self.counts["records_dropped"] += 1
                     continue
                 g = groups.get(rid)
-                if g is None:
-                    g = groups[rid] = _Group(rid, now)
-                    self.held += GROUP_BYTES
-                g.recs.append((sink, r))
+                new = g is None
+                if new:
+                    g = _Group(rid, now)
+                self._note(g, r, sink, now)  # before it is held: a failure here leaves it passed through
                 b = held_bytes(r)
+                g.recs.append((sink, r))
+                if new:
+                    groups[rid] = g
+                    self.held += GROUP_BYTES
+                    self._capq.append((now + self.max_hold_ns, rid, now))
+                elif g.last != now:  # fed now: to the end of the idle order
+                    del groups[rid]
+                    groups[rid] = g
+                g.last = now
                 g.nbytes += b
                 self.held += b
                 self.held_records += 1
                 sink.tail_held += 1
-                self._note(g, r, now)
                 if self.held > self.bound:
                     self._shed(now)
-            except (IndexError, TypeError, AttributeError):
+            except Exception:  # noqa: BLE001 - a malformed record is written (and counted there), not held
                 out.append(r)
         if self.held > self.peak:
             self.peak = self.held
         return out
 
-    def _note(self, g: _Group, r: tuple, now: int) -> None:
-        """Update what is known of the request from one of its records."""
+    def _note(self, g: _Group, r: tuple, sink, now: int) -> None:
+        """Update what is known of the request from one of its records (times already checked int/None)."""
         name, t0, t1, rtype = r[_NAME], r[_START], r[_END], r[0]
         if t0 is not None:
             if g.t_min is None or t0 < g.t_min:
@@ -311,35 +421,49 @@ class TailRetention:
                 g.t_max = te
         if r[_STATUS] == STATUS_ERROR:
             g.failed = True
+        if name.startswith("router."):
+            g.routed = True
         if rtype == R_EVENT:
-            if name == "router.first_token":
+            if t0 is None:
+                pass
+            elif name == "router.first_token":
                 g.first_tok = t0 if g.first_tok is None else min(g.first_tok, t0)
             elif name == "router.last_token":
                 g.last_tok = t0 if g.last_tok is None else max(g.last_tok, t0)
-            elif name == "token":
+            elif name == "token" and r[_SID] is not None and _role(sink) == "decode":
+                # D's API server's first chunk (on its decode.frontend span), as request_base.sql reads it;
+                # not P's (its answer to the router) nor EngineCore's (no span id)
                 g.eng_first = t0 if g.eng_first is None else min(g.eng_first, t0)
-            elif name in FAILURE_EVENTS:
+            if name in FAILURE_EVENTS:
                 g.failed = True
             if name in ("request.finished", "router.last_token"):
                 n = _attr(r, "gen_ai.usage.output_tokens")
-                if isinstance(n, int) and n > g.out_tokens:
+                if type(n) is int and n > g.out_tokens:
                     g.out_tokens = n
         elif rtype == R_SPAN:
             if name == "router.request":
-                g.root_start = t0
+                if t0 is not None:
+                    g.root_start = t0
                 n = _attr(r, "gen_ai.usage.output_tokens")
-                if isinstance(n, int) and n > g.out_tokens:
+                if type(n) is int and n > g.out_tokens:
                     g.out_tokens = n
-                self._end(g, now)
+                self._end(g, now, True)  # the root: the grace counts from it, whatever ended it before
             elif name == "prefill.frontend":
-                g.p_start = t0 if g.p_start is None else min(g.p_start, t0)
+                if t0 is not None:
+                    g.p_start = t0 if g.p_start is None else min(g.p_start, t0)
+                if not self._has_role("decode") and _attr(r, "frontend.part") in ("out", "whole"):
+                    self._end(g, now)  # P answered: all this host (no D here) will see of it
             elif name == "decode.frontend" and _attr(r, "frontend.part") in ("out", "whole"):
                 self._end(g, now)
 
-    def _end(self, g: _Group, now: int) -> None:
-        if not g.ended:
+    def _end(self, g: _Group, now: int, root: bool = False) -> None:
+        """The request ended here (its root, or an engine's frontend). Its decision is due after the
+        grace -- unless this is an engine's end while a router of this host has its records or runs
+        (only its root ends the request then; the hold time otherwise)."""
+        if root or not g.ended:
             g.ended = True
-            self.ending.append((now + self.grace_ns, g.rid))
+            if root or not (g.routed or self._has_role("router")):
+                heapq.heappush(self.ending, (now + self.grace_ns, g.rid))
 
     def _admit_step(self, sink, r: tuple, out: list) -> None:
         t0, t1 = r[_START], r[_END]
@@ -348,14 +472,14 @@ class TailRetention:
             self.counts["steps_kept"] += 1
             out.append(r)
             return
-        batch = _attr(r, "step.batch") or ""
+        batch = _attr(r, "step.batch")
         pend = []
-        for part in batch.split(";"):
+        for part in (batch.split(";") if type(batch) is str else ()):
             if not part:
                 continue
             rid = part.rpartition(":")[0]
             d = self.decided.get(rid)
-            if d:
+            if d is not None and d[0]:
                 self.counts["steps_kept"] += 1
                 out.append(r)
                 return
@@ -368,8 +492,8 @@ class TailRetention:
             self.counts["steps_dropped"] += 1
             self.counts["records_dropped"] += 1
             return
-        entry = [sink, r, len(pend), False]
-        b = held_bytes(r)
+        b = held_bytes(r) + STEP_ENTRY_BYTES + STEP_REF_BYTES * len(pend)
+        entry = [sink, r, len(pend), False, b]
         self.held += b
         self.held_records += 1
         sink.tail_held += 1
@@ -382,7 +506,7 @@ class TailRetention:
         """Whether a step of ``dur`` ns is a stall (module doc); adds it to its process's baseline."""
         if self.step_ns is not None:
             return dur >= self.step_ns
-        key = (id(sink), name)
+        key = (sink, name)
         b = self._base.get(key)
         if b is None:
             b = self._base[key] = (deque(), [])
@@ -400,7 +524,7 @@ class TailRetention:
         if not self._marks or t0 is None:
             return False
         t1 = t0 if t1 is None else t1
-        return any(lo <= t1 and t0 <= hi for lo, hi in self._marks)
+        return any(lo <= t1 and t0 <= hi for lo, hi in self._marks.values())
 
     # -------------------------------------------------------------- verdicts
     def ttft(self, g: _Group) -> int | None:
@@ -419,12 +543,12 @@ class TailRetention:
             return True, "failed"
         if self._marked(g.t_min, g.t_max):
             return True, "marked"
+        if g.root_start is not None and g.first_tok is None:
+            return True, "no_first_token"
         ttft = self.ttft(g)
         if self.ttft_ns is not None:
             if ttft is not None and ttft >= self.ttft_ns:
                 return True, "ttft"
-            if g.root_start is not None and g.first_tok is None:
-                return True, "no_first_token"
             if early and ttft is None and g.t_min is not None:
                 # not ended: the router's root (its start) not here yet; from the request's earliest record
                 # (>= the router's receive time: an under-estimate) to its first token, or to now without one
@@ -437,7 +561,7 @@ class TailRetention:
             if first is not None and g.last_tok is not None:
                 if (g.last_tok - first) / (g.out_tokens - 1) >= self.tpot_ns:
                     return True, "tpot"
-        if head_sampled(g.rid, self.head):
+        if self._head_thr and head_hash(g.rid) < self._head_thr:
             return True, "head"
         rv = self._remote.get(g.rid)
         if rv is not None and rv[0]:
@@ -449,49 +573,94 @@ class TailRetention:
         return False, "fast"
 
     def tick(self, now: int | None = None) -> None:
-        """Decide what is due: ended groups past their grace, groups held past the hold time; re-read
-        the marks file and keep-lists every :data:`MARK_POLL_S`. Called by the sink's loop."""
+        """Decide what is due: ended groups past their grace, groups idle for the hold time or held for
+        the absolute cap; re-read the marks file and keep-lists every :data:`MARK_POLL_S`; forget old
+        decisions and verdicts. Called by the sink's loop (which catches what it raises)."""
         now = time.monotonic_ns() if now is None else now
         if now >= self._next_poll:
-            self.poll_files()
+            self._poll_safe()
         ending, groups = self.ending, self.groups
         while ending and ending[0][0] <= now:
-            _, rid = ending.popleft()
+            _, rid = heapq.heappop(ending)
             g = groups.get(rid)
-            if g is not None:
-                if g.root_start is None and self._remote_pos and rid not in self._remote:
-                    self._waiting.add(rid)  # another host may hold its router: wait for its verdict (hold)
-                    continue
-                self._decide(g, *self.verdict(g, now))
-        while groups:
+            if g is None:
+                continue
+            if g.root_start is None and g.routed:
+                continue  # its router's root is still to come (hold time otherwise)
+            if g.root_start is None and rid not in self._remote and self._others_live():
+                self._waiting.add(rid)  # another host may hold its router: wait for its verdict (hold)
+                continue
+            self._decide(g, *self.verdict(g, now))
+        while groups:  # least recently fed first: idle for the hold time
             g = next(iter(groups.values()))
-            if now - g.created < self.hold_ns:
+            if now - g.last < self.hold_ns:
                 break
             self._decide(g, *self.verdict(g, now))
+        capq = self._capq
+        while capq and capq[0][0] <= now:
+            _, rid, created = capq.popleft()
+            g = groups.get(rid)
+            if g is not None and g.created == created:
+                self._decide(g, *self.verdict(g, now))
+        self._forget_old(now)
+        if now >= self._next_prune:
+            self._next_prune = now + int(PRUNE_S * 1e9)
+            self._prune_marks(now)
+
+    def _forget_old(self, now: int) -> None:
+        """Forget decisions and other sinks' verdicts unused for :attr:`keep_ns` (and the oldest beyond
+        the byte cap)."""
+        dec, keep = self.decided, self.keep_ns
+        while dec:
+            rid, (_, t) = next(iter(dec.items()))
+            if now - t < keep and self.decided_bytes <= self._cap_bytes:
+                break
+            dec.popitem(last=False)
+            self.decided_bytes -= DECISION_BYTES + len(rid)
+            self.counts["decisions_forgotten"] += 1
+        rem = self._remote
+        while rem:
+            rid, v = next(iter(rem.items()))
+            if now - v[2] < keep and self._remote_bytes <= self._cap_bytes:
+                break
+            rem.popitem(last=False)
+            self._remote_bytes -= DECISION_BYTES + len(rid)
+
+    def _prune_marks(self, now: int) -> None:
+        """Drop marked windows that ended before every held record and more than keep_ns ago."""
+        if not self._marks:
+            return
+        oldest = min((g.t_min for g in self.groups.values() if g.t_min is not None), default=now)
+        limit = min(oldest, now - self.keep_ns)
+        for k in [k for k, (lo, hi) in self._marks.items() if hi < limit]:
+            del self._marks[k]
 
     def next_due_s(self) -> float | None:
         """Seconds until the next decision is due (None: nothing held)."""
         if not self.groups:
             return None
         now = time.monotonic_ns()
-        due = next(iter(self.groups.values())).created + self.hold_ns
+        due = next(iter(self.groups.values())).last + self.hold_ns
         if self.ending:
             due = min(due, self.ending[0][0])
+        if self._capq:
+            due = min(due, self._capq[0][0])
         return max(0.0, (due - now) / 1e9)
 
     def decide_all(self) -> None:
         """Decide every held group now (sync, last client gone, SIGTERM): by the rule if ended, else early."""
         now = time.monotonic_ns()
-        self.poll_files(force=True)
+        self._poll_safe(force=True)
         for g in list(self.groups.values()):
             keep, why = self.verdict(g, now, early=not g.ended)
             if not keep and not g.ended:
                 keep, why = True, "unended"  # in flight at a sync or exit: may be hung, shown
             self._decide(g, keep, why)
         self.ending.clear()
+        self._capq.clear()
 
     def _shed(self, now: int) -> None:
-        """Over the memory bound: decide the oldest groups early until under SHED_TO of the bound."""
+        """Over the memory bound: decide the least recently fed groups early until under SHED_TO of it."""
         target = int(self.bound * SHED_TO)
         groups = self.groups
         while groups and self.held > target:
@@ -502,9 +671,10 @@ class TailRetention:
     def _decide(self, g: _Group, keep: bool, why: str) -> None:
         del self.groups[g.rid]
         self._waiting.discard(g.rid)
-        self.decided[g.rid] = keep
-        if len(self.decided) > DECISIONS:
-            self.decided.popitem(last=False)
+        if g.rid not in self.decided:
+            self.decided_bytes += DECISION_BYTES + len(g.rid)
+        self.decided[g.rid] = (keep, time.monotonic_ns())
+        self.decided.move_to_end(g.rid)
         self.reasons[why] = self.reasons.get(why, 0) + 1
         self.held -= g.nbytes
         by_sink: dict = {}
@@ -519,7 +689,7 @@ class TailRetention:
             self._keep_line(g.rid, True, g.root_start is not None)
         else:
             self.counts["evicted" if why == "evicted" else "dropped"] += 1
-            if g.root_start is not None and self._remote_pos:  # others wait for a router host's verdict
+            if g.root_start is not None and self._others_live():  # others wait for a router host's verdict
                 self._keep_line(g.rid, False, True)
             for sink, rs in by_sink.items():
                 sink.tail_dropped += len(rs)
@@ -533,8 +703,7 @@ class TailRetention:
                 sink, r = e[0], e[1]
                 sink.tail_held -= 1
                 self.held_records -= 1
-                b = held_bytes(r)
-                self.held -= b
+                self.held -= e[4]
                 if keep:
                     self.counts["steps_kept"] += 1
                     sink.add([r])
@@ -543,6 +712,8 @@ class TailRetention:
                     self.counts["records_dropped"] += 1
                     sink.tail_dropped += 1
         g.recs = g.steps = None
+        if len(self.decided) > 1 and self.decided_bytes > self._cap_bytes:
+            self._forget_old(time.monotonic_ns())
 
     # ------------------------------------------------------ marks, keep-lists
     def mark(self, start_wall_ns: int, end_wall_ns: int, by: str = "signal") -> None:
@@ -551,75 +722,128 @@ class TailRetention:
             add_mark(self.dir, start_wall_ns, end_wall_ns, by)
         except OSError as exc:
             log.warning("pdtrace: cannot write the marks file in %s (%s)", self.dir, exc.strerror or exc)
-        self._add_window(start_wall_ns, end_wall_ns)
+        self._add_window(int(start_wall_ns), int(end_wall_ns))
 
     def _add_window(self, start_wall_ns: int, end_wall_ns: int) -> None:
-        key = (int(start_wall_ns), int(end_wall_ns))
-        if key in self._mark_keys:
+        key = (start_wall_ns, end_wall_ns)
+        if key in self._marks:
             return
-        self._mark_keys.add(key)
         off = time.time_ns() - time.monotonic_ns()  # wall - monotonic on this host now
-        self._marks.append((key[0] - off, key[1] - off))
+        self._marks[key] = (key[0] - off, key[1] - off)
         self.counts["marks"] += 1
 
-    def poll_files(self, force: bool = False) -> None:
-        """Re-read the marks file if it changed, and the lines other sinks added to their keep-lists."""
-        self._next_poll = time.monotonic_ns() + int(MARK_POLL_S * 1e9)
+    def _poll_safe(self, force: bool = False) -> None:
         try:
-            st = os.stat(marks_path(self.dir))
-            key = (st.st_mtime_ns, st.st_size)
-        except OSError:
-            key = None
-        if key is not None and (force or key != self._marks_stat):
-            self._marks_stat = key
+            self.poll_files(force)
+        except Exception as exc:  # noqa: BLE001 - a file of the trace directory must not stop the sink
+            self._next_poll = time.monotonic_ns() + int(MARK_POLL_S * 1e9)
+            log.warning("pdtrace: tail retention: reading the marks file or keep-lists failed (%s: %s)",
+                        type(exc).__name__, exc)
+
+    def poll_files(self, force: bool = False) -> None:
+        """Read the lines appended to the marks file since the last look (from the start when it was
+        replaced or truncated), and the lines other sinks added to their keep-lists; touch this sink's
+        own list every :data:`HEARTBEAT_S`. A line that is not a mark is skipped and counted
+        (``bad_marks``). Raises nothing but what the file system raises outside OSError."""
+        now = time.monotonic_ns()
+        self._next_poll = now + int(MARK_POLL_S * 1e9)
+        self._read_marks()
+        if now >= self._next_beat and self._keep_fd >= 0:
+            self._next_beat = now + int(HEARTBEAT_S * 1e9)
             try:
-                with open(marks_path(self.dir)) as f:
-                    for line in f:
-                        try:
-                            m = json.loads(line)
-                            self._add_window(int(m["start_ns"]), int(m["end_ns"]))
-                        except (ValueError, KeyError, TypeError):
-                            continue
+                os.utime(self._keep_fd)
             except OSError:
                 pass
         self.remote_keeps()
 
+    def _read_marks(self) -> None:
+        try:
+            with open(marks_path(self.dir), "rb") as f:
+                st = os.fstat(f.fileno())
+                if st.st_ino != self._marks_ino or st.st_size < self._marks_off:
+                    self._marks_ino, self._marks_off = st.st_ino, 0  # a new or truncated file
+                if st.st_size == self._marks_off:
+                    return
+                f.seek(self._marks_off)
+                data = f.read()
+        except OSError:
+            return
+        cut = data.rfind(b"\n") + 1  # whole lines only
+        self._marks_off += cut
+        for line in data[:cut].split(b"\n"):
+            if not line.strip():
+                continue
+            m = parse_mark(line)
+            if m is None:
+                self.counts["bad_marks"] += 1
+            else:
+                self._add_window(*m)
+
+    def _others_live(self) -> bool:
+        """Whether another host's sink wrote or touched its list within :data:`LIVE_S`."""
+        if not self._live:
+            return False
+        t = time.time() - LIVE_S
+        return any(m >= t for m in self._live.values())
+
     def remote_keeps(self) -> None:
-        """Read the verdicts other sinks appended to their lists since the last read (cross-host; lines
-        ``id TAB 1|0 TAB R|E``, a bare ``id`` is a keep); decide at once the groups waiting for one."""
+        """Read the verdicts other hosts' sinks appended to their lists since the last read (cross-host;
+        lines ``id TAB 1|0 TAB R|E``, a bare ``id`` is a keep; this host's own lists -- of this sink and
+        of its earlier sinks -- are not read; lists present when this sink started are read from their
+        end); decide at once every held group a keep or an authoritative drop names."""
         d = os.path.join(self.dir, "tail-keep")
         try:
             names = os.listdir(d)
         except OSError:
             return
-        mine = os.path.basename(self._keep_path)
+        now = time.monotonic_ns()
+        got = []
         for n in names:
-            if n == mine or not n.endswith(".ids"):
+            if not n.endswith(".ids") or n[:-4].rpartition("-")[0] == self.host:
                 continue
             p = os.path.join(d, n)
-            pos = self._remote_pos.get(n, 0)
+            pos = self._remote_pos.get(n)
             try:
                 with open(p, "rb") as f:
+                    st = os.fstat(f.fileno())
+                    self._live[n] = st.st_mtime
+                    if pos is None and self._starting:
+                        self._remote_pos[n] = st.st_size
+                        continue
+                    pos = pos or 0
+                    if st.st_size < pos:
+                        pos = 0  # replaced or truncated
+                    if st.st_size == pos:
+                        continue
                     f.seek(pos)
                     data = f.read()
             except OSError:
                 continue
             cut = data.rfind(b"\n") + 1  # whole lines only
             self._remote_pos[n] = pos + cut
+            rem = self._remote
             for line in data[:cut].split(b"\n"):
                 if not line:
                     continue
                 f = line.decode("utf-8", "replace").split("\t")
+                rid = f[0]
+                if not rid:
+                    continue
                 keep, auth = (len(f) < 2 or f[1] == "1"), (len(f) > 2 and f[2] == "R")
-                old = self._remote.get(f[0], (False, False))
-                self._remote[f[0]] = (keep or old[0], auth or old[1])  # any host's keep wins
-        if self._waiting:
-            now = time.monotonic_ns()
-            for rid in [r for r in self._waiting if r in self._remote]:
-                g = self.groups.get(rid)
-                self._waiting.discard(rid)
-                if g is not None:
-                    self._decide(g, *self.verdict(g, now))
+                old = rem.pop(rid, None)
+                if old is None:
+                    self._remote_bytes += DECISION_BYTES + len(rid)
+                else:
+                    keep, auth = keep or old[0], auth or old[1]  # any host's keep wins
+                rem[rid] = (keep, auth, now)
+                got.append(rid)
+        if got:
+            self._forget_old(now)
+        for rid in got:
+            g = self.groups.get(rid)
+            rv = self._remote.get(rid)
+            if g is not None and rv is not None and (rv[0] or (rv[1] and g.root_start is None)):
+                self._decide(g, *self.verdict(g, now))
 
     def _open_list(self) -> None:
         """Create (or reopen) this sink's verdict list; not writable: the local decisions stand alone."""
@@ -634,16 +858,21 @@ class TailRetention:
             try:
                 os.write(self._keep_fd, rid.encode("utf-8", "surrogatepass")
                          + (b"\t1" if keep else b"\t0") + (b"\tR\n" if authoritative else b"\tE\n"))
-            except OSError:
+            except (OSError, UnicodeError):
                 pass
 
     # ---------------------------------------------------------------- report
     def summary(self) -> dict:
-        """Bound, held and peak bytes (estimate), records held, counts and reasons."""
+        """Bound, held and peak bytes (estimate), records held, counts and reasons; the decisions table and
+        the other sinks' verdicts (entries, estimated bytes: outside the bound, capped at max(16 MiB,
+        bound / 4) each)."""
         return {"bound_bytes": self.bound, "held_bytes": self.held, "peak_bytes": self.peak,
                 "held_records": self.held_records, "held_requests": len(self.groups), **self.counts,
+                "decisions": len(self.decided), "decisions_bytes": self.decided_bytes,
+                "remote_verdicts": len(self._remote), "remote_bytes": self._remote_bytes,
                 "reasons": dict(self.reasons), "ttft_ms": (self.ttft_ns or 0) / 1e6,
-                "tpot_ms": (self.tpot_ns or 0) / 1e6, "head": self.head, "hold_s": self.hold_ns / 1e9}
+                "tpot_ms": (self.tpot_ns or 0) / 1e6, "head": self.head, "hold_s": self.hold_ns / 1e9,
+                "max_hold_s": self.max_hold_ns / 1e9}
 
     def write_summary(self) -> None:
         """Write :meth:`summary` to :func:`summary_path` (temporary name, rename). Never raises."""

@@ -85,6 +85,13 @@ class _NoPandas:
         return None
 
 
+_EARLY_USR1: list[int] = []  # SIGUSR1 received before main() installed its handler
+
+
+def _early_usr1(signum, frame) -> None:
+    _EARLY_USR1.append(signum)
+
+
 def _daemonize(argv: list[str]):
     """In ``python -m pdtrace.instrument.sink --dir DIR --by PID``: bind the name, fork, parent exits.
 
@@ -101,6 +108,9 @@ def _daemonize(argv: list[str]):
         os._exit(3)
     if os.fork() > 0:
         os._exit(0)
+    # SIGUSR1 (a tail-retention mark) from now on: the name is bound, a marker may find this process
+    # before main() installs its handler; the default action would kill the sink
+    signal.signal(signal.SIGUSR1, _early_usr1)
     sock.listen(128)
     return d, sock
 
@@ -208,6 +218,7 @@ class Sink:
         self.write_errors = 0
         self.tail_dropped: int | None = None  # set to 0 by a collector with tail retention (counted from then)
         self.tail_held = 0  # records of this client held undecided by tail retention
+        self.tail_dropped_row = None  # tail_dropped as written on its latest stats row
         self.tail_settings: dict[str, float] = {}  # the collector's retention settings, on every stats row
         self._warned: set[str] = set()
         self.warnings: list[str] = []  # not yet sent to the client
@@ -382,6 +393,7 @@ class Sink:
         st["recorded"] += extra_recorded
         t = clock.now_ns()
         attrs = {f"recorder.{k}": v for k, v in st.items()}
+        self.tail_dropped_row = self.tail_dropped
         attrs["pdtrace.activation"] = self.activation
         if traced.get("hook_error_first"):
             attrs["recorder.hook_error_first"] = traced["hook_error_first"]
@@ -487,11 +499,15 @@ class Collector:
             self._poll(timeout)
             now = time.monotonic()
             if ret is not None:
-                if self.mark_asked:
-                    self.mark_asked = False
-                    t = time.time_ns()
-                    ret.mark(t - int(SIGNAL_WINDOW_S[0] * 1e9), t + int(SIGNAL_WINDOW_S[1] * 1e9), "signal")
-                ret.tick()
+                try:
+                    if self.mark_asked:
+                        self.mark_asked = False
+                        t = time.time_ns()
+                        ret.mark(t - int(SIGNAL_WINDOW_S[0] * 1e9), t + int(SIGNAL_WINDOW_S[1] * 1e9), "signal")
+                    ret.tick()
+                except Exception as exc:  # noqa: BLE001 - retention's fault must not stop the sink
+                    self._warn_once(f"tail-{type(exc).__name__}", "pdtrace: tail retention error %s: %s",
+                                    type(exc).__name__, exc)
             if any(c.sync for c in self.conns.values()):
                 for _ in range(20):  # take in what every client sent before the sync (an ended client's EOF)
                     if not self._poll(0.0):
@@ -581,6 +597,10 @@ class Collector:
         try:
             if kind == "recs":
                 recs = msg[1]
+                if sink is None:  # records before the client's init: nothing to count them on
+                    self._warn_once("recs-before-init", "pdtrace: sink: records from a client before its init "
+                                    "(ignored)")
+                    return
                 c.since_tick += len(recs)
                 if self.retention is not None:
                     recs = self.retention.admit(sink, recs)
@@ -600,6 +620,7 @@ class Collector:
                 c.sink = Sink(*msg[1:])
                 if self.retention is not None:
                     c.sink.tail_dropped = 0
+                    self.retention.add_client(c.sink)
                     c.sink.tail_settings = {"recorder.tail_ttft_ms": float(self.cfg.tail_ttft_ms),
                                             "recorder.tail_tpot_ms": float(self.cfg.tail_tpot_ms),
                                             "recorder.tail_head": float(self.cfg.tail_head)}
@@ -622,11 +643,18 @@ class Collector:
         joint = []  # (conn, segments) converted together
         if self.retention is not None and (any(c.sync for c in self.conns.values()) or not any(
                 c.sink is not None and not (c.final or c.eof) for c in self.conns.values())):
-            self.retention.decide_all()  # a sync, or no client left: nothing stays held
+            try:
+                self.retention.decide_all()  # a sync, or no client left: nothing stays held
+            except Exception as exc:  # noqa: BLE001 - retention's fault must not stop the sink
+                self._warn_once(f"tail-{type(exc).__name__}", "pdtrace: tail retention error %s: %s",
+                                type(exc).__name__, exc)
+        retired = {id(c) for c in self._retired}
         for c in list(self.conns.values()) + self._retired:
             c.in_part = False
-            if c.sink is None or (c.eof and c in self._retired and not c.sink._pending_rows):
+            if c.sink is None:
                 continue
+            if id(c) in retired and not c.sink._pending_rows and c.sink.tail_dropped == c.sink.tail_dropped_row:
+                continue  # an ended client (EOF or final tick): a row only for records or a changed count
             try:
                 got = c.sink.take(c.traced, c.final or c.eof, c.since_tick)
             except Exception as exc:  # noqa: BLE001 - one client's fault must not stop the others
@@ -679,12 +707,17 @@ class Collector:
         if due or self._parts_bytes >= self.cfg.rotate_bytes or not staying:
             self._merge_parts()
         for c in list(self._retired):
-            if c.sink.tail_held <= 0 and not c.sink._pending_rows:
+            if c.sink.tail_held <= 0 and not c.sink._pending_rows \
+                    and c.sink.tail_dropped == c.sink.tail_dropped_row:
                 self._retired.remove(c)
                 c.sink.close()
+                if self.retention is not None:
+                    self.retention.forget(c.sink)
         for c in list(self.conns.values()):
-            if c.sink is not None and (c.final or c.eof):
-                c.sink.close()  # its OTLP export done before it is told its records are written
+            if c.sink is not None and (c.final or c.eof) and c.sink.tail_held <= 0:
+                # its OTLP export done before it is told its records are written (records tail retention
+                # still holds are exported when decided: closed when it leaves the retired clients)
+                c.sink.close()
             if c.sink is not None and (c.in_part or c.asked > c.served or c.final or c.sink.warnings):
                 self._answer(c)
             if c.sync:
@@ -733,6 +766,8 @@ class Collector:
                 self._retired.append(c)
             else:
                 c.sink.close()
+                if self.retention is not None:
+                    self.retention.forget(c.sink)
         try:
             self.sel.unregister(c.sock)
         except (KeyError, ValueError):
@@ -795,6 +830,8 @@ def main(argv: list[str], listen: tuple[str, socket.socket]) -> int:
         col.mark_asked = True
 
     signal.signal(signal.SIGUSR1, _usr1)
+    if _EARLY_USR1:
+        col.mark_asked = True
     # A process inherits the signal mask of the thread that started it: a traced process's writer
     # thread, which blocks SIGTERM (recorder's Writer.start). Unblocked here, or SIGTERM stays pending.
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGUSR1})

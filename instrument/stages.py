@@ -111,6 +111,14 @@ EVENTS: dict[str, str] = {
                   "(attrs lab.stage, lab.injected_ms; pdtrace.connector.lab.inject)",
 }
 
+#: Events that make a request failed: the ``is_failure`` list of ``analysis/sql/incomplete.sql`` (keep the two
+#: equal). Tail retention (:mod:`pdtrace.instrument.retention`) keeps every request with one of them.
+#: ``kv.load_failed`` is not in it: the prompt is recomputed locally and the request goes on.
+FAILURE_EVENTS = frozenset((
+    "request.abort", "request.timeout", "kv.lease_expired", "kv.ttl_expired", "kv.post_failed",
+    "kv.transfer_failed", "registration.timeout", "handshake.failed", "router.leg_failed",
+    "notification.unmatched"))
+
 #: Attributes of the failure and lifecycle events above that the analysis reads
 #: (module incomplete; the allowlist with types is pdtrace.instrument.attributes):
 #: ``lifecycle.cause`` -- the reason (e.g. ``aborted_waiting_for_kv``, ``notification_failed``,

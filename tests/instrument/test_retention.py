@@ -11,6 +11,7 @@ the others present iff head-sampled, nothing else of theirs; the processes' own 
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -20,24 +21,27 @@ import duckdb
 import pytest
 
 from pdtrace.instrument import config, hostsink, retention, store
-from pdtrace.instrument.recorder import R_SPAN
+from pdtrace.instrument.recorder import R_EVENT, R_SPAN
 from pdtrace.instrument.sink import Sink
 
-#: One process of the play. argv: role, path of a JSON plan {"base_ns", "reqs": [[id, ttft_ms, failed]],
-#: "steps": [[start offset ms, dur ms, [ids]]]}. Records its role's records, flushes, prints a line,
-#: waits for a line on stdin, shuts down and prints its counters.
+#: One process of the play. argv: role, path of a JSON plan {"back_ms", "reqs": [[id, ttft_ms, failed]],
+#: "steps": [[start offset ms, dur ms, [ids]]], "fe": D's API server records too}. Roles: router, prefill
+#: (P's API server), decode (D's engine; its API server with "fe"), idle (records nothing). Records its
+#: role's records, flushes, prints a line, waits for a line on stdin, shuts down and prints its counters.
 PLAYER = """
 import json, os, sys
 from pdtrace.instrument import tracer
 from pdtrace.instrument.schema import STATUS_ERROR
 tracer.activate()
-role = sys.argv[1]
-tracer.set_resource(role=role)
+role, _, res_role = sys.argv[1].partition(":")  # "idle:decode": records nothing, resource role decode
+tracer.set_resource(role=res_role or role)
 plan = json.load(open(sys.argv[2]))
-base = tracer.now() - int(plan["back_ms"] * 1e6)
+base = plan["base_ns"] if "base_ns" in plan else tracer.now() - int(plan["back_ms"] * 1e6)
 ms = 1_000_000
 for i, (rid, ttft, failed) in enumerate(plan["reqs"]):
     t0 = base + i * 2 * ms
+    if role == "idle":
+        break
     if role == "router":
         root = tracer.new_id()
         tracer.event("router.first_token", rid, root, time_ns=t0 + int(ttft * ms))
@@ -47,10 +51,18 @@ for i, (rid, ttft, failed) in enumerate(plan["reqs"]):
             tracer.event("router.leg_failed", rid, root, time_ns=t0 + ms)
         tracer.record("router.request", rid, t0, t0 + int(ttft * ms) + 50 * ms, span_id=root,
                       status=STATUS_ERROR if failed else 0)
-    else:
+    elif role == "prefill":  # P's API server: its frontend span and its own token event (its answer)
+        sid = tracer.record("prefill.frontend", rid, t0, t0 + 5 * ms, {"frontend.part": "whole"})
+        tracer.event("token", rid, sid, time_ns=t0 + 4 * ms, attrs={"gen_ai.usage.output_tokens": 1})
+    elif role == "decode":
         tracer.record("decode.queue", rid, t0 + ms, t0 + 2 * ms)
         tracer.event("request.finished", rid, time_ns=t0 + int(ttft * ms) + 40 * ms,
                      attrs={"gen_ai.usage.output_tokens": 5})
+        if plan.get("fe"):  # D's API server (first chunk at the TTFT) and EngineCore's token (no span id)
+            tracer.event("token", rid, time_ns=t0 + 3 * ms)
+            sid = tracer.record("decode.frontend", rid, t0 + int(ttft * ms), t0 + int(ttft * ms) + 45 * ms,
+                                {"frontend.part": "out"})
+            tracer.event("token", rid, sid, time_ns=t0 + int(ttft * ms), attrs={"gen_ai.usage.output_tokens": 5})
 if role == "decode":
     for off, dur, ids in plan["steps"]:
         t = base + int(off * ms)
@@ -257,44 +269,213 @@ def test_sigusr1_to_the_sink_marks_a_window(tmp_path):
     assert summ["reasons"].get("marked") == 30 - summ["reasons"].get("failed", 0) - summ["reasons"].get("ttft", 0)
 
 
+def _host():
+    return socket.gethostname().replace("-", "_")
+
+
+def _stats_rows(d, role):
+    """Every recorder.stats row of the process of ``role``: [(wall ns, {counter: value})], oldest first."""
+    files = [str(f) for f in store.store_files(d)]
+    rows = duckdb.sql(f"select start_ns, attr_int from read_parquet({files!r}) where record = 'stats' "
+                      f"and role = '{role}' order by start_ns").fetchall()
+    return [(t, {k.removeprefix("recorder."): v for k, v in a.items()}) for t, a in rows]
+
+
+def _fe_plan(n=60, slow_every=5, back_ms=2000.0):
+    plan = _plan(n=n, slow_every=slow_every, failed=(), back_ms=back_ms)
+    plan["fe"] = True
+    plan["base_ns"] = time.monotonic_ns() - int(back_ms * 1e6)  # one time line for P and D (CLOCK_MONOTONIC)
+    return plan
+
+
+def test_engine_clock_ttft_from_ds_first_chunk_not_ps_token(tmp_path):
+    """Review item 2. No router: P's API server (its frontend span and its own ``token`` event, written
+    4 ms after its start when it answers) and D (EngineCore's ``token`` without a span id at 3 ms, its
+    API server's first chunk on decode.frontend at the TTFT) in two real processes. The engine-clock
+    TTFT is D's API-server token - P's frontend start: every slow request is kept (the old code took
+    the earliest token of any kind: 3 ms, every request fast, the slow ones dropped)."""
+    d = tmp_path / "t"
+    plan = _fe_plan()
+    out, live = _play(tmp_path, d, plan, roles=("idle:decode", "prefill", "decode"), wait_s=2.5)
+    keep, drop = _expected(plan)
+    slow = {r[0] for r in plan["reqs"] if r[1] >= THRESHOLD_MS}
+    assert len(slow) == 12 and slow <= keep
+    for rows in (live, _rows(d)):  # decided at D's end + grace while they ran (no router on this host)
+        assert {rid for rid, *_ in rows if rid} == keep
+    summ = json.loads(next(d.glob("tail-retention-*.json")).read_text())
+    assert summ["reasons"]["ttft"] == len(slow) and summ["dropped"] == len(drop), summ
+
+
+def test_bad_marks_file_does_not_stop_the_sink(tmp_path):
+    """Review item 1. A marks file with lines that are not marks (Infinity, 1e400, a non-UTF-8 byte, a
+    list, a string bound, a negative bound, start > end, a truncated line) and one good window: the
+    sink starts, skips and counts the bad lines (``bad_marks``), and keeps every request of the play as
+    marked by the good one (the old sink died at start: OverflowError / UnicodeDecodeError)."""
+    d = tmp_path / "t"
+    d.mkdir()
+    now = time.time_ns()
+    bad = [b'{"start_ns": Infinity, "end_ns": 1}', b'{"start_ns": 1e400, "end_ns": 2}', b'\xff\xfe{"start_ns"',
+           b"[1, 2]", b'{"start_ns": "1", "end_ns": 2}', b'{"start_ns": -5, "end_ns": 2}',
+           b'{"start_ns": 9, "end_ns": 2}', b'{"start_ns": 1']
+    good = json.dumps({"start_ns": now - int(30e9), "end_ns": now + int(60e9), "by": "test"}).encode()
+    (d / retention.MARKS_FILE).write_bytes(b"\n".join(bad + [good]) + b"\n")
+    plan = _plan(n=30, back_ms=1000.0)
+    _play(tmp_path, d, plan)
+    assert {rid for rid, *_ in _rows(d) if rid} == {x[0] for x in plan["reqs"]}
+    summ = json.loads(next(d.glob("tail-retention-*.json")).read_text())
+    assert summ["marks"] == 1 and summ["bad_marks"] == len(bad) and summ["dropped"] == 0, summ
+
+
+def test_stale_lists_of_this_host_and_dead_hosts_are_not_waited_on(tmp_path):
+    """Review item 3. The trace directory holds the verdict list of an earlier sink of this host and
+    one of another host not touched for an hour: neither is a live sink. Requests without a router
+    record (P and D only) are decided at D's end + grace, not held the hold time waiting for a verdict;
+    a router host's run writes no authoritative drop lines (nobody to wait for them)."""
+    d = tmp_path / "t"
+    kl = d / "tail-keep"
+    kl.mkdir(parents=True)
+    (kl / f"{_host()}-1.ids").write_text("tr0001\t1\tR\n")  # an earlier sink of this host
+    old = kl / "deadhost-2.ids"
+    old.write_text("tr0002\t1\tR\n")
+    os.utime(old, (time.time() - 3600, time.time() - 3600))
+    plan = _fe_plan(n=40)
+    _, live = _play(tmp_path, d, plan, roles=("idle:decode", "prefill", "decode"), wait_s=2.5)
+    keep, _ = _expected(plan)  # tr0001 and tr0002 by the rule: their old verdicts were not read
+    assert {rid for rid, *_ in live if rid} == keep
+    assert {rid for rid, *_ in _rows(d) if rid} == keep
+    # a router play in a fresh directory with the same stale lists: no R-drop lines written
+    d2 = tmp_path / "t2"
+    (d2 / "tail-keep").mkdir(parents=True)
+    (d2 / "tail-keep" / f"{_host()}-1.ids").write_text("")
+    old2 = d2 / "tail-keep" / "deadhost-2.ids"
+    old2.write_text("")
+    os.utime(old2, (time.time() - 3600, time.time() - 3600))
+    plan2 = _plan(n=40, back_ms=1000.0)
+    _play(tmp_path, d2, plan2)
+    mine = [p for p in (d2 / "tail-keep").iterdir() if p.name not in (f"{_host()}-1.ids", "deadhost-2.ids")]
+    (lst,) = mine
+    lines = lst.read_text().splitlines()
+    keep2, _ = _expected(plan2)
+    assert sorted(lines) == sorted(f"{x}\t1\tR" for x in keep2)  # its keeps only
+
+
+def test_an_ended_clients_held_records_are_counted_once_decided(tmp_path):
+    """Review items 7a, 8. D (its API server too, no router) exits while its records are held; another
+    client stays connected, so they are decided by the rule at D's end + grace, after D has gone. D's
+    last stats row in the store balances (recorded = written + tail_dropped, tail_dropped = the records
+    of the dropped requests), and no stats row or anchor of D is written later than that (the old
+    sink wrote none for the drops, or one every flush while the other client lived)."""
+    d = tmp_path / "t"
+    pf = tmp_path / "plan.json"
+    plan = _fe_plan(n=30, back_ms=500.0)
+    pf.write_text(json.dumps(plan))
+
+    def start(role):
+        p = subprocess.Popen([sys.executable, "-c", textwrap.dedent(PLAYER), role, str(pf)], env=_env(d),
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        json.loads(p.stdout.readline())
+        return p
+
+    idle = start("idle")
+    dec = start("decode")
+    o, err = dec.communicate("\n", timeout=120)  # D gone at once: its records still held (grace 0.65 s)
+    assert dec.returncode == 0, err
+    t_exit = time.time_ns()
+    time.sleep(3.0)  # 15 flush intervals with the idle client connected
+    files_before = len(store.store_files(d))
+    time.sleep(1.0)
+    assert len(store.store_files(d)) == files_before  # nothing more written for D (nor for the idle one)
+    o2, err2 = idle.communicate("\n", timeout=120)
+    assert idle.returncode == 0, err2
+    assert hostsink.sync(d, 30)
+    drop = {r[0] for r in plan["reqs"] if not retention.head_sampled(r[0], HEAD)}  # no P here: no TTFT known
+    rows = _stats_rows(d, "decode")
+    t_last, last = rows[-1]
+    assert last["tail_dropped"] == 5 * len(drop), last  # queue, finished, 2 tokens, frontend per request
+    assert last["recorded"] == last["written"] + last["tail_dropped"] and last["dropped"] == 0, last
+    assert t_last < t_exit + int(2e9)  # written once the decisions were made (grace), not later
+    assert sum(1 for t, _ in rows if t > t_exit) <= 2, rows
+
+
+def test_sigterm_to_the_sink_writes_every_held_request(tmp_path):
+    """Review item 19 (SIGTERM with records held). D's records of requests that never end (hold 60 s):
+    SIGTERM to the sink while D still runs; the sink decides every held request at once (unended: kept)
+    and writes them, and D's counters balance in its last stats row."""
+    d = tmp_path / "t"
+
+    def term_sink():
+        time.sleep(0.5)
+        (pid,) = hostsink.find(d)
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 20
+        while pid in hostsink.find(d):
+            assert time.monotonic() < deadline, "the sink did not exit"
+            time.sleep(0.05)
+
+    plan = _plan(n=20, back_ms=500.0)
+    pf = tmp_path / "plan.json"
+    pf.write_text(json.dumps(plan))
+    p = subprocess.Popen([sys.executable, "-c", textwrap.dedent(PLAYER), "decode", str(pf)],
+                         env=_env(d, PDTRACE_TAIL_HOLD_S="60"), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    json.loads(p.stdout.readline())
+    term_sink()
+    assert {rid for rid, *_ in _rows(d) if rid} == {x[0] for x in plan["reqs"]}
+    summ = json.loads(next(d.glob("tail-retention-*.json")).read_text())
+    assert summ["kept"] == 20 and summ["dropped"] == 0 and summ["held_records"] == 0, summ
+    p.communicate("\n", timeout=120)
+    st = _stats_rows(d, "decode")[-1][1]
+    assert st["written"] >= 40 and st["tail_dropped"] == 0, st
+
+
 # ---------------------------------------------------------------- in-process, real Sink objects
-def _sink():
-    return Sink(config.Config(trace_dir="/nonexistent"), {"role": "router"}, os.getpid(), "t")
+def _sink(role="router", flush=0.2):
+    return Sink(config.Config(trace_dir="/nonexistent", flush_interval_s=flush), {"role": role}, os.getpid(), "t")
 
 
 def _ret(tmp_path, **kw):
-    cfg = config.Config(trace_dir=str(tmp_path), retain="tail", **{"tail_ttft_ms": 100.0, "tail_head": 0.0, **kw})
+    cfg = config.Config(trace_dir=str(tmp_path), retain="tail", flush_interval_s=0.2,
+                        **{"tail_ttft_ms": 100.0, "tail_head": 0.0, **kw})
     s = _sink()
     s.tail_dropped = 0
     return retention.TailRetention(cfg, str(tmp_path), host="h"), s
 
 
-def _span(name, rid, t0, t1, status=0, **attrs):
-    return (R_SPAN, 1, 1, None, name, 1, t0, t1, status, None, rid, 0, 0, None, "T", *attrs, *attrs.values())
+def _span(name, rid, t0, t1, status=0, sid=1, **attrs):
+    return (R_SPAN, sid, sid, None, name, 1, t0, t1, status, None, rid, 0, 0, None, "T", *attrs, *attrs.values())
+
+
+def _ev(name, rid, t, sid=None, **attrs):
+    return (R_EVENT, 2, sid, None, name, 1, t, t, 0, None, rid, 0, 0, None, "T", *attrs, *attrs.values())
+
+
+def _role_sink(role, flush=0.2):
+    s = _sink(role, flush)
+    s.tail_dropped = 0
+    return s
 
 
 def test_verdicts_ttft_tpot_engine_clock_and_early(tmp_path):
-    """The rule on known records: router TTFT over/under, engine-clock TTFT (P's frontend -> D's token),
-    TPOT, a root without a first token, and an early decision of a young vs an old unended request."""
-    from pdtrace.instrument.recorder import R_EVENT
-
-    def ev(name, rid, t, **attrs):
-        return (R_EVENT, 2, None, None, name, 1, t, t, 0, None, rid, 0, 0, None, "T", *attrs, *attrs.values())
-
+    """The rule on known records: router TTFT over/under, engine-clock TTFT (P's frontend -> D's API
+    server token on its span; P's own token and EngineCore's are earlier and not it), TPOT, a root
+    without a first token, and an early decision of a young vs an old unended request."""
     ret, s = _ret(tmp_path, tail_tpot_ms=30.0)
+    sp, sd = _role_sink("prefill"), _role_sink("decode")
     ms = 1_000_000
     now = time.monotonic_ns()
-    ret.admit(s, [ev("router.first_token", "slow", now + 150 * ms),
+    ret.admit(s, [_ev("router.first_token", "slow", now + 150 * ms),
                   _span("router.request", "slow", now, now + 200 * ms),
-                  ev("router.first_token", "fast", now + 50 * ms),
-                  ev("router.last_token", "fast", now + 90 * ms, **{"gen_ai.usage.output_tokens": 5}),
+                  _ev("router.first_token", "fast", now + 50 * ms),
+                  _ev("router.last_token", "fast", now + 90 * ms, **{"gen_ai.usage.output_tokens": 5}),
                   _span("router.request", "fast", now, now + 100 * ms),
-                  ev("router.first_token", "stutter", now + 50 * ms),
-                  ev("router.last_token", "stutter", now + 250 * ms, **{"gen_ai.usage.output_tokens": 5}),
+                  _ev("router.first_token", "stutter", now + 50 * ms),
+                  _ev("router.last_token", "stutter", now + 250 * ms, **{"gen_ai.usage.output_tokens": 5}),
                   _span("router.request", "stutter", now, now + 300 * ms),
-                  _span("router.request", "notoken", now, now + 300 * ms),
-                  _span("prefill.frontend", "eng", now, now + 10 * ms),
-                  ev("token", "eng", now + 120 * ms)])
+                  _span("router.request", "notoken", now, now + 300 * ms)])
+    ret.admit(sp, [_span("prefill.frontend", "eng", now, now + 10 * ms, sid=7, **{"frontend.part": "whole"}),
+                   _ev("token", "eng", now + 9 * ms, sid=7)])  # P's answer to the router
+    ret.admit(sd, [_ev("token", "eng", now + 8 * ms),  # EngineCore's: no span id
+                   _ev("token", "eng", now + 120 * ms, sid=8)])  # D's API server's first chunk
     v = {rid: ret.verdict(g, now) for rid, g in ret.groups.items()}
     assert v["slow"] == (True, "ttft") and v["fast"] == (False, "fast") and v["stutter"] == (True, "tpot")
     assert v["notoken"] == (True, "no_first_token") and v["eng"] == (True, "ttft")
@@ -305,20 +486,187 @@ def test_verdicts_ttft_tpot_engine_clock_and_early(tmp_path):
     assert ret.verdict(ret.groups["old"], now + 1, early=True) == (True, "ttft")
     # unended with its first token already here: judged by that token, not by its age
     ret.admit(s, [_span("router.dispatch", "oldfast", now - 900 * ms, now - 899 * ms),
-                  ev("router.first_token", "oldfast", now - 860 * ms),
+                  _ev("router.first_token", "oldfast", now - 860 * ms),
                   _span("router.dispatch", "oldslow", now - 900 * ms, now - 899 * ms),
-                  ev("router.first_token", "oldslow", now - 700 * ms)])
+                  _ev("router.first_token", "oldslow", now - 700 * ms)])
     assert ret.verdict(ret.groups["oldfast"], now, early=True) == (False, "fast")
     assert ret.verdict(ret.groups["oldslow"], now, early=True) == (True, "ttft")
     # the grace: nothing decided before it, the ended ones after it
     ret.tick(now)
     assert "slow" in ret.groups
     ret.tick(time.monotonic_ns() + ret.grace_ns)
-    assert ret.decided["slow"] is True and ret.decided["fast"] is False and "young" in ret.groups
+    assert ret.decided["slow"][0] is True and ret.decided["fast"][0] is False and "young" in ret.groups
     # a late record of a decided request follows the decision
     assert ret.admit(s, [_span("decode.queue", "slow", now, now + 1)]) and not ret.admit(
         s, [_span("decode.queue", "fast", now, now + 1)])
     assert s.tail_dropped == 3 + 1  # fast's root and two events, then its late span
+
+
+def test_no_first_token_kept_without_a_ttft_threshold(tmp_path):
+    """Review item 10: a router root without router.first_token is kept (incomplete) with no TTFT rule."""
+    ret, s = _ret(tmp_path, tail_ttft_ms=0.0)
+    now = time.monotonic_ns()
+    ret.admit(s, [_span("router.request", "nt", now, now + 10)])
+    assert ret.verdict(ret.groups["nt"], now) == (True, "no_first_token")
+
+
+def test_grace_from_the_slowest_client_and_routed_requests_wait_for_their_root(tmp_path):
+    """Review items 11, 12. The grace is 2 flush intervals of the slowest current client + 0.25 s (a
+    client flushing every 2 s: 4.25 s), back to the sink's own when it goes. A request whose router
+    records are here is not decided at D's end + grace: only its router.request ends it."""
+    ret, s = _ret(tmp_path)
+    assert ret.grace_ns == int(0.65e9)
+    slow_client = _role_sink("decode", flush=2.0)
+    now = time.monotonic_ns()
+    ms = 1_000_000
+    ret.admit(s, [_ev("router.first_token", "r", now + 400 * ms)])  # a late first token: slow
+    ret.admit(slow_client, [_span("decode.frontend", "r", now, now + 500 * ms, **{"frontend.part": "out"})])
+    assert ret.grace_ns == int(4.25e9)
+    ret.tick(time.monotonic_ns() + ret.grace_ns + 1)
+    assert "r" in ret.groups  # D's end: its router root still to come
+    ret.admit(s, [_span("router.request", "r", now - 10 * ms, now + 600 * ms)])
+    ret.tick(time.monotonic_ns() + ret.grace_ns + 1)
+    assert ret.decided["r"] == (True, ret.decided["r"][1]) and ret.reasons == {"ttft": 1}
+    ret.forget(slow_client)
+    assert ret.grace_ns == int(0.65e9)
+
+
+def test_admit_holds_or_passes_each_record_never_both(tmp_path):
+    """Review item 13. Records with a time that is not an int are passed through (never held); a first
+    token without a time after one with a time is held (no TypeError half-way): each record is either
+    returned or held. A Collector given records before a client's init ignores them (nothing held with
+    no client to count on)."""
+    ret, s = _ret(tmp_path)
+    now = time.monotonic_ns()
+    recs = [_ev("router.first_token", "x", now), _ev("router.first_token", "x", None),
+            _span("decode.queue", "x", "soon", now), _span("decode.queue", "y", now, 1.5)]
+    out = ret.admit(s, recs)
+    assert len(out) == 2 and ret.held_records == 2 and s.tail_held == 2 and set(ret.groups) == {"x"}
+    ret.decide_all()
+    assert ret.held_records == 0 and s.tail_held == 0
+    from pdtrace.instrument.sink import Collector, _Conn
+
+    a, b = socket.socketpair()
+    try:
+        col = Collector(config.Config(trace_dir=str(tmp_path), retain="tail"), socket.socket(socket.AF_UNIX))
+        col._handle(_Conn(a), ("recs", [_span("decode.queue", "z", now, now + 1)]))
+        assert not col.retention.groups
+        col.retention.tick()
+        col.retention.close()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_requests_longer_than_the_hold_time_are_held_while_fed(tmp_path):
+    """Review item 4. Hold 0.5 s, absolute cap 2 s: a request fed a record every 0.2 s for 1.5 s is still
+    held at 1.5 s (the hold counts from its last record), then ends fast and is dropped (the old rule kept
+    it as 'unended' at 0.5 s); one fed for 3 s is decided at the cap (2 s), kept as unended."""
+    ret, s = _ret(tmp_path, tail_hold_s=0.5, tail_max_hold_s=2.0)
+    t_start = time.monotonic_ns()
+    ms = 1_000_000
+    i = 0
+    while time.monotonic_ns() - t_start < 3.0e9:
+        t = time.monotonic_ns()
+        recs = [_span("decode.step.part", "endless", t, t + ms, sid=i)]
+        if t - t_start < 1.5e9:
+            recs.append(_span("decode.queue", "long", t, t + ms, sid=i))
+        ret.admit(s, recs)
+        ret.tick()
+        if 1.2e9 < t - t_start < 1.5e9:
+            assert "long" in ret.groups
+        i += 1
+        time.sleep(0.2)
+        if t - t_start >= 1.5e9 and "long" in ret.groups and not ret.groups["long"].ended:
+            ret.admit(s, [_ev("router.first_token", "long", t + 10 * ms),
+                          _span("router.request", "long", t, t + 20 * ms)])
+    ret.tick(time.monotonic_ns() + ret.grace_ns)
+    assert not ret.groups and ret.reasons == {"fast": 1, "unended": 1}, ret.reasons
+
+
+def test_cross_host_wait_liveness_and_lists_read_from_their_end(tmp_path):
+    """Review items 3, 5. A list present when the sink starts is read from its end (its verdicts are of
+    requests gone by); a live list of another host makes an ended request wait; P's frontend end (no D
+    on this host) ends P's part, and an R verdict decides it at once; the other sinks' verdicts are
+    forgotten after keep_ns (memory bounded)."""
+    kl = tmp_path / "tail-keep"
+    kl.mkdir()
+    other = kl / "routerhost-7.ids"
+    other.write_text("p1\t1\tR\n")
+    ret, _ = _ret(tmp_path, tail_hold_s=10.0)
+    sp = _role_sink("prefill")
+    now = time.monotonic_ns()
+    ms = 1_000_000
+    ret.admit(sp, [_span("prefill.frontend", x, now, now + 5 * ms, **{"frontend.part": "whole"})
+                   for x in ("p1", "p2", "p3")])
+    ret.tick(time.monotonic_ns() + ret.grace_ns)
+    assert ret._waiting == {"p1", "p2", "p3"}  # p1's old keep not read
+    with open(other, "a") as f:
+        f.write("p2\t0\tR\np3\t1\tE\n")
+    ret.poll_files()
+    assert set(ret.groups) == {"p1"} and ret.decided["p2"][0] is False and ret.decided["p3"][0] is True
+    assert ret.reasons == {"remote_drop": 1, "remote": 1}
+    assert len(ret._remote) == 2
+    ret.tick(time.monotonic_ns() + ret.keep_ns + 1)
+    assert ret.reasons["fast"] == 1 and set(ret.decided) == {"p1"}  # p1 at the hold time, by the rule
+    assert not ret._remote and ret.summary()["remote_bytes"] == 0
+    ret.tick(time.monotonic_ns() + 2 * ret.keep_ns + 1)
+    assert not ret.decided and ret.summary()["decisions_bytes"] == 0
+
+
+def test_decisions_outlive_a_burst_and_are_forgotten_by_age(tmp_path):
+    """Review item 14. 70,000 requests decided within a second (more than the old 65,536-entry table):
+    a late record of the first one still follows its decision; a decision unused for keep_ns is forgotten
+    and counted in the summary's memory."""
+    ret, s = _ret(tmp_path)
+    now = time.monotonic_ns()
+    n = 70_000
+    ret.admit(s, [r for i in range(n) for r in (_ev("router.first_token", f"q{i}", now + 1),
+                                                 _span("router.request", f"q{i}", now, now + 2))])
+    ret.decide_all()
+    assert len(ret.decided) == n and ret.summary()["decisions_bytes"] >= n * retention.DECISION_BYTES
+    assert ret.decided["q0"][0] is False and ret.reasons == {"fast": n}
+    before = s.tail_dropped
+    assert ret.admit(s, [_span("decode.queue", "q0", now, now + 1)]) == [] and "q0" not in ret.groups
+    assert s.tail_dropped == before + 1
+    ret.tick(time.monotonic_ns() + ret.keep_ns + 1)
+    assert not ret.decided and ret.decided_bytes == 0
+
+
+def test_client_state_is_forgotten(tmp_path):
+    """Review item 15. Stall baselines are per client object and dropped with it; marked windows that
+    ended before every held record and longer than keep_ns ago are pruned."""
+    ret, s = _ret(tmp_path)
+    for i in range(20):
+        ret._stalled(s, "decode.step", 10 + i)
+    assert any(k[0] is s for k in ret._base)
+    ret.forget(s)
+    assert not ret._base
+    t = time.time_ns()
+    ret._add_window(t - int(3600e9), t - int(3500e9))
+    ret._add_window(t - int(1e9), t + int(60e9))
+    ret._prune_marks(time.monotonic_ns())
+    assert len(ret._marks) == 1 and ret.counts["marks"] == 2
+
+
+def test_held_bytes_covers_a_large_step_batch(tmp_path):
+    """Review item 6: a decode.step with a 256-request step.batch, unpickled as the sink receives it,
+    costs (tracemalloc) no more than held_bytes says (the old estimate: 784 B for ~24 kB)."""
+    import pickle
+    import tracemalloc
+
+    recs = []
+    for k in range(200):
+        batch = ";".join(f"cmpl-{k:04d}-{i:04d}-0-abcdef12:d1" for i in range(256))
+        recs.append(_span("decode.step", None, 1, 2, sid=k, **{"step.id": k, "step.batch": batch}))
+    blob = pickle.dumps(recs)
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    got = pickle.loads(blob)
+    used = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    est = sum(retention.held_bytes(r) for r in got)
+    assert est >= used * 0.95 and est < 2 * used, (est, used)
 
 
 def test_keep_list_of_another_host_keeps_a_request_here(tmp_path):
@@ -329,7 +677,7 @@ def test_keep_list_of_another_host_keeps_a_request_here(tmp_path):
     now = time.monotonic_ns()
     ret.admit(s, [_span("decode.queue", "far", now, now + 1), _span("decode.queue", "near", now, now + 1)])
     ret.decide_all()
-    assert ret.decided["far"] is True and ret.reasons.get("remote") == 1
+    assert ret.decided["far"][0] is True and ret.reasons.get("remote") == 1
     assert (tmp_path / "tail-keep" / f"h-{os.getpid()}.ids").read_text().splitlines() == \
         ["far\t1\tE", "near\t1\tE"]  # near: unended at the decide_all; E: no router record here
 
@@ -339,7 +687,8 @@ def test_engine_host_waits_for_the_router_hosts_verdict(tmp_path):
     another host's list present. Past the grace nothing is decided (waiting); when the router host's
     verdicts arrive (A kept, B dropped with its root: R) A is kept and B dropped at the next look; C,
     with no verdict, is decided by the local rule at the hold time. A router root here is never waited on."""
-    ret, s = _ret(tmp_path, tail_hold_s=10.0)
+    ret, _ = _ret(tmp_path, tail_hold_s=10.0)
+    s, sr = _role_sink("decode"), _role_sink("router")
     other = tmp_path / "tail-keep" / "routerhost-7.ids"
     assert other.parent.is_dir()  # made by the sink at its start, with its own empty list
     other.write_text("")
@@ -350,22 +699,31 @@ def test_engine_host_waits_for_the_router_hosts_verdict(tmp_path):
     for x in ("A", "B", "C"):
         recs += [_span("decode.queue", x, now, now + ms),
                  _span("decode.frontend", x, now, now + 5 * ms, **{"frontend.part": "out"})]
-    from pdtrace.instrument.recorder import R_EVENT
-
-    recs += [(R_EVENT, 9, None, None, "router.first_token", 1, now - 20 * ms, now - 20 * ms, 0, None, "R1", 0, 0,
-              None, "T"), _span("router.request", "R1", now - 50 * ms, now)]  # a root here: the rule, no wait
     ret.admit(s, recs)
+    ret.admit(sr, [_ev("router.first_token", "R1", now - 20 * ms),
+                   _span("router.request", "R1", now - 50 * ms, now)])  # a root here: the rule, no wait
     ret.tick(time.monotonic_ns() + ret.grace_ns)
     assert set(ret.groups) == {"A", "B", "C"} and ret._waiting == {"A", "B", "C"} and "R1" in ret.decided
     with open(other, "a") as f:
         f.write("A\t1\tR\nB\t0\tR\n")
     ret.poll_files(force=True)
-    assert ret.decided["A"] is True and ret.decided["B"] is False and set(ret.groups) == {"C"}
+    assert ret.decided["A"][0] is True and ret.decided["B"][0] is False and set(ret.groups) == {"C"}
     assert ret.reasons["remote"] == 1 and ret.reasons["remote_drop"] == 1
     ret.tick(time.monotonic_ns() + ret.hold_ns)
-    assert ret.decided["C"] is False and ret.reasons["fast"] == 2  # R1 and C: fast, not head-sampled
+    assert ret.decided["C"][0] is False and ret.reasons["fast"] == 2  # R1 and C: fast, not head-sampled
     mine = (tmp_path / "tail-keep" / f"h-{os.getpid()}.ids").read_text().splitlines()
     assert mine == ["R1\t0\tR", "A\t1\tE"]  # its authoritative drop (others wait for it), its keep
+
+
+def test_head_sampling_threshold_is_exact():
+    """Review item 20: the head rule uses ids.sample_threshold (exact for the float): 0 keeps none, 1 all."""
+    from pdtrace.instrument import ids
+
+    assert not retention.head_sampled("a", 0.0) and retention.head_sampled("a", 1.0)
+    h = retention.head_hash("abc")
+    f = h / (1 << 256)
+    assert retention.head_sampled("abc", min(1.0, f * 1.0000001)) and not retention.head_sampled("abc", f * 0.9999999)
+    assert ids.sample_threshold(0.5) == 1 << 255
 
 
 @pytest.mark.parametrize("n", [2000])
