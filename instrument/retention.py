@@ -14,33 +14,47 @@ Design (single host; the cross-host part is at the end).
 * **Hold.** A record that carries a ``request_id`` (spans, events, ``open`` rows of a request) is held in
   the request's *group* (records of every client of the host, with the client they came from: they are
   converted with that client's resource and clock anchor when they are written). Nothing is held on the
-  traced process's side and nothing here waits on a socket: a writer is never blocked.
-* **End.** A request has *ended* when its ``router.request`` span arrives (pdtrace's router: the root
-  ends when the last byte was written) or, for a request no router of this host recorded, D's
-  ``decode.frontend`` span (``frontend.part`` ``out`` or ``whole``: D's API server wrote its last chunk).
-  It is decided :attr:`TailRetention.grace_ns` after that (2 flush intervals + 0.25 s: the other
-  processes' records of the request, flushed every interval, arrive meanwhile), or when it has been
-  held ``PDTRACE_TAIL_HOLD_S`` without ending (then it is **kept**: a request that never ends is a
-  failure to show).
+  traced process's side and nothing here waits on a socket: a writer is never blocked. A record whose
+  times are not ints or whose name is not a str is written at once (the converter counts it), never held.
+* **End.** A request has *ended* here when its ``router.request`` span arrives (pdtrace's router: the root
+  ends when the last byte was written). A request with no router record on this host, while no client
+  of this host has the role ``router``, ends with D's ``decode.frontend`` span (``frontend.part`` ``out``
+  or ``whole``: D's API server wrote its last chunk), or on a host with no ``decode`` client with P's
+  ``prefill.frontend`` (``out``/``whole``: P answered; all this host sees of it). A request with router
+  records here ends only with its root (an engine's end does not start its grace). It is decided
+  :attr:`TailRetention.grace_ns` after its end (2 flush intervals of the slowest current client + 0.25 s:
+  the other processes' records of the request, flushed every interval, arrive meanwhile).
+* **Hold time.** A request that has received no record for ``PDTRACE_TAIL_HOLD_S`` (idle), or has been
+  held ``PDTRACE_TAIL_MAX_HOLD_S`` since its first record (however busy), is decided then: by the rule
+  if it ended, else **kept** (``unended``: a request that never ends is a failure to show). A long
+  generation that keeps producing records is thus held until it ends or reaches the absolute cap.
 * **Rule** (:meth:`TailRetention.verdict`), in this order: kept if it *failed* (a record with error
-  status, or a failure event of :data:`FAILURE_EVENTS`, the events ``analysis/sql/incomplete.sql`` reads),
-  if its records overlap a *marked window*, if TTFT >= ``PDTRACE_TAIL_TTFT_MS``, if its router root has
-  no ``router.first_token`` (no first token: incomplete), if TPOT >= ``PDTRACE_TAIL_TPOT_MS``, or if it is
-  *head-sampled*: ``sha256("pdtrace-tail-head\\0" + request id)`` read as an integer is below
-  ``PDTRACE_TAIL_HEAD · 2^256`` (the same on every host; independent of ``PDTRACE_SAMPLE``'s hash, so
-  both can be used together). Otherwise it is dropped and its records counted
+  status, or an event of :data:`pdtrace.instrument.stages.FAILURE_EVENTS`, the ``is_failure`` list of
+  ``analysis/sql/incomplete.sql``), if its records overlap a *marked window*, if its router root has no
+  ``router.first_token`` (no first token: incomplete; with or without a TTFT threshold), if TTFT >=
+  ``PDTRACE_TAIL_TTFT_MS``, if TPOT >= ``PDTRACE_TAIL_TPOT_MS``, if it is *head-sampled*:
+  ``sha256("pdtrace-tail-head\\0" + request id)`` read as an integer is below
+  ``ids.sample_threshold(PDTRACE_TAIL_HEAD)`` (exactly ``PDTRACE_TAIL_HEAD · 2^256`` for the float given;
+  the same on every host; independent of ``PDTRACE_SAMPLE``'s hash, so both can be used together), or if
+  another host's sink kept it (``remote``); dropped (``remote_drop``) if another host decided it with the
+  router root and dropped it while no root is here; otherwise dropped (``fast``) and its records counted
   (``recorder.tail_dropped`` of the process that recorded them).
 
   TTFT (DESIGN.md §3): ``router.first_token`` - ``router.request`` start, on the router's clock; without a
-  router record, the engine-clock TTFT: D's API-server ``token`` event (its first chunk) - P's
-  ``prefill.frontend`` start. TPOT: (``router.last_token`` - ``router.first_token``) / (output tokens - 1),
-  the tokens from the largest ``gen_ai.usage.output_tokens`` on the request's records (the router's or
+  router record, the engine-clock TTFT: D's API-server ``token`` event (its first chunk: a ``token`` event
+  with a span id from a client whose resource role is ``decode``, the one ``request_base.sql`` reads;
+  not P's ``token``, written when P answers the router, nor EngineCore's, which has no span id) - P's
+  ``prefill.frontend`` start. TPOT: (``router.last_token`` - ``router.first_token``) / (output tokens -
+  1), the tokens from the largest ``gen_ai.usage.output_tokens`` on the request's records (the router's or
   D's ``request.finished``). All times are the records' monotonic ns: every process of a host reads the
   same ``CLOCK_MONOTONIC``, so no anchor is needed to compare them. Unknown TTFT (no router record and no
   P/D pair on this host) does not keep a request by itself.
-* **After the decision** the request's id stays in a bounded table of decisions (:data:`DECISIONS`
-  ids, oldest forgotten first): a record arriving later (a process flushed late) follows the decision
-  (written if kept, dropped and counted if not).
+* **After the decision** the request's id stays in a table of decisions for :attr:`TailRetention.keep_ns`
+  (hold time + grace) after its last use (a record following it renews it; capped at max(16 MiB,
+  bound / 4) estimated bytes, :data:`DECISION_BYTES` + the id's length each, oldest forgotten first;
+  outside the bound, reported as ``decisions_bytes`` in the summary): a record arriving later (a process
+  flushed late, a long request evicted under the bound) follows the decision (written if kept, dropped
+  and counted if not).
 * **Engine-wide records** (no ``request_id``: clock anchors, stats, connector work spans, ``open`` rows of a
   step, engine events) are always written at once. Engine **step spans** (``decode.step``,
   ``prefill.step``) are written when (a) the step *stalled*: it lasted ``PDTRACE_TAIL_STEP_MS`` or, that
@@ -49,29 +63,41 @@ Design (single host; the cross-host part is at the end).
   baseline is coarser than ``decode_stalls``' (the median of recent steps of the same batch shape): a
   step of a small batch can stall against its own shape and still be under 2x the overall median, and
   is then not kept by this rule (set ``PDTRACE_TAIL_STEP_MS`` for a fixed threshold); or (b) it overlaps
-  a marked window; or (c) a request of its batch
-  (``step.batch``) is kept: held with those requests until they are decided, written with the first
-  kept, dropped (and counted) when all are dropped. A kept request thus has every step it was in (its
-  TPOT and stall share stay computable); a step of only unknown requests (untraced, or decided and
-  forgotten) that did not stall is dropped.
+  a marked window; or (c) a request of its batch (``step.batch``) is kept: held with those requests
+  until they are decided, written with the first kept, dropped (and counted) when all are dropped. A
+  kept request thus has every step it was in (its TPOT and stall share stay computable); a step of only
+  unknown requests (untraced, or decided and forgotten) that did not stall is dropped.
 * **Marked windows.** ``pdtrace mark [--seconds N] [--before S] DIR`` (:mod:`pdtrace.instrument.tailmark`)
   appends a window ``[now - S, now + N]`` (wall ns) to :data:`MARKS_FILE` in the trace directory; the
-  sink re-reads the file when it changes (checked every :data:`MARK_POLL_S`); SIGUSR1 to the sink marks
-  ``[now - 30 s, now + 60 s]`` the same way (written to the file too). Every request whose records overlap a
-  window, and every step in it, is kept. A request already decided and dropped before the mark cannot be
-  recovered: ``--before`` reaches back at most ``PDTRACE_TAIL_HOLD_S``.
-* **Memory bound.** Each held record counts :func:`held_bytes` (an estimate of the tuple and the objects
-  it holds, calibrated against tracemalloc by ``benchmarks/tail_retention.py``), each group
-  :data:`GROUP_BYTES`. When the total exceeds ``PDTRACE_TAIL_MEMORY_MB``, the oldest undecided groups are
-  decided *early* until it is under 90 % of it: kept if already failed, marked, head-sampled, over the
-  TTFT threshold (its first token came late, or none yet and it is older than the threshold) or over
-  the TPOT threshold; otherwise dropped and counted (``evicted``: a request that might have turned slow
-  later). The decisions table adds at most :data:`DECISIONS` x ~160 bytes (~10 MiB), outside the
-  bound. The bound, the peak
-  and the counts are logged by the sink at start and exit and written to :func:`summary_path`.
+  sink reads the lines appended since its last look every :data:`MARK_POLL_S` (a line that is not a mark
+  -- not JSON, a bound not an integer in [0, 2^63), start > end -- is skipped and counted,
+  ``bad_marks``); SIGUSR1 to the sink marks ``[now - 30 s, now + 60 s]`` the same way (written to the
+  file too). Every request whose records overlap a window, and every step in it, is kept. A request
+  already decided and dropped before the mark cannot be recovered: ``--before`` reaches back only over
+  the requests still held -- those not ended (up to ``PDTRACE_TAIL_HOLD_S`` idle) and, for ended ones,
+  about the grace after their end. A window is forgotten once it ended before every held record and
+  more than ``keep_ns`` ago.
+* **Memory bound.** Each held record counts :func:`held_bytes` (an estimate of the tuple, the objects it
+  holds and its long strings, calibrated against tracemalloc by ``benchmarks/tail_retention.py``), each
+  held step its entry and 8 bytes per request that refers to it, each group :data:`GROUP_BYTES`. When
+  the total exceeds ``PDTRACE_TAIL_MEMORY_MB``, the least recently fed undecided groups are decided
+  *early* until it is under 90 % of it: kept if already failed, marked, head-sampled, over the TTFT
+  threshold (its first token came late, or none yet and it is older than the threshold) or over the TPOT
+  threshold; otherwise dropped and counted (``evicted``: a request that might have turned slow later).
+  Each host sheds on its own: under a burst one host can evict a request that another keeps (the
+  request is then in the store in part). The decisions table and the other hosts' verdicts are outside
+  the bound (each capped, above). The bound, the peak and the counts are logged by the sink at start and
+  exit and written to :func:`summary_path`.
 * **Flush, sync, exit.** A client's flush tick writes what was decided; undecided records stay held (a
-  client that ends leaves them held; they are written with its resource when decided). ``hostsink.sync``,
-  the last client leaving, and SIGTERM decide every group at once (by the rule if ended, kept if not).
+  client that ends leaves them held; they are written or counted with its resource when decided, and
+  its stats row is written again only then: when it has records to write or its ``tail_dropped``
+  changed; its OTLP export stays open until then). ``hostsink.sync``, the last client leaving, and
+  SIGTERM decide every group at once (by the rule if ended, kept if not). A flush therefore no longer
+  means the records are in the store: held ones are written at their decision.
+* **What is lost, and not seen.** Held records live only in the sink's memory: a sink that is killed
+  (SIGKILL, OOM) loses every held record (up to the hold time's worth, at most the bound) and counts them
+  nowhere (the recorder counted them as sent; pending on its stats). A request's ``open`` rows are held
+  with it, so an in-flight request is not in the ``in_flight`` view until it is decided (kept).
 
 Accounting per process: ``recorded = dropped + written + tail_dropped + pending`` (held records are
 pending; ``recorder.tail_dropped`` on its stats rows).
@@ -81,22 +107,33 @@ only from what it holds: the router's host has TTFT and TPOT (router events) and
 an engine host has the engine-clock TTFT only when it holds both P's and D's records, and a failure seen
 there. The decisions reach the others through the trace directory (shared, e.g. NFS): every sink appends
 its verdicts to ``tail-keep/<host>-<sink pid>.ids`` (:func:`keep_list_path`), one line each,
-``<id> TAB 1|0 TAB R|E``: every keep, and the drops it made *with* the request's router root (``R``:
-authoritative; ``E``: decided without one). Each sink reads the lines the others appended since its last
-look (every :data:`MARK_POLL_S`, :meth:`TailRetention.remote_keeps`). Then:
+``<id> TAB 1|0 TAB R|E``: every keep, and -- while another host's sink is live -- the drops it made
+*with* the request's router root (``R``: authoritative; ``E``: decided without one). Each sink touches
+its list every :data:`HEARTBEAT_S`; a list not modified for :data:`LIVE_S` (its mtime against this
+host's wall clock) is not a live sink's. Each sink reads the lines the other hosts' sinks appended
+since its last look (every :data:`MARK_POLL_S`, :meth:`TailRetention.remote_keeps`): not its own, nor
+those of earlier sinks of its own host (``<host>-<other pid>.ids``), and the lists present when it
+started only from their end then. A verdict read is remembered for ``keep_ns`` (capped like the
+decisions). Then:
 
-* a request another sink kept is kept here too (reason ``remote``), whatever the local rule says;
-* a sink that holds no router record of an ended request, while other sinks' lists exist, *waits* for an
-  ``R`` verdict (up to ``PDTRACE_TAIL_HOLD_S`` from its first record) instead of applying its own rule,
-  and follows it when it comes (kept, or dropped as ``remote_drop``, unless something local keeps it: a
-  failure seen here, a mark); at the hold time it applies its own rule.
+* a request another sink kept is kept here too (reason ``remote``), whatever the local rule says; a
+  held request is decided at once when a keep, or an ``R`` drop while no root is here, is read;
+* a sink that holds no router record of an ended request, while another host's sink is live, *waits* for
+  an ``R`` verdict (until the request has been idle ``PDTRACE_TAIL_HOLD_S``: its end is its last record,
+  as a rule) instead of applying its own rule, and follows it when it comes (kept, or dropped as
+  ``remote_drop``, unless something local keeps it: a failure seen here, a mark, a TTFT or TPOT over the
+  threshold computed here, the head sample); at the hold time it applies its own rule.
 
 So a request is kept whole on every host when the router's host keeps it, or when any host saw a
 failure (provided its line is read before the others decide: the router's host decides at its end plus
-grace; a later keep from an engine host keeps the engine side only). Built and tested on one host with a
-second host's list written into the directory (no second host here). Not built: rotation of the lists
-(about 20 bytes per request and host), and lists in per-host directories that are not shared (they
-would need copying between hosts within the hold time).
+grace; a later keep from an engine host keeps the engine side only). Tail retention across hosts needs
+pdtrace's router (traced): without one, no sink writes an authoritative verdict; each engine host then
+decides alone after the hold time (P and D on different hosts: neither has the engine-clock TTFT, and
+they agree only on failures seen on both, marks and the head sample). Built and tested on one host with
+a second host's list written into the directory (no second host here). Not built: rotation of the lists
+(a line is the id plus 5 bytes, per request and host: ids of vLLM's form are 40-100+ characters), and
+lists in per-host directories that are not shared (they would need copying between hosts within the
+hold time).
 """
 from __future__ import annotations
 

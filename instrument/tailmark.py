@@ -3,10 +3,12 @@
 With ``PDTRACE_RETAIN=tail`` (:mod:`pdtrace.instrument.retention`) the host's sink writes only slow,
 failed, marked and head-sampled requests. An operator who sees trouble marks a window: this command
 appends ``[now - S, now + N]`` (wall-clock ns, the host's ``CLOCK_REALTIME``) as one JSON line to
-``DIR/tail-marks.jsonl``; every sink writing into ``DIR`` re-reads the file within half a second
-(:data:`pdtrace.instrument.retention.MARK_POLL_S`) and keeps every request whose records overlap the
-window, and every engine step in it. ``--before`` reaches back only as far as the sinks still hold
-undecided requests (``PDTRACE_TAIL_HOLD_S``, and less for requests already ended and decided).
+``DIR/tail-marks.jsonl``; every sink writing into ``DIR`` reads the new lines at its next look (every
+half second, :data:`pdtrace.instrument.retention.MARK_POLL_S`, while its loop is not busy writing: up to
+about a flush interval) and keeps every request whose records overlap the window, and every engine step
+in it. ``--before`` reaches back only as far as the sinks still hold undecided requests: those not ended
+(up to ``PDTRACE_TAIL_HOLD_S`` idle) and, for requests already ended, about the grace after their end
+(2 flush intervals + 0.25 s); an earlier request is decided already.
 Sending SIGUSR1 to a sink process does the same with S = 30, N = 60. Light module: no pyarrow.
 """
 from __future__ import annotations
