@@ -19,7 +19,11 @@ sink's own work per record, which is what retention changes.
    started. Printed per phase: records/s offered and taken, the held bytes (the sink's estimate) at
    their peak against the bound, requests evicted, and whether every slow request was kept.
 3. **Calibration** of the estimate (:func:`pdtrace.instrument.retention.held_bytes`): tracemalloc's
-   count of the memory held for 20,000 records against the estimate.
+   count of the memory held for 20,000 request records against the estimate, then for the decode.step
+   spans over them (8 per 256 requests, each naming 256 requests in its ``step.batch``).
+
+D's EngineCore also sends ``decode.step`` spans (:func:`decode_steps`) in 1. and 2.: held with their
+requests, their ``step.batch`` strings are most of the held bytes of a large batch.
 """
 from __future__ import annotations
 
@@ -78,6 +82,24 @@ def request_records(i: int, t0: int) -> tuple[dict, list]:
     return {"router": router, "prefill": p, "decode": d}, root
 
 
+STEP_BATCH = 256  # requests named in one decode.step's step.batch (the review's example)
+STEPS_PER_BATCH = 8  # decode steps over one batch: one per output token (8 tokens, request_records)
+_step_seq = [0]
+
+
+def decode_steps(ids: list, t0: int, n: int = STEPS_PER_BATCH) -> list:
+    """``n`` ordinary (10 ms, not stalled once the baseline is known) decode.step spans of D's EngineCore
+    over the requests ``ids`` (``step.batch`` = ``id:d1;...``, as the traced scheduler writes it)."""
+    batch = ";".join(f"{x}:d1" for x in ids)
+    out = []
+    for k in range(n):
+        _step_seq[0] += 1
+        t = t0 + k * 10 * MS
+        out.append(_span("decode.step", None, t, t + 10 * MS, (1 << 40) + _step_seq[0],
+                         **{"step.id": _step_seq[0], "step.batch": batch}))
+    return out
+
+
 class Bench:
     """A real Collector in this process with three clients (router, P, D) on socket pairs whose far ends a
     thread drains (the sink's answers)."""
@@ -130,7 +152,8 @@ class Bench:
 
 
 def cpu_per_request(n: int, rounds: int) -> None:
-    print(f"1. sink CPU per request (thread CPU), {n} requests x 16 records, {rounds} rounds interleaved")
+    print(f"1. sink CPU per request (thread CPU), {n} requests x 16 records, and {STEPS_PER_BATCH} decode.step "
+          f"spans per {STEP_BATCH} requests (a {STEP_BATCH}-request step.batch each), {rounds} rounds interleaved")
     res = {"all": [], "tail": []}
     kept = None
     for r in range(rounds):
@@ -140,10 +163,12 @@ def cpu_per_request(n: int, rounds: int) -> None:
                 base = time.monotonic_ns() - 5_000 * MS
                 reqs = [request_records(i, base + i * MS) for i in range(n)]
                 c0 = time.thread_time_ns()
-                for j in range(0, n, 256):
-                    chunk = reqs[j:j + 256]
+                for j in range(0, n, STEP_BATCH):
+                    chunk = reqs[j:j + STEP_BATCH]
                     for role in ("router", "prefill", "decode"):
                         b.send(role, [x for recs, _ in chunk for x in recs[role]])
+                    b.send("decode", decode_steps([f"bench{i:08d}" for i in range(j, j + len(chunk))],
+                                                  base + j * MS))
                     b.send("router", [x for _, root in chunk for x in root])
                     b.step()
                 c1 = time.thread_time_ns()
@@ -165,11 +190,13 @@ def cpu_per_request(n: int, rounds: int) -> None:
 
 def burst(rate: float, bound_mb: float) -> None:
     print(f"2. memory bound under a 10x burst: {rate:g} req/s, then {10 * rate:g}, then {rate:g} (3 s each), "
-          f"each request ends 1 s after it starts; bound {bound_mb:g} MiB")
+          f"each request ends 1 s after it starts; one decode.step every 10 ms over the (up to {STEP_BATCH}) "
+          f"requests started in the last second; bound {bound_mb:g} MiB")
     with tempfile.TemporaryDirectory() as d:
         b = Bench("tail", d, bound_mb=bound_mb, flush_s=0.2)
         ret = b.col.retention
         pending = deque()  # (due ns, root records)
+        running = deque()  # (started ns, id) of the last second: the decode batch
         i = 0
         slow_ids = []
         for phase, r in (("base", rate), ("burst", 10 * rate), ("after", rate)):
@@ -191,8 +218,14 @@ def burst(rate: float, bound_mb: float) -> None:
                     for k in batch:
                         batch[k] += recs[k]
                     pending.append((now + 1000 * MS, root))
+                    running.append((now, f"bench{i:08d}"))
                     i += 1
                     sent += 16
+                while running and running[0][0] < now - 1000 * MS:
+                    running.popleft()
+                if running:
+                    batch["decode"] += decode_steps([x for _, x in list(running)[-STEP_BATCH:]], now, 1)
+                    sent += 1
                 for k, v in batch.items():
                     if v:
                         b.send(k, v)
@@ -212,7 +245,7 @@ def burst(rate: float, bound_mb: float) -> None:
             b.send("router", root)
         time.sleep(ret.grace_ns / 1e9 + 0.05)
         b.step()
-        lost_slow = [x for x in slow_ids if ret.decided.get(x) is not True]
+        lost_slow = [x for x in slow_ids if not (ret.decided.get(x) or (False,))[0]]
         b.finish()
         s = ret.summary()
         print(f"   total: {i} requests, kept {s['kept']} ({s['reasons']}), dropped {s['dropped']}, evicted "
@@ -224,20 +257,29 @@ def calibrate(n: int = 20000) -> None:
     with tempfile.TemporaryDirectory() as d:
         b = Bench("tail", d)
         ret = b.col.retention
+        ret.step_ns = 10 ** 12  # no step is a stall here: every step is held with its requests
         base = time.monotonic_ns()
         reqs = [request_records(i, base) for i in range(n // 15)]
         tracemalloc.start()
         m0 = tracemalloc.get_traced_memory()[0]
-        est0 = ret.held
+        est0, h0 = ret.held, ret.held_records
         for recs, _ in reqs:
             for role in ("router", "prefill", "decode"):
                 b.send(role, pickle.loads(pickle.dumps(recs[role])))  # fresh objects, as the sink receives them
         m1 = tracemalloc.get_traced_memory()[0]
+        est1, h1 = ret.held, ret.held_records
+        ids = [f"bench{i:08d}" for i in range(len(reqs))]
+        for j in range(0, len(ids), STEP_BATCH):  # 8 steps over each 256 of them, one message per batch
+            b.send("decode", pickle.loads(pickle.dumps(decode_steps(ids[j:j + STEP_BATCH], base))))
+        m2 = tracemalloc.get_traced_memory()[0]
         tracemalloc.stop()
-        est = ret.held - est0
-        print(f"3. estimate vs tracemalloc for {ret.held_records} held records of {len(reqs)} requests: "
+        est, est_s = est1 - est0, ret.held - est1
+        print(f"3. estimate vs tracemalloc for {h1 - h0} held request records of {len(reqs)} requests: "
               f"estimate {est / (1 << 20):.2f} MiB, traced {(m1 - m0) / (1 << 20):.2f} MiB (ratio traced/estimate "
               f"{(m1 - m0) / est:.2f}; records unpickled one request and role per message)")
+        print(f"   and for {ret.held_records - h1} held decode.step spans ({STEP_BATCH}-request step.batch): "
+              f"estimate {est_s / (1 << 20):.2f} MiB, traced {(m2 - m1) / (1 << 20):.2f} MiB (ratio traced/estimate "
+              f"{(m2 - m1) / est_s:.2f}; {est_s / max(1, ret.held_records - h1):,.0f} B per step estimated)")
         b.finish()
 
 
