@@ -55,11 +55,15 @@ def install(con: duckdb.DuckDBPyConnection, stamp: str) -> None:
     """
     con.execute("CREATE TABLE IF NOT EXISTS _meta (key VARCHAR PRIMARY KEY, value VARCHAR)")
     con.execute(loader.base_tables_sql())
+    # one statement per table (executemany runs one per row)
+    stages = list(_stages.STAGES.items())
     con.execute("DELETE FROM _stage_vocab")
-    con.executemany("INSERT INTO _stage_vocab VALUES (?, ?, ?, ?)",
-                    [(k, v.role, v.category, v.doc) for k, v in _stages.STAGES.items()])
+    con.execute("INSERT INTO _stage_vocab SELECT unnest(?::VARCHAR[]), unnest(?::VARCHAR[]), unnest(?::VARCHAR[]), "
+                "unnest(?::VARCHAR[])", [[k for k, _ in stages], [v.role for _, v in stages],
+                                         [v.category for _, v in stages], [v.doc for _, v in stages]])
     con.execute("DELETE FROM _event_vocab")
-    con.executemany("INSERT INTO _event_vocab VALUES (?, ?)", list(_stages.EVENTS.items()))
+    con.execute("INSERT INTO _event_vocab SELECT unnest(?::VARCHAR[]), unnest(?::VARCHAR[])",
+                [list(_stages.EVENTS), list(_stages.EVENTS.values())])
     for mod in loader.load_order():
         try:
             con.execute(mod.text)

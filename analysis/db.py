@@ -106,6 +106,8 @@ class Trace(Materializer):
                 raise RuntimeError("in-memory analysis database in an unexpected state")
             _template.unlink_db(self.cache)
             return self._open(template=template and not copied)
+        # a template copy or a database just installed holds no absorbed rows: its first wipe is a no-op
+        self._empty = copied or row is None
         if row is None:
             _cache.install(con, stamp)
         # scratch steps live in memory (temp tables shadow the empty main ones)
@@ -133,6 +135,10 @@ class Trace(Materializer):
         before that is ``unreadable now:``."""
         return _files.scan(self.directory, self._corrupt)
 
+    #: A refresh whose store files total at most this many bytes on disk reads them once into
+    #: memory instead of once per step (:func:`pdtrace.analysis.files.hold_rows`); 0: never.
+    hold_bytes = _files.HOLD_BYTES
+
     #: Failed attempts one :meth:`refresh` makes when store files vanish under it before it raises.
     refresh_attempts = 3
 
@@ -144,7 +150,10 @@ class Trace(Materializer):
 
         New files are decoded in full before they are absorbed (every value of
         every column; all new files in one statement, each alone only when
-        that fails: :func:`pdtrace.analysis.files.decode_errors`). A file whose footer is sound but
+        that fails: :func:`pdtrace.analysis.files.decode_errors`; a store of at
+        most :attr:`hold_bytes` is read into memory instead, every column of the
+        store schema of every file, which is that check, and only when that
+        fails are the files decoded to find the bad ones). A file whose footer is sound but
         whose data pages are not is skipped and named (reason ``corrupt data:
         ...``) until its size or mtime changes, remembered in a cache file too.
         A file that cannot be opened or decoded just now (too many open files,
@@ -203,7 +212,10 @@ class Trace(Materializer):
                 new = [p for p in new if p not in deferred]
             else:
                 deferred = []
-            for p, (state, reason) in _files.decode_errors(new).items():
+            # a small store is held in memory (files.hold_rows): reading every column of every file
+            # into memory is the decode check too; when that fails, decode_errors names the bad files
+            held = bool(new) and self._hold(good)
+            for p, (state, reason) in ({} if held else _files.decode_errors(new)).items():
                 sm = good.pop(p)
                 new.remove(p)
                 if state == "corrupt":
@@ -215,7 +227,7 @@ class Trace(Materializer):
                         good[p] = known[p]
             gone = sorted(p for p in known if p not in good or p in new)
             try:
-                res = self._refresh_files(good, bad, new, gone, cold=rebuild, transaction=not rebuild)
+                res = self._refresh_files(good, bad, new, gone, cold=rebuild, transaction=not rebuild, held=held)
             except duckdb.Error as exc:
                 failures += 1
                 if failures >= self.refresh_attempts or not self._vanished(exc, good):
@@ -243,12 +255,14 @@ class Trace(Materializer):
         """Empty every table a refresh fills, keeping the connection, its settings and the
         files known to be corrupt; the next refresh attempt rebuilds from scratch."""
         con = self.con
-        for table in ("_dup_copies", "_dup_drop", "_file_keys", "_scope_keys", "_changed_keys",
-                      "_changed_windows", "_read_files"):
-            con.execute(f"DELETE FROM {table}")
-        con.execute("DELETE FROM _files WHERE ok OR NOT starts_with(coalesce(reason, ''), 'corrupt data:')")
-        for m in materializations():
-            con.execute(f"DELETE FROM {m.table}")
+        if not self._empty:  # (a new database's tables are empty: ~60 statements saved on a cold open)
+            for table in ("_dup_copies", "_dup_drop", "_file_keys", "_scope_keys", "_changed_keys",
+                          "_changed_windows", "_read_files"):
+                con.execute(f"DELETE FROM {table}")
+            con.execute("DELETE FROM _files WHERE ok OR NOT starts_with(coalesce(reason, ''), 'corrupt data:')")
+            for m in materializations():
+                con.execute(f"DELETE FROM {m.table}")
+        self._empty = False  # the refresh attempt that follows fills them
         con.execute("INSERT OR REPLACE INTO _meta VALUES ('state', 'wiped')")
         self._fresh = True
 
@@ -260,15 +274,32 @@ class Trace(Materializer):
         now, _ = self.scan()
         return any(now.get(p) != sm for p, sm in good.items())
 
+    def _hold(self, good: dict[str, tuple[int, int]]) -> bool:
+        """Hold the rows of the files ``good`` in memory when they total at most :attr:`hold_bytes`
+        (:func:`pdtrace.analysis.files.hold_rows`); False when they do not, or when reading them
+        failed (a file that does not decode, or cannot be read just now: the caller finds which)."""
+        try:
+            return _files.hold_rows(self.con, {p: sm[0] for p, sm in good.items()}, self.hold_bytes)
+        except duckdb.Error:
+            return False
+
     def _refresh_files(self, good: dict[str, tuple[int, int]], bad: list[tuple[str, str]],
-                       new: list[str], gone: list[str], cold: bool, transaction: bool) -> RefreshResult:
+                       new: list[str], gone: list[str], cold: bool, transaction: bool,
+                       held: bool = False) -> RefreshResult:
         """One refresh attempt over a listing (``good``, ``bad``) and its ``new``/``gone`` files;
-        ``cold``: recompute from every file; ``transaction``: all of it in one, rolled back on failure."""
+        ``cold``: recompute from every file; ``transaction``: all of it in one, rolled back on failure;
+        ``held``: the rows of ``good`` are held in memory already (:meth:`_hold`; released here)."""
         res = RefreshResult(new=new, gone=gone, skipped=bad)
         con = self.con
-        if transaction:
-            con.execute("BEGIN TRANSACTION")
+        # a small store's rows are read once, not by every step (files.hold_rows); outside the
+        # transaction, so that a rollback cannot leave them half-undone
+        held = held or (bool(new or gone or cold) and _files.hold_rows(
+            con, {p: sm[0] for p, sm in good.items()}, self.hold_bytes))
+        began = False
         try:
+            if transaction:
+                con.execute("BEGIN TRANSACTION")
+                began = True
             con.execute("INSERT OR REPLACE INTO _meta VALUES ('state', 'dirty')")
             con.execute("DELETE FROM _files WHERE NOT ok")
             if bad:
@@ -282,12 +313,15 @@ class Trace(Materializer):
             if transaction:
                 con.execute("COMMIT")
         except BaseException:
-            if transaction:
+            if began:
                 try:
                     con.execute("ROLLBACK")
                 except duckdb.Error:  # pragma: no cover - the transaction is already gone
                     pass
             raise
+        finally:
+            if held:
+                _files.release_rows(con)
         self._fresh = False
         return res
 

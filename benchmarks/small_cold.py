@@ -17,6 +17,12 @@ that interleave three situations so drift in the machine's load falls on all:
 
 Prints the median and min-max wall seconds per store and situation, and the
 issue-21 goal: cold report of a store of <= 1,000 requests in <= 1 s.
+
+``--phases`` adds, per store, where a cold report's time goes (medians over the
+rounds, each a new process with the template present and no cache): interpreter
+start (the process's wall time minus the rest), imports, open (the cache file
+copied from the template), refresh, read-only reopen, queries (``report.collect``
+and the text) -- the same steps as ``pdtrace report``, timed one by one.
 """
 from __future__ import annotations
 
@@ -48,12 +54,50 @@ def _timed_report(store: Path, cache_dir: Path) -> float:
     return s
 
 
+#: A cold ``pdtrace report`` split into its steps (pdtrace.analysis.session.open and cli.report, step by
+#: step); prints "phase seconds" lines.
+_PHASES = r"""
+import sys, time
+t = [time.perf_counter()]
+import pdtrace.analysis.cli
+from pdtrace.analysis import report, session
+t.append(time.perf_counter())
+s = session.Session(sys.argv[1])
+s._connect()
+t.append(time.perf_counter())
+s._trace.refresh(warn=False)
+t.append(time.perf_counter())
+s._sandbox()
+t.append(time.perf_counter())
+report.render(report.collect(s.cursor()), sys.argv[1])
+t.append(time.perf_counter())
+s.close()
+for name, a, b in zip(["imports", "open", "refresh", "reopen", "queries"], t, t[1:]):
+    print(name, b - a)
+"""
+
+
+def _phases(store: Path, cache_dir: Path) -> dict[str, float]:
+    """{phase: seconds} of one cold report of ``store`` (the library template in ``cache_dir`` exists)."""
+    for p in _caches(cache_dir):
+        p.unlink()
+    env = dict(os.environ, PDTRACE_CACHE_DIR=str(cache_dir))
+    t = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", _PHASES, str(store)], env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - t
+    if out.returncode != 0:
+        raise SystemExit(f"phase split of {store} failed:\n{out.stderr[-2000:]}")
+    res = {name: float(v) for name, v in (line.split() for line in out.stdout.splitlines())}
+    return {"start": wall - sum(res.values()), **res, "total": wall}
+
+
 def _caches(cache_dir: Path) -> list[Path]:
     return [p for p in cache_dir.glob("pdtrace-*.duckdb*") if not p.name.startswith("pdtrace-library-")]
 
 
-def measure(store: Path, rounds: int, work: Path) -> dict[str, list[float]]:
-    """{situation: [seconds per round]} for ``store``."""
+def measure(store: Path, rounds: int, work: Path, phases: bool = False) -> dict[str, list[float]]:
+    """{situation: [seconds per round]} for ``store``; with ``phases``, also {"phase <name>": [seconds]}
+    of a cold report split into steps (:func:`_phases`), one per round."""
     res: dict[str, list[float]] = {"first": [], "cold": [], "warm": []}
     for _ in range(rounds):
         fresh = Path(tempfile.mkdtemp(prefix="cache-", dir=work))
@@ -62,6 +106,9 @@ def measure(store: Path, rounds: int, work: Path) -> dict[str, list[float]]:
             p.unlink()
         res["cold"].append(_timed_report(store, fresh))       # template present, no cache for the trace
         res["warm"].append(_timed_report(store, fresh))       # the trace's cache exists
+        if phases:
+            for k, v in _phases(store, fresh).items():
+                res.setdefault(f"phase {k}", []).append(v)
         shutil.rmtree(fresh, ignore_errors=True)
     return res
 
@@ -71,6 +118,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, action="append", help="store sizes to generate (default 20 and 1000)")
     ap.add_argument("--store", type=Path, action="append", help="a store directory to measure instead")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--phases", action="store_true", help="also split a cold report into its steps")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="pdtrace-small-cold-"))
     try:
@@ -83,11 +131,16 @@ def main() -> None:
         print(f"pdtrace report, end to end (process start included), {args.rounds} rounds; load "
               f"{os.getloadavg()[0]:.1f}")
         for label, d in stores:
-            res = measure(d, args.rounds, work)
-            cells = [f"{k} {statistics.median(v):.2f} s ({min(v):.2f}-{max(v):.2f})" for k, v in res.items()]
+            res = measure(d, args.rounds, work, args.phases)
+            cells = [f"{k} {statistics.median(v):.2f} s ({min(v):.2f}-{max(v):.2f})" for k, v in res.items()
+                     if not k.startswith("phase ")]
             cold = statistics.median(res["cold"])
             print(f"{label}: " + ", ".join(cells)
                   + f"; goal cold <= {GOAL_S:.0f} s: {'met' if cold <= GOAL_S else 'missed'}")
+            if args.phases:
+                print("  cold, step by step (median, min-max): " + ", ".join(
+                    f"{k[6:]} {statistics.median(v):.3f} ({min(v):.3f}-{max(v):.3f})"
+                    for k, v in res.items() if k.startswith("phase ")))
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
