@@ -199,12 +199,18 @@ def held_bytes(rec: tuple) -> int:
     """Estimated memory (bytes) a held record costs: its tuple (40 + 8 per slot), the (client, record)
     pair and its list slot (72), about 24 bytes per slot for the objects the slots hold (ints, times,
     ids; names and keys are shared by the records of one message), and the characters (+ 49 bytes of
-    str header) of each string longer than :data:`LONG_STR` (a step's ``step.batch``: one id per
-    request of the batch). ``benchmarks/tail_retention.py`` compares it with tracemalloc."""
-    n = 112 + 32 * len(rec)
-    for x in rec:
-        if type(x) is str and len(x) > LONG_STR:
-            n += 49 + len(x)
+    str header) of the status message and each attribute value that is a string longer than
+    :data:`LONG_STR` (a step's ``step.batch``: one id per request of the batch). IndexError for a
+    tuple shorter than 10 slots. ``benchmarks/tail_retention.py`` compares it with tracemalloc."""
+    ln = len(rec)
+    n = 112 + 32 * ln
+    m = rec[9]  # the status message
+    if type(m) is str and len(m) > LONG_STR:
+        n += 49 + len(m)
+    if ln > N_FIXED:  # the attribute values (the keys are shared names)
+        for x in rec[N_FIXED + (ln - N_FIXED) // 2:]:
+            if type(x) is str and len(x) > LONG_STR:
+                n += 49 + len(x)
     return n
 
 
@@ -386,7 +392,7 @@ class TailRetention:
         """Take one batch of a client's records: returns those to write now (engine-wide, or of a request
         already decided kept); holds the others; drops (and counts on ``sink.tail_dropped``) those of a
         request decided dropped and steps no kept request needs. A malformed record (times not int, name
-        not str, too short) is passed through (the converter counts it), never held: each record is
+        not str, no request id slot) is passed through (the converter counts it), never held: each record is
         either returned or held or counted, never two of them. Never raises."""
         out = []
         now = time.monotonic_ns()
@@ -397,8 +403,8 @@ class TailRetention:
             try:
                 rid = r[_RID]
                 t0, t1, name = r[_START], r[_END], r[_NAME]
-                if (t0 is not None and type(t0) is not int) or (t1 is not None and type(t1) is not int) \
-                        or type(name) is not str or len(r) < N_FIXED:
+                if (type(t0) is not int and t0 is not None) or (type(t1) is not int and t1 is not None) \
+                        or type(name) is not str:
                     out.append(r)
                     continue
                 if rid is None:
@@ -458,7 +464,7 @@ class TailRetention:
                 g.t_max = te
         if r[_STATUS] == STATUS_ERROR:
             g.failed = True
-        if name.startswith("router."):
+        if not g.routed and name.startswith("router."):
             g.routed = True
         if rtype == R_EVENT:
             if t0 is None:
@@ -488,7 +494,7 @@ class TailRetention:
             elif name == "prefill.frontend":
                 if t0 is not None:
                     g.p_start = t0 if g.p_start is None else min(g.p_start, t0)
-                if not self._has_role("decode") and _attr(r, "frontend.part") in ("out", "whole"):
+                if _attr(r, "frontend.part") in ("out", "whole") and not self._has_role("decode"):
                     self._end(g, now)  # P answered: all this host (no D here) will see of it
             elif name == "decode.frontend" and _attr(r, "frontend.part") in ("out", "whole"):
                 self._end(g, now)
