@@ -263,7 +263,7 @@ def main(argv=None) -> int:
         repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         subprocess.run(["git", "-C", repo, "worktree", "remove", "--force", wt], check=False,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        shutil.rmtree(os.path.dirname(os.path.dirname(path)), ignore_errors=True)
+        shutil.rmtree(os.path.dirname(wt), ignore_errors=True)  # the mkdtemp dir holding tree/ and path/
     med = {}
     for k, rs in runs.items():
         med[k] = {name: {f: statistics.median(r[name][f] for r in rs) for f in rs[0][name]} for name in rs[0]}
