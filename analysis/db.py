@@ -132,8 +132,8 @@ class Trace(Materializer):
     def scan(self) -> tuple[dict[str, tuple[int, int]], list[tuple[str, str]]]:
         """List the directory (:func:`pdtrace.analysis.files.scan`), skipping the files whose data
         failed to decode until they change. :meth:`refresh` keeps the rows of a file it absorbed
-        before that is ``unreadable now:``."""
-        return _files.scan(self.directory, self._corrupt)
+        before that is ``unreadable now:``. Footers are read through this trace's connection."""
+        return _files.scan(self.directory, self._corrupt, self.con)
 
     #: A refresh whose store files total at most this many bytes on disk reads them once into
     #: memory instead of once per step (:func:`pdtrace.analysis.files.hold_rows`); 0: never.

@@ -1,7 +1,8 @@
 """A trace directory's store files as the analysis sees them: which to read, which to skip and why.
 
 :func:`scan` lists the directory and checks each file's footer (the store's reader rules,
-:func:`pdtrace.instrument.store.check_file`); :func:`decode_errors` decodes new files in full before
+:func:`pdtrace.instrument.store.check_metadata`, on footers read by DuckDB in one statement, or by
+:func:`pdtrace.instrument.store.check_file` when that statement fails); :func:`decode_errors` decodes new files in full before
 they are absorbed, so a file whose footer is sound but whose data pages are not is skipped and named
 (a :class:`SkippedFileWarning`), and a file that cannot be read *just now* (out of descriptors or
 memory, vanished) is told apart from one whose bytes are bad.
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import duckdb
 
-from pdtrace.instrument import store as _store
+from pdtrace.instrument import schema as _schema, store as _store
 
 
 class SkippedFileWarning(UserWarning):
@@ -133,7 +134,35 @@ def release_rows(con: duckdb.DuckDBPyConnection) -> None:
     con.execute(f"DROP TABLE IF EXISTS temp.main.{HELD_TABLE}")
 
 
-def scan(directory: str | os.PathLike, corrupt: dict[str, tuple[int, int, str]] | None = None
+#: Characters DuckDB reads as a glob in a file list: a path holding one is checked by pyarrow.
+_GLOB_CHARS = re.compile(r"[*?\[\]{}]")
+
+
+def footers(con: duckdb.DuckDBPyConnection, paths: list[Path]) -> dict[str, dict[bytes, bytes]] | None:
+    """{path: the footer's pdtrace keys (``VERSION_KEY``, ``ARTIFACT_KEY`` of :mod:`pdtrace.instrument.schema`) and values}
+    of ``paths``, read by DuckDB in one statement (``parquet_kv_metadata``; a file with neither maps
+    to ``{}``); ``None`` when that statement
+    fails (a file vanished, is empty or not Parquet, a path is a glob, the connection may not read
+    it): the caller then checks file by file. Cheaper than pyarrow's ``read_metadata`` per file,
+    and the analysis then never imports pyarrow (BENCHMARKS.md "Small-store cold report")."""
+    if not paths or any(_GLOB_CHARS.search(str(p)) for p in paths):
+        return None
+    names = [str(p) for p in paths]
+    try:
+        rows = con.execute("SELECT file_name, key, value FROM parquet_kv_metadata(?) WHERE key IN (?, ?)",
+                           [names, _schema.VERSION_KEY, _schema.ARTIFACT_KEY]).fetchall()
+    except duckdb.Error:
+        return None
+    out: dict[str, dict[bytes, bytes]] = {n: {} for n in names}
+    for name, key, value in rows:
+        if name not in out:  # DuckDB named the file otherwise than asked: trust nothing of it
+            return None
+        out[name][bytes(key)] = bytes(value)
+    return out
+
+
+def scan(directory: str | os.PathLike, corrupt: dict[str, tuple[int, int, str]] | None = None,
+         con: duckdb.DuckDBPyConnection | None = None
          ) -> tuple[dict[str, tuple[int, int]], list[tuple[str, str]]]:
     """List ``directory``: ({readable file: (size, mtime_ns)}, [(skipped file, reason)]).
 
@@ -142,13 +171,17 @@ def scan(directory: str | os.PathLike, corrupt: dict[str, tuple[int, int, str]] 
     just now (out of descriptors) has a reason starting ``unreadable now:``; one that cannot be opened
     for good (permission) ``unreadable:``. ``corrupt``: {path: (size, mtime_ns, reason)} of files whose
     data failed to decode earlier; such a file is skipped with that reason until its size or mtime
-    changes.
+    changes. ``con``: a DuckDB connection that may read the directory, to read every footer in one
+    statement (:func:`footers`); without it, or when that fails, each file's footer is read by
+    :func:`pdtrace.instrument.store.check_file`. Both apply one rule (``store.check_metadata``).
     """
     corrupt = corrupt or {}
     good: dict[str, tuple[int, int]] = {}
     bad: list[tuple[str, str]] = []
-    for p in _store.store_files(Path(directory)):
-        chk = _store.check_file(p)
+    paths = _store.store_files(Path(directory))
+    kvs = footers(con, paths) if con is not None else None
+    for p in paths:
+        chk = _store.check_metadata(p, kvs[str(p)]) if kvs is not None else _store.check_file(p)
         if chk.artifact:  # another pdtrace file (the lab's client records): not spans, not bad
             continue
         if not chk.ok:

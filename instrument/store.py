@@ -17,12 +17,16 @@ import socket
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping
-
-import pyarrow as pa
-import pyarrow.parquet as pq
+from typing import TYPE_CHECKING, Iterable, Mapping
 
 from . import schema
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+# pyarrow is imported by the functions that write or read a footer, not here: the analysis imports
+# this module for its file rules and checks footers through DuckDB (pdtrace.analysis.files.scan), so a
+# report of a small store does not pay pyarrow's import (~0.1-0.2 s, BENCHMARKS.md "Small-store cold report").
 
 #: Parquet compression of every store file but the sink's part files.
 COMPRESSION = "zstd"
@@ -106,6 +110,8 @@ def rows_to_table(rows: Iterable[Mapping[str, object]], resource: Mapping[str, o
             if isinstance(row.get(col), Mapping):
                 given = list(row[col].items())
             cols[col][i] = given + extra
+    import pyarrow as pa
+
     arrays = [pa.array(cols[n], type=typ) for n, typ, _ in schema.COLUMNS]
     return pa.Table.from_arrays(arrays, schema=schema.SCHEMA)
 
@@ -133,6 +139,8 @@ def write_tables(directory: str | os.PathLike, tables: Iterable[pa.Table], name:
     :data:`PART_COMPRESSION`). Raises OSError on I/O failure
     and ValueError for an empty ``tables`` (the temporary file is removed).
     """
+    import pyarrow.parquet as pq
+
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     if name is None:
@@ -228,6 +236,8 @@ def check_file(path: str | os.PathLike) -> FileCheck:
     'unreadable: <OSError class>' (permission), or with ``unreadable`` set
     'unreadable now: <OSError class>' (vanished, out of descriptors)).
     """
+    import pyarrow.parquet as pq
+
     p = Path(path)
     try:
         if p.stat().st_size == 0:
@@ -247,7 +257,14 @@ def check_file(path: str | os.PathLike) -> FileCheck:
         return FileCheck(p, False, f"unreadable: {type(exc).__name__}")
     except Exception as exc:  # pyarrow raises ArrowInvalid for truncated/foreign files
         return FileCheck(p, False, f"not a Parquet file: {type(exc).__name__}")
-    kv = meta.metadata or {}
+    return check_metadata(p, meta.metadata or {})
+
+
+def check_metadata(path: str | os.PathLike, kv: Mapping[bytes, bytes]) -> FileCheck:
+    """The verdict of :func:`check_file` on a Parquet file whose footer was read: ``kv`` is the
+    footer's key-value metadata ({key bytes: value bytes}, empty when it has none). The one rule
+    for both ways of reading a footer (pyarrow here, DuckDB in :func:`pdtrace.analysis.files.scan`)."""
+    p = Path(path)
     raw = kv.get(schema.VERSION_KEY)
     if raw is None:
         kind = kv.get(schema.ARTIFACT_KEY)

@@ -634,3 +634,34 @@ def test_sql_is_read_only(tmp_path):
             con.execute(q)
     assert not out.exists() and not (tmp_path / "x.duckdb").exists() and not (tmp_path / "exp").exists()
     con.close()
+
+
+def test_footers_read_by_duckdb_give_pyarrows_verdicts(tmp_path):
+    """scan reads every footer in one DuckDB statement (files.footers) and applies the same rule
+    (store.check_metadata) as store.check_file: on valid Parquet files of every kind -- spans, a
+    foreign file, a newer major, a bad version string, the lab's client records -- both ways give the
+    same good and bad lists; a file DuckDB cannot read as Parquet (empty, truncated) makes the
+    statement fail and scan falls back to check_file for all."""
+    from pdtrace.connector.lab.replay import ClientRecord, write_records
+
+    d = tmp_path / "s"
+    _case_h().write(d)
+    pq.write_table(pa.table({"x": [1]}), d / "foreign.parquet")
+    t = store.rows_to_table([{"name": "router.request", "span_id": 1, "start_ns": 1}])
+    pq.write_table(t.replace_schema_metadata({schema.VERSION_KEY: b"2.0"}), d / "newer.parquet")
+    pq.write_table(t.replace_schema_metadata({schema.VERSION_KEY: b"one.x"}), d / "badversion.parquet")
+    write_records([ClientRecord(0, 0, 12, 4, 0, status="ok")], d / "client", "run-1")
+    con = duckdb.connect()
+    kvs = files.footers(con, store.store_files(d))
+    assert kvs is not None and kvs[str(d / "foreign.parquet")] == {}  # pyarrow's own ARROW:schema key not read
+    assert kvs[str(d / "newer.parquet")] == {schema.VERSION_KEY: b"2.0"}
+    by_duckdb, by_pyarrow = files.scan(d, con=con), files.scan(d)
+    assert by_duckdb == by_pyarrow
+    good, bad = by_duckdb
+    assert len(good) == len(store.store_files(d)) - 4  # client records: neither good nor bad
+    assert sorted(Path(p).name for p, _ in bad) == ["badversion.parquet", "foreign.parquet", "newer.parquet"]
+    (d / "empty.parquet").write_bytes(b"")
+    assert files.footers(con, store.store_files(d)) is None
+    good2, bad2 = files.scan(d, con=con)
+    assert good2 == good and any(Path(p).name == "empty.parquet" and r == "empty file" for p, r in bad2)
+    con.close()
