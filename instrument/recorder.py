@@ -486,15 +486,20 @@ class Tracer:
         return ok
 
     def stats(self) -> dict[str, int]:
-        """The recorder's counters: recorded, dropped, written, write_errors, export_errors, dropped_attributes."""
+        """The recorder's counters: recorded, dropped, written, write_errors, export_errors, dropped_attributes,
+        and tail_dropped under tail retention (:func:`pdtrace.instrument.writer.stats`); after shutdown,
+        the counters of the writer's stop, recorded including what the sink still held (pending)."""
         w = self._writer
         if w is not None:
             return w.stats()
         last = self._last_stats or {"written": 0, "write_errors": 0, "export_errors": 0,
                                      "dropped_attributes": 0, "dropped": 0}
         st = dict(last)
-        st["dropped"] = max(st.get("dropped", 0), self.dropped_count())
-        st["recorded"] = st["dropped"] + st["written"]
+        before = st.get("dropped", 0)
+        st["dropped"] = max(before, self.dropped_count())  # records offered after shutdown drop and count
+        # recorded as the writer counted it at its stop (records the sink still held undecided under tail
+        # retention are in it, pending), plus what dropped since
+        st["recorded"] = st.get("recorded", before + st["written"] + st.get("tail_dropped", 0)) + st["dropped"] - before
         return st
 
     def dropped_count(self) -> int:

@@ -123,9 +123,8 @@ def _rows(d):
 
 
 def _final_stats(d, role):
-    """The last recorder.stats row of the process of ``role`` (written by the sink, counters cumulative).
-    (Read from the store: the recorder's own stats() after its shutdown leaves tail_dropped out of
-    'recorded'.)"""
+    """The last recorder.stats row of the process of ``role`` (written by the sink, counters cumulative:
+    the decisions made after the process stopped are in it, not in the process's own stats())."""
     files = [str(f) for f in store.store_files(d)]
     row = duckdb.sql(f"select attr_int from read_parquet({files!r}) where record = 'stats' and role = '{role}' "
                      "order by attr_int['recorder.written'] desc, start_ns desc limit 1").fetchall()[0][0]
@@ -191,6 +190,8 @@ def test_slow_and_failed_requests_kept_whole_others_at_the_head_rate(tmp_path):
     dec, rou = _final_stats(d, "decode"), _final_stats(d, "router")
     for st in (dec, rou):
         assert st["dropped"] == 0 and st["recorded"] == st["written"] + st["tail_dropped"], st
+    for role, st in (("decode", dec), ("router", rou)):  # the process's own count after its shutdown
+        assert out[role]["stats"]["recorded"] == st["recorded"], (role, out[role]["stats"], st)
     assert rou["tail_dropped"] == 3 * n_drop  # router.request + 2 token events per dropped request
     dropped_steps = sum(1 for off, dur, ids in steps if not (dur >= 200 or off < 48 or any(x in keep for x in ids)))
     assert dec["tail_dropped"] == 2 * n_drop + dropped_steps
