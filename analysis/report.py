@@ -51,7 +51,9 @@ def collect(con) -> dict[str, Any]:
     :data:`IN_FLIGHT_ROWS`: [{request_id, mode, stage, role, engine_id, age_ms, waits_for}]) and
     ``in_flight_total`` (all of them, count),
     ``ttft_stage_means`` (the rows of view ``ttft_stage_means``: per scope, mode, prompt bucket and critical-path
-    (stage, category), exposed ns and mean ms per complete request; the terms :func:`compare_delta` subtracts).
+    (stage, category), exposed ns and mean ms per complete request; the terms :func:`compare_delta` subtracts),
+    ``retention`` (the tail-retention settings in force, one row per distinct setting, from view ``processes``:
+    [{tail_ttft_ms, tail_tpot_ms, tail_head}]; [] when no sink retained by tail).
     """
     return {
         "in_flight": _rows(con, "SELECT request_id, mode, stage, role, engine_id, round(age_ms, 3) AS age_ms, "
@@ -78,7 +80,26 @@ def collect(con) -> dict[str, Any]:
         "coarse": _coarse(con),
         "ttft_stage_means": _rows(con, f"SELECT {', '.join(STAGE_MEAN_COLS)} FROM ttft_stage_means "
                                        "ORDER BY scope, mode, prompt_bucket_lo, stage, category"),
+        "retention": _rows(con, "SELECT DISTINCT tail_ttft_ms, tail_tpot_ms, tail_head FROM processes "
+                                "WHERE retain = 'tail' ORDER BY ALL"),
     }
+
+
+#: Printed above the summaries of a tail-retained store (PDTRACE_RETAIN=tail).
+TAIL_NOTE = (
+    "Tail-retained store (PDTRACE_RETAIN=tail; {settings}): failed, marked and slow requests are kept whole, the "
+    "others only at the head-sampled fraction, so the percentiles, means and shares below are those of the kept "
+    "requests, not of all traffic (the records dropped by decision: processes.tail_dropped).")
+
+
+def tail_note(data: dict[str, Any]) -> str | None:
+    """The tail-retention sentence for ``collect``'s dict, or None when no sink retained by tail."""
+    rows = data.get("retention") or []
+    if not rows:
+        return None
+    settings = "; ".join(f"TTFT >= {fmt_value(r['tail_ttft_ms'])} ms, TPOT >= {fmt_value(r['tail_tpot_ms'])} ms "
+                         f"(0: no rule), head {fmt_value(r['tail_head'])}" for r in rows)
+    return TAIL_NOTE.format(settings=settings)
 
 
 #: Printed under the TTFT-source table when any window is the engines' own.
@@ -148,6 +169,8 @@ def render(data: dict[str, Any], title: str = "") -> str:
         shown = "" if n <= len(data["in_flight"]) else f"; the {len(data['in_flight'])} oldest shown"
         out += [f"In flight now ({n} requests not finished at the trace end{shown}; age in ms)",
                 table(data["in_flight"]), ""]
+    note = tail_note(data)
+    out += [note, ""] if note else []
     out += ["TTFT and TPOT by mode (ms; shares of TTFT)", table(data["by_mode"]), ""]
     if "ttft_source" in data:
         out += ["TTFT source (router: the router's clock; engine: P's API server -> D's API server)",

@@ -20,7 +20,7 @@ SELECT _file, run_id, host, pid,
        min(start_ns) AS first_record_ns,
        max(end_ns) AS last_record_ns,
        -- (the struct is built for the stats rows only: a CASE evaluates its branch on the matching rows,
-       -- and FILTER alone would build it, with its 15 attribute lookups, for every row)
+       -- and FILTER alone would build it, with its 19 attribute lookups, for every row)
        arg_max(CASE WHEN record = 'stats' AND name = 'recorder.stats' THEN
                {role: role, engine_id: engine_id, service_name: service_name,
                 pdtrace_version: pdtrace_version, vllm_version: vllm_version, connector: connector,
@@ -32,7 +32,9 @@ SELECT _file, run_id, host, pid,
                 dropped_attributes: attr_int['recorder.dropped_attributes'],
                 writer_cpu_ns: attr_int['recorder.writer_cpu_ns'], sink_cpu_ns: attr_int['recorder.sink_cpu_ns'],
                 hook_errors: attr_int['recorder.hook_errors'],
-                hook_error_first: attr_str['recorder.hook_error_first']} END,
+                hook_error_first: attr_str['recorder.hook_error_first'],
+                tail_dropped: attr_int['recorder.tail_dropped'], tail_ttft_ms: attr_float['recorder.tail_ttft_ms'],
+                tail_tpot_ms: attr_float['recorder.tail_tpot_ms'], tail_head: attr_float['recorder.tail_head']} END,
                start_ns)
            FILTER (WHERE record = 'stats' AND name = 'recorder.stats') AS res,
        arg_max({role: role, engine_id: engine_id, service_name: service_name,
@@ -69,6 +71,9 @@ SELECT run_id, host, pid,
        res.dropped_attributes AS dropped_attributes,
        res.writer_cpu_ns AS writer_cpu_ns, res.sink_cpu_ns AS sink_cpu_ns,
        res.hook_errors AS hook_errors, res.hook_error_first AS hook_error_first,
+       CASE WHEN res IS NULL THEN NULL WHEN res.tail_head IS NOT NULL THEN 'tail' ELSE 'all' END AS retain,
+       res.tail_dropped AS tail_dropped, res.tail_ttft_ms AS tail_ttft_ms, res.tail_tpot_ms AS tail_tpot_ms,
+       res.tail_head AS tail_head,
        files
 FROM p;
 
@@ -90,7 +95,7 @@ COMMENT ON COLUMN processes.first_flush_ns IS 'its first recorder.stats row (ns 
 COMMENT ON COLUMN processes.last_flush_ns IS 'its last recorder.stats row: the last flush, i.e. the trace end for this process (ns since the Unix epoch, own wall clock); NULL: none';
 COMMENT ON COLUMN processes.first_record_ns IS 'earliest start of any of its rows (ns since the Unix epoch, own wall clock)';
 COMMENT ON COLUMN processes.last_record_ns IS 'latest end of any of its rows (ns since the Unix epoch, own wall clock)';
-COMMENT ON COLUMN processes.recorded IS 'records offered to its recorder (= dropped + written + pending), cumulative at its last flush (count)';
+COMMENT ON COLUMN processes.recorded IS 'records offered to its recorder (= dropped + written + tail_dropped + pending), cumulative at its last flush (count)';
 COMMENT ON COLUMN processes.dropped IS 'records dropped: buffer full, sink unreachable, or rows of failed writes (count, cumulative)';
 COMMENT ON COLUMN processes.written IS 'records written to store files (count, cumulative)';
 COMMENT ON COLUMN processes.write_errors IS 'failed file writes or merges of its sink (count, cumulative)';
@@ -100,4 +105,9 @@ COMMENT ON COLUMN processes.writer_cpu_ns IS 'CPU of its pdtrace-writer thread s
 COMMENT ON COLUMN processes.sink_cpu_ns IS 'CPU of the host''s sink process (one per host and trace directory, shared by every traced process there: the same sink on each row of a host) as of this process''s last flush (process CPU clock, ns; background); NULL: not recorded';
 COMMENT ON COLUMN processes.hook_errors IS 'errors raised by pdtrace''s own code inside the process''s hooks (the traced connectors'' and API server''s, connector/traced/safety.py safe()) and swallowed there: the engine ran on, but those hook calls may have left records out (count, cumulative at its last flush; 0 on a healthy run); NULL: not recorded (no stats row, or a pdtrace that did not count them)';
 COMMENT ON COLUMN processes.hook_error_first IS 'the first such error: ''<hook qualname>: <exception class>'' (names only, never the message); NULL: none (or not recorded)';
+COMMENT ON COLUMN processes.retain IS 'retention of the host''s sink that wrote its last stats row: tail (PDTRACE_RETAIN=tail, module pdtrace.instrument.retention: only slow, failed, marked and head-sampled requests kept) | all; NULL: no recorder.stats row';
+COMMENT ON COLUMN processes.tail_dropped IS 'tail retention: its records the sink dropped by decision (a fast request not head-sampled, a step of such requests only), not lost (count, cumulative); NULL without tail retention';
+COMMENT ON COLUMN processes.tail_ttft_ms IS 'tail retention: the sink''s TTFT threshold (PDTRACE_TAIL_TTFT_MS, ms; 0: none); NULL without tail retention';
+COMMENT ON COLUMN processes.tail_tpot_ms IS 'tail retention: the sink''s TPOT threshold (PDTRACE_TAIL_TPOT_MS, ms; 0: none); NULL without tail retention';
+COMMENT ON COLUMN processes.tail_head IS 'tail retention: the fraction of the other requests kept anyway (PDTRACE_TAIL_HEAD, 0..1); NULL without tail retention';
 COMMENT ON COLUMN processes.files IS 'readable store files holding its rows (count)';

@@ -202,6 +202,19 @@ def test_slow_and_failed_requests_kept_whole_others_at_the_head_rate(tmp_path):
     summ = json.loads(next(d.glob("tail-retention-*.json")).read_text())
     assert summ["kept"] == len(keep) and summ["dropped"] == n_drop and summ["evicted"] == 0, summ
     assert summ["reasons"]["failed"] == 1 and summ["held_records"] == 0, summ
+    # the analysis says so: view processes (retention and counters per process) and the report's note
+    from pdtrace.analysis import open as open_trace, report
+
+    with open_trace(d, cache=False) as s:
+        procs = {r["role"]: r for r in s.query("SELECT role, retain, recorded, written, tail_dropped, "
+                                                "tail_ttft_ms, tail_head FROM processes")}
+        text = report.render(report.collect(s.cursor()))
+    for role, st in (("decode", dec), ("router", rou)):
+        p = procs[role]
+        assert (p["retain"], p["tail_ttft_ms"], p["tail_head"]) == ("tail", THRESHOLD_MS, HEAD), p
+        assert (p["recorded"], p["written"], p["tail_dropped"]) == (st["recorded"], st["written"], st["tail_dropped"])
+    assert "Tail-retained store (PDTRACE_RETAIN=tail; TTFT >= 100.000 ms, TPOT >= 0.000 ms (0: no rule), head " \
+           "0.250)" in text, text[:600]
 
 
 def test_marked_window_keeps_every_request_in_it(tmp_path):
