@@ -176,8 +176,8 @@ CREATE OR REPLACE VIEW _tt_req AS SELECT * FROM _mat_tt_req;
 -- events from _kv_failed_spans, looked up by an uncorrelated IN: a join would hash the
 -- candidates, the big side, and EXISTS would group them) and fe_in, a frontend's 'in' part
 -- (frontend.part = 'in'). A row without a span id takes none of them (its stage's own category,
--- its role's branch). (Until issue 17's cold-cost work they were a second scan, _tt_marks,
--- joined on (rkey, span_id): the join alone cost more than the scan.)
+-- its role's branch). (Read in this scan: a second scan joined on (rkey, span_id) costs more
+-- than the scan itself, BENCHMARKS.md "Cold cost of the attribution rules".)
 CREATE OR REPLACE VIEW _tt_all AS
 SELECT t.* EXCLUDE (c_start_ns),
        greatest(t.c_start_ns, q.arrival_ns) AS s0,
