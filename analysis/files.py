@@ -138,26 +138,43 @@ def release_rows(con: duckdb.DuckDBPyConnection) -> None:
 _GLOB_CHARS = re.compile(r"[*?\[\]{}]")
 
 
-def footers(con: duckdb.DuckDBPyConnection, paths: list[Path]) -> dict[str, dict[bytes, bytes]] | None:
-    """{path: the footer's pdtrace keys (``VERSION_KEY``, ``ARTIFACT_KEY`` of :mod:`pdtrace.instrument.schema`) and values}
-    of ``paths``, read by DuckDB in one statement (``parquet_kv_metadata``; a file with neither maps
-    to ``{}``); ``None`` when that statement
-    fails (a file vanished, is empty or not Parquet, a path is a glob, the connection may not read
-    it): the caller then checks file by file. Cheaper than pyarrow's ``read_metadata`` per file,
-    and the analysis then never imports pyarrow (BENCHMARKS.md "Small-store cold report")."""
-    if not paths or any(_GLOB_CHARS.search(str(p)) for p in paths):
-        return None
+def footers(con: duckdb.DuckDBPyConnection, paths: list[Path]) -> dict[str, dict[bytes, bytes] | None]:
+    """{path: the footer's pdtrace keys (``VERSION_KEY``, ``ARTIFACT_KEY`` of :mod:`pdtrace.instrument.schema`)
+    and values, ``{}`` for a file with neither; ``None`` for a file DuckDB could not read as Parquet
+    (vanished, empty, truncated or foreign bytes, a path the connection may not read, a glob
+    character in its path): the caller checks that one with pyarrow}. Read by DuckDB
+    (``parquet_kv_metadata``) in one statement for the whole list; when it fails, the list is split in
+    halves and each half read again, so k unreadable files of n cost about 2·k·log2(n) statements.
+    Cheaper than pyarrow's ``read_metadata`` per file, and a report then never imports pyarrow
+    (BENCHMARKS.md "Small-store cold report")."""
+    out: dict[str, dict[bytes, bytes] | None] = {}
+
+    def read(batch: list[str]) -> None:
+        try:
+            rows = con.execute("SELECT file_name, key, value FROM parquet_kv_metadata(?) WHERE key IN (?, ?)",
+                               [batch, _schema.VERSION_KEY, _schema.ARTIFACT_KEY]).fetchall()
+        except duckdb.Error:
+            if len(batch) == 1:
+                out[batch[0]] = None
+                return
+            read(batch[:len(batch) // 2])
+            read(batch[len(batch) // 2:])
+            return
+        got: dict[str, dict[bytes, bytes]] = {n: {} for n in batch}
+        for name, key, value in rows:
+            if name not in got:  # DuckDB named a file otherwise than asked: trust nothing of this batch
+                out.update(dict.fromkeys(batch))
+                return
+            got[name][bytes(key)] = bytes(value)
+        out.update(got)
+
     names = [str(p) for p in paths]
-    try:
-        rows = con.execute("SELECT file_name, key, value FROM parquet_kv_metadata(?) WHERE key IN (?, ?)",
-                           [names, _schema.VERSION_KEY, _schema.ARTIFACT_KEY]).fetchall()
-    except duckdb.Error:
-        return None
-    out: dict[str, dict[bytes, bytes]] = {n: {} for n in names}
-    for name, key, value in rows:
-        if name not in out:  # DuckDB named the file otherwise than asked: trust nothing of it
-            return None
-        out[name][bytes(key)] = bytes(value)
+    for n in names:
+        if _GLOB_CHARS.search(n):  # DuckDB would expand it as a pattern
+            out[n] = None
+    plain = [n for n in names if n not in out]
+    if plain:
+        read(plain)
     return out
 
 
@@ -171,17 +188,18 @@ def scan(directory: str | os.PathLike, corrupt: dict[str, tuple[int, int, str]] 
     just now (out of descriptors) has a reason starting ``unreadable now:``; one that cannot be opened
     for good (permission) ``unreadable:``. ``corrupt``: {path: (size, mtime_ns, reason)} of files whose
     data failed to decode earlier; such a file is skipped with that reason until its size or mtime
-    changes. ``con``: a DuckDB connection that may read the directory, to read every footer in one
-    statement (:func:`footers`); without it, or when that fails, each file's footer is read by
+    changes. ``con``: a DuckDB connection that may read the directory, to read the footers in one
+    statement (:func:`footers`); without it, and for a file DuckDB cannot read, the footer is read by
     :func:`pdtrace.instrument.store.check_file`. Both apply one rule (``store.check_metadata``).
     """
     corrupt = corrupt or {}
     good: dict[str, tuple[int, int]] = {}
     bad: list[tuple[str, str]] = []
     paths = _store.store_files(Path(directory))
-    kvs = footers(con, paths) if con is not None else None
+    kvs = footers(con, paths) if con is not None else {}
     for p in paths:
-        chk = _store.check_metadata(p, kvs[str(p)]) if kvs is not None else _store.check_file(p)
+        kv = kvs.get(str(p))
+        chk = _store.check_metadata(p, kv) if kv is not None else _store.check_file(p)
         if chk.artifact:  # another pdtrace file (the lab's client records): not spans, not bad
             continue
         if not chk.ok:

@@ -640,8 +640,8 @@ def test_footers_read_by_duckdb_give_pyarrows_verdicts(tmp_path):
     """scan reads every footer in one DuckDB statement (files.footers) and applies the same rule
     (store.check_metadata) as store.check_file: on valid Parquet files of every kind -- spans, a
     foreign file, a newer major, a bad version string, the lab's client records -- both ways give the
-    same good and bad lists; a file DuckDB cannot read as Parquet (empty, truncated) makes the
-    statement fail and scan falls back to check_file for all."""
+    same good and bad lists; a file DuckDB cannot read as Parquet (empty, truncated) is found by
+    halving the list and checked by check_file alone, the others' footers still read by DuckDB."""
     from pdtrace.connector.lab.replay import ClientRecord, write_records
 
     d = tmp_path / "s"
@@ -653,7 +653,7 @@ def test_footers_read_by_duckdb_give_pyarrows_verdicts(tmp_path):
     write_records([ClientRecord(0, 0, 12, 4, 0, status="ok")], d / "client", "run-1")
     con = duckdb.connect()
     kvs = files.footers(con, store.store_files(d))
-    assert kvs is not None and kvs[str(d / "foreign.parquet")] == {}  # pyarrow's own ARROW:schema key not read
+    assert None not in kvs.values() and kvs[str(d / "foreign.parquet")] == {}  # pyarrow's own ARROW:schema key not read
     assert kvs[str(d / "newer.parquet")] == {schema.VERSION_KEY: b"2.0"}
     by_duckdb, by_pyarrow = files.scan(d, con=con), files.scan(d)
     assert by_duckdb == by_pyarrow
@@ -661,7 +661,12 @@ def test_footers_read_by_duckdb_give_pyarrows_verdicts(tmp_path):
     assert len(good) == len(store.store_files(d)) - 4  # client records: neither good nor bad
     assert sorted(Path(p).name for p, _ in bad) == ["badversion.parquet", "foreign.parquet", "newer.parquet"]
     (d / "empty.parquet").write_bytes(b"")
-    assert files.footers(con, store.store_files(d)) is None
+    (d / "truncated.parquet").write_bytes(Path(next(iter(good))).read_bytes()[:200])
+    kvs2 = files.footers(con, store.store_files(d))
+    assert sorted(Path(p).name for p, kv in kvs2.items() if kv is None) == ["empty.parquet", "truncated.parquet"]
+    assert {p: kv for p, kv in kvs2.items() if kv is not None} == kvs  # the other footers still read by DuckDB
+    assert files.scan(d, con=con) == files.scan(d)
     good2, bad2 = files.scan(d, con=con)
-    assert good2 == good and any(Path(p).name == "empty.parquet" and r == "empty file" for p, r in bad2)
+    assert good2 == good and ("empty file" in [r for p, r in bad2 if Path(p).name == "empty.parquet"])
+    assert any(Path(p).name == "truncated.parquet" and r.startswith("not a Parquet file") for p, r in bad2), bad2
     con.close()
