@@ -3,7 +3,7 @@
 A :class:`Trace` keeps a DuckDB database -- in memory, or a cache file that survives between runs
 (:mod:`pdtrace.analysis.cache`) -- holding the SQL library's views (:mod:`pdtrace.analysis.loader`)
 over the directory's store files (read in place: ``_records`` is redefined over the current file
-list on each refresh) and the materialized ``_mat_*`` tables behind the heavy views
+list on each refresh; a cold build of a small store reads them once into memory for its own steps) and the materialized ``_mat_*`` tables behind the heavy views
 (:mod:`pdtrace.analysis.materialize`). :meth:`Trace.refresh` absorbs what changed since the last
 refresh: new or rewritten files are read, vanished files (the recorder compacts its per-flush parts
 into a segment) are dropped, duplicates of a record (same ``record_id`` in two files) are hidden,
@@ -150,10 +150,9 @@ class Trace(Materializer):
 
         New files are decoded in full before they are absorbed (every value of
         every column; all new files in one statement, each alone only when
-        that fails: :func:`pdtrace.analysis.files.decode_errors`; a store of at
-        most :attr:`hold_bytes` is read into memory instead, every column of the
-        store schema of every file, which is that check, and only when that
-        fails are the files decoded to find the bad ones). A file whose footer is sound but
+        that fails: :func:`pdtrace.analysis.files.decode_errors`). A cold build of a
+        store of at most :attr:`hold_bytes` then reads its files once into memory
+        (:meth:`_hold`). A file whose footer is sound but
         whose data pages are not is skipped and named (reason ``corrupt data:
         ...``) until its size or mtime changes, remembered in a cache file too.
         A file that cannot be opened or decoded just now (too many open files,
@@ -212,10 +211,7 @@ class Trace(Materializer):
                 new = [p for p in new if p not in deferred]
             else:
                 deferred = []
-            # a small store is held in memory (files.hold_rows): reading every column of every file
-            # into memory is the decode check too; when that fails, decode_errors names the bad files
-            held = bool(new) and self._hold(good)
-            for p, (state, reason) in ({} if held else _files.decode_errors(new)).items():
+            for p, (state, reason) in _files.decode_errors(new).items():
                 sm = good.pop(p)
                 new.remove(p)
                 if state == "corrupt":
@@ -226,6 +222,8 @@ class Trace(Materializer):
                     if p in known:  # changed, not decodable just now: its old rows stay until then
                         good[p] = known[p]
             gone = sorted(p for p in known if p not in good or p in new)
+            # a cold build of a small store reads its files once, not once per step (files.hold_rows)
+            held = rebuild and bool(new) and self._hold(good)
             try:
                 res = self._refresh_files(good, bad, new, gone, cold=rebuild, transaction=not rebuild, held=held)
             except duckdb.Error as exc:
@@ -275,11 +273,20 @@ class Trace(Materializer):
         return any(now.get(p) != sm for p, sm in good.items())
 
     def _hold(self, good: dict[str, tuple[int, int]]) -> bool:
-        """Hold the rows of the files ``good`` in memory when they total at most :attr:`hold_bytes`
-        (:func:`pdtrace.analysis.files.hold_rows`); False when they do not, or when reading them
-        failed (a file that does not decode, or cannot be read just now: the caller finds which)."""
+        """Hold the rows of the files ``good`` in memory (:func:`pdtrace.analysis.files.hold_rows`)
+        when they total at most :attr:`hold_bytes` on disk and their estimated held size
+        (``files.HELD_PER_DISK_BYTE`` per byte) is at most ``files.HOLD_SHARE`` of DuckDB's
+        ``memory_limit``; False when not, or when reading them failed (vanished just now, out of
+        memory, interrupted: the refresh then reads the files in place, as without a hold)."""
+        sizes = {p: sm[0] for p, sm in good.items()}
+        on_disk = sum(sizes.values())
+        if not sizes or on_disk > self.hold_bytes:
+            return False
+        limit = _files.memory_limit_bytes(self.con)
+        if limit is None or on_disk * _files.HELD_PER_DISK_BYTE > _files.HOLD_SHARE * limit:
+            return False
         try:
-            return _files.hold_rows(self.con, {p: sm[0] for p, sm in good.items()}, self.hold_bytes)
+            return _files.hold_rows(self.con, sizes, self.hold_bytes)
         except duckdb.Error:
             return False
 
@@ -291,10 +298,6 @@ class Trace(Materializer):
         ``held``: the rows of ``good`` are held in memory already (:meth:`_hold`; released here)."""
         res = RefreshResult(new=new, gone=gone, skipped=bad)
         con = self.con
-        # a small store's rows are read once, not by every step (files.hold_rows); outside the
-        # transaction, so that a rollback cannot leave them half-undone
-        held = held or (bool(new or gone or cold) and _files.hold_rows(
-            con, {p: sm[0] for p, sm in good.items()}, self.hold_bytes))
         began = False
         try:
             if transaction:
@@ -321,7 +324,10 @@ class Trace(Materializer):
             raise
         finally:
             if held:
-                _files.release_rows(con)
+                try:
+                    _files.release_rows(con)
+                except duckdb.Error:  # (a connection gone bad: the error that follows says why)
+                    pass
         self._fresh = False
         return res
 

@@ -87,10 +87,33 @@ def decode_errors(paths: list[str]) -> dict[str, tuple[str, str]]:
     return out
 
 
-#: Store files totalling at most this many bytes on disk have their rows held in memory
-#: (:func:`hold_rows`). The synthetic 1,000-request store is 3.7 MB on disk (180 files) and takes
-#: about 25 MB held; 32 MB on disk is some 9,000 requests.
-HOLD_BYTES = 32 * 1024 * 1024
+#: A cold build of store files totalling at most this many bytes on disk holds their rows in memory
+#: (:func:`hold_rows`). Held rows take 16-18x their size on disk (zstd Parquet; the synthetic
+#: 1,000-request store: 0.68 MB on disk, 12.5 MB held; 9.7 MB: 179 MB), and holding pays off only while
+#: the store is small: a cold refresh of 9.7 MB took 2.4 s held against 3.7 s in place, one of 30.9 MB
+#: 7-11 s against 6-9 s (2026-12-06, 2 cores).
+HOLD_BYTES = 4 * 1024 * 1024
+
+#: Held rows per byte on disk assumed when checking a hold against DuckDB's memory_limit (measured
+#: 16-18, see HOLD_BYTES), and the share of that limit a hold may take.
+HELD_PER_DISK_BYTE, HOLD_SHARE = 20, 0.25
+
+_UNITS = {"bytes": 1, "b": 1, "kb": 1000, "mb": 1000 ** 2, "gb": 1000 ** 3, "tb": 1000 ** 4,
+          "kib": 1024, "mib": 1024 ** 2, "gib": 1024 ** 3, "tib": 1024 ** 4}
+
+
+def memory_limit_bytes(con: duckdb.DuckDBPyConnection) -> int | None:
+    """DuckDB's ``memory_limit`` on ``con`` in bytes (its setting reads e.g. ``'18.8 GiB'``,
+    ``'100.0 MiB'``); None when it cannot be read or parsed."""
+    try:
+        text = con.execute("SELECT current_setting('memory_limit')").fetchone()[0]
+    except duckdb.Error:
+        return None
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]+)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        return None
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
 
 #: The table of held rows, in the connection's temporary schema.
 HELD_TABLE = "_held_rows"
@@ -103,8 +126,8 @@ def hold_rows(con: duckdb.DuckDBPyConnection, sizes: dict[str, int], limit: int 
 
     Why: every statement over ``_read_store`` (``_records``, ``_file_rows``) otherwise opens each
     file again, reads its footer at bind time (``union_by_name``) and decodes its pages: on a small
-    store that is most of a statement's time (the 1,000-request synthetic store: 180 files read by
-    each of ~40 statements of a cold refresh). Held, the files are read once.
+    store that is most of a statement's time in a cold build (~40 statements). Held, those statements
+    read the files once (the duplicate check and the row counts of ``_files`` still read in place).
 
     How: a ``TEMP`` table :data:`HELD_TABLE` holds ``main._read_store(paths)`` (the library's macro,
     so the rows are exactly the ones read in place), and a ``TEMP`` table macro ``_read_store(files)``

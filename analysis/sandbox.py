@@ -15,8 +15,6 @@ from pathlib import Path
 
 import duckdb
 
-from . import files as _files
-
 
 class ReadOnlyError(duckdb.PermissionException):
     """A statement other than a query was refused by a read-only connection."""
@@ -86,9 +84,8 @@ class ReadOnlyConnection:
     under it unchecked.
     """
 
-    def __init__(self, con: duckdb.DuckDBPyConnection, hold: dict[str, int] | None = None):
+    def __init__(self, con: duckdb.DuckDBPyConnection):
         self._con = con
-        self._hold = hold  # {store file: bytes} a new cursor holds in memory (lock_down)
 
     def statements(self, sql: str) -> list:
         """The statements of ``sql`` when every one is a query (:func:`readonly_statements`); raises
@@ -108,25 +105,8 @@ class ReadOnlyConnection:
         return self
 
     def cursor(self) -> "ReadOnlyConnection":
-        """A new read-only cursor on the same database (for another thread, or a second result).
-
-        On a connection from :func:`lock_down` over a small store, the cursor first reads the
-        store's rows into memory (:func:`pdtrace.analysis.files.hold_rows`: 0.1 s for the
-        20-request synthetic store, 0.3 s CPU for the 1,000-request one), so that the views reading
-        store files in place (``spans``, ``events``, ``transfers``, ``coarse_breakdown``...) read
-        each file once per cursor instead of once per query; the rows are those the files hold
-        when it is made (the connection is a finished look). Temporary objects belong to one DuckDB
-        connection, hence one read per cursor, none on the connection itself. When reading them
-        fails (a file vanished since the refresh, out of memory) the cursor reads files in place,
-        as it would without a hold, and fails on such a file only when a query reads it.
-        """
-        cur = self._con.cursor()
-        if self._hold:
-            try:
-                _files.hold_rows(cur, self._hold, limit=sum(self._hold.values()))
-            except duckdb.Error:
-                pass
-        return ReadOnlyConnection(cur, self._hold)
+        """A new read-only cursor on the same database (for another thread, or a second result)."""
+        return ReadOnlyConnection(self._con.cursor())
 
     @property
     def description(self):
@@ -154,35 +134,29 @@ class ReadOnlyConnection:
             pass
 
 
-def lock_down(con: duckdb.DuckDBPyConnection, hold: bool | int = True) -> ReadOnlyConnection:
+def lock_down(con: duckdb.DuckDBPyConnection) -> ReadOnlyConnection:
     """Forbid writes and file access beyond the store's files on ``con``; return a ReadOnlyConnection.
 
     The store files absorbed in ``_files`` stay readable (``allowed_paths``);
     COPY TO, EXPORT, ATTACH, reading other files and INSTALL/LOAD raise, and
-    SET of any option raises. ``hold``: each cursor of the returned connection
-    (:meth:`ReadOnlyConnection.cursor`) reads the store's rows into memory first when its files
-    total at most :data:`pdtrace.analysis.files.HOLD_BYTES` (True), at most ``hold`` bytes (an
-    int), or never (False); see :meth:`ReadOnlyConnection.cursor`.
+    SET of any option raises.
     """
-    sizes = dict(con.execute("SELECT path, coalesce(size, 0) FROM _files WHERE ok").fetchall())
-    files = sorted(sizes)
-    limit = 0 if hold is False else _files.HOLD_BYTES if hold is True else int(hold)
+    files = [r[0] for r in con.execute("SELECT path FROM _files WHERE ok").fetchall()]
     con.execute("SET autoinstall_known_extensions = false")
     con.execute("SET autoload_known_extensions = false")
     if files:
         con.execute("SET allowed_paths = ?", [files])
     con.execute("SET enable_external_access = false")
     con.execute("SET lock_configuration = true")
-    return ReadOnlyConnection(con, sizes if sizes and sum(sizes.values()) <= limit else None)
+    return ReadOnlyConnection(con)
 
 
-def connect_readonly(cache: str | os.PathLike, hold: bool | int = True) -> ReadOnlyConnection:
-    """Open a cache database built by :class:`Trace` read-only and locked down (see :func:`lock_down`,
-    which ``hold`` is passed to).
+def connect_readonly(cache: str | os.PathLike) -> ReadOnlyConnection:
+    """Open a cache database built by :class:`Trace` read-only and locked down (see :func:`lock_down`).
 
     Raises duckdb.IOException when the file is missing or locked by a writer.
     """
-    return lock_down(duckdb.connect(str(cache), read_only=True), hold)
+    return lock_down(duckdb.connect(str(cache), read_only=True))
 
 
 def restrict_to_directory(con: duckdb.DuckDBPyConnection, directories: list[str | os.PathLike]) -> None:

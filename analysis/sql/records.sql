@@ -47,7 +47,8 @@ FROM read_parquet(files, union_by_name = true, filename = true);
 -- _records: every record once. Defined here over no files; the connection
 -- module redefines it on each refresh over the current readable files:
 --   SELECT * FROM _read_store([files]) anti-joined with _dup_drop
--- (the store's Parquet files are read in place, never copied).
+-- (the store's Parquet files are read in place, never copied into the cache; a cold build of a
+-- small store reads them once into a temporary table for its own steps, analysis/files.py hold_rows).
 CREATE OR REPLACE VIEW _records_empty AS
 SELECT NULL::VARCHAR AS record, NULL::UBIGINT AS record_id, NULL::VARCHAR AS trace_id, NULL::UBIGINT AS span_id,
        NULL::UBIGINT AS parent_span_id, NULL::VARCHAR AS name, NULL::TINYINT AS kind, NULL::BIGINT AS start_ns,

@@ -1,11 +1,11 @@
-"""A small store's rows held in memory (:func:`pdtrace.analysis.files.hold_rows`): read once per
-refresh or per read-only cursor, the same answers as reading the files in place; and the SQL
-library parsed once per process (:func:`pdtrace.analysis.loader.modules`)."""
+"""A small store's rows held in memory (:func:`pdtrace.analysis.files.hold_rows`): read once by a
+cold build, the same answers as reading the files in place; and the SQL library parsed once per
+process (:func:`pdtrace.analysis.loader.modules`)."""
 import os
 import shutil
 from pathlib import Path
 
-from pdtrace.analysis import db, files, loader, sandbox
+from pdtrace.analysis import db, files, loader
 from test_handoff_cases import _case_j
 from test_incomplete import _case_e, _case_k
 from test_ttft_cases import _case_a, _case_c, _case_d, _case_h, _case_i, _case_l
@@ -34,6 +34,8 @@ def test_held_refresh_equals_reading_in_place(tmp_path):
     held, in_place = db.Trace(d, threads=1), db.Trace(d, threads=1)
     in_place.hold_bytes = 0
     with held, in_place:
+        assert held._hold(files.scan(d)[0]) and held.con.execute(_HELD).fetchone()[0] == 1  # it can hold
+        files.release_rows(held.con)
         held.refresh()
         in_place.refresh()
         first = _public_views(held.con)
@@ -77,46 +79,44 @@ def test_hold_rows_reads_the_files_once_and_release_undoes_it(tmp_path):
         assert con.execute(q).fetchall() == want
 
 
-def test_read_only_cursors_hold_the_rows_and_fall_back_when_a_file_vanished(tmp_path):
-    """A cursor of a locked-down connection over a small store holds its rows (the connection itself
-    does not: temporary tables are per DuckDB connection); the in-place views answer the same as
-    without a hold; a store file deleted after the refresh leaves the cursor reading in place, so the
-    views that do not read it still answer."""
+def test_only_a_cold_build_within_the_memory_limit_holds(tmp_path, monkeypatch):
+    """The hold is for the cold build of a small store: a warm refresh (the dashboard following a
+    growing store) reads its new files in place, and so does a cold build whose estimated held size
+    exceeds a quarter of DuckDB's memory_limit; every new file is decoded in full either way (a
+    hold reads only the store schema's columns, the decode check every column)."""
+    calls, decoded = [], []
+    real_hold, real_decode = files.hold_rows, files.decode_errors
+
+    def hold(con, sizes, limit=files.HOLD_BYTES):
+        ok = real_hold(con, sizes, limit)
+        calls.append(ok)
+        return ok
+
+    def decode(paths):
+        decoded.append(list(paths))
+        return real_decode(paths)
+
+    monkeypatch.setattr(files, "hold_rows", hold)
+    monkeypatch.setattr(files, "decode_errors", decode)
     d = tmp_path / "s"
     _write(d, [("a", _case_a), ("e", _case_e)])
-    cache = tmp_path / "c.duckdb"
-    with db.Trace(d, cache=cache) as tr:
+    with db.Trace(d) as tr:
         tr.refresh()
-    spans = "SELECT * FROM spans ORDER BY record_id"
-    # one read-only connection at a time: DuckDB shares one instance per file in a process, and
-    # its configuration is locked by the first lock_down
-    plain = sandbox.connect_readonly(cache, hold=False)
-    try:
-        c0 = plain.cursor()
-        assert c0.execute(_HELD).fetchone()[0] == 0
-        want = c0.execute(spans).fetchall()
-        transfers = sorted(map(repr, c0.execute("SELECT * FROM transfers").fetchall()))
-        bd = c0.execute("SELECT * FROM ttft_breakdown ORDER BY request_id").fetchall()
-        c0.close()
-    finally:
-        plain.close()
-    assert want and bd
-    held = sandbox.connect_readonly(cache)
-    try:
-        c1 = held.cursor()
-        assert c1.execute(_HELD).fetchone()[0] == 1 and held.execute(_HELD).fetchone()[0] == 0
-        assert c1.execute(spans).fetchall() == want
-        assert sorted(map(repr, c1.execute("SELECT * FROM transfers").fetchall())) == transfers
-        victim = sorted(d.glob("e-*.parquet"))[0]
-        victim.unlink()
-        c2 = held.cursor()                                               # cannot read it: not held
-        assert c2.execute(_HELD).fetchone()[0] == 0
-        assert c2.execute("SELECT * FROM ttft_breakdown ORDER BY request_id").fetchall() == bd
-        assert c1.execute(spans).fetchall() == want                      # held before: still answers
-        c1.close()
-        c2.close()
-    finally:
-        held.close()
+        assert calls == [True] and len(decoded) == 1 and len(decoded[0]) == len(files.scan(d)[0])
+        _write(d, [("h", _case_h)])
+        assert tr.refresh().new and calls == [True] and len(decoded) == 2  # warm: decoded, not held
+    calls.clear()
+    # a memory_limit of 512 MiB and a store whose rows would take more than a quarter of it (the
+    # held-per-disk-byte factor raised so that this small store counts as that big)
+    on_disk = sum(s for s, _m in files.scan(d)[0].values())
+    monkeypatch.setattr(files, "HELD_PER_DISK_BYTE", (files.HOLD_SHARE * 512 * 2 ** 20) // on_disk + 1)
+    with db.Trace(d, memory_limit="512MiB") as tr:
+        tr.refresh()
+        assert calls == [] and tr.query("SELECT count(*) AS n FROM ttft_breakdown")[0]["n"] >= 2
+    monkeypatch.setattr(files, "HELD_PER_DISK_BYTE", (files.HOLD_SHARE * 512 * 2 ** 20) // on_disk - 1)
+    with db.Trace(d, memory_limit="512MiB") as tr:  # just under: held
+        tr.refresh()
+        assert calls == [True]
 
 
 def test_modules_are_parsed_again_only_when_a_file_changed(tmp_path, monkeypatch):
