@@ -186,15 +186,21 @@ def _shapes(batch: int) -> list[tuple[str, int]]:
 
 def _child(a) -> dict:
     """All shapes' figures in this process (the code on sys.path)."""
-    os.environ.setdefault("PDTRACE_DIR", tempfile.mkdtemp(prefix="pdtrace-stephook-"))
+    own = None
+    if not os.environ.get("PDTRACE_DIR"):  # a store of our own, removed at the end
+        own = os.environ["PDTRACE_DIR"] = tempfile.mkdtemp(prefix="pdtrace-stephook-")
     from pdtrace.instrument import activate, tracer
 
-    if not activate("explicit", role="decode"):
-        raise SystemExit("tracing did not start (PDTRACE_DIR)")
     try:
-        return {name: measure(b, a.steps, a.rounds, a.cold) for name, b in _shapes(a.batch)}
+        if not activate("explicit", role="decode"):
+            raise SystemExit("tracing did not start (PDTRACE_DIR)")
+        try:
+            return {name: measure(b, a.steps, a.rounds, a.cold) for name, b in _shapes(a.batch)}
+        finally:
+            tracer.shutdown()
     finally:
-        tracer.shutdown()
+        if own:
+            shutil.rmtree(own, ignore_errors=True)
 
 
 def _print(figs: dict, cold: bool, title: str = "") -> None:
@@ -218,12 +224,18 @@ def _worktree(ref: str) -> tuple[str, str]:
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     tmp = tempfile.mkdtemp(prefix="pdtrace-before-")
     wt = os.path.join(tmp, "tree")
-    subprocess.run(["git", "-C", repo, "worktree", "add", "--detach", wt, ref], check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    shim = os.path.join(tmp, "path", "pdtrace")
-    os.makedirs(shim)
-    for p in _PKGS:
-        os.symlink(os.path.join(wt, p), os.path.join(shim, p))
+    try:
+        subprocess.run(["git", "-C", repo, "worktree", "add", "--detach", wt, ref], check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        shim = os.path.join(tmp, "path", "pdtrace")
+        os.makedirs(shim)
+        for p in _PKGS:
+            os.symlink(os.path.join(wt, p), os.path.join(shim, p))
+    except BaseException:  # leave neither a registered worktree nor the directory behind
+        subprocess.run(["git", "-C", repo, "worktree", "remove", "--force", wt], check=False,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return wt, os.path.dirname(shim)
 
 
@@ -253,17 +265,19 @@ def main(argv=None) -> int:
     if not a.before:
         _print(_child(a), bool(a.cold))
         return 0
-    wt, path = _worktree(a.before)
     runs = {"before": [], "after": []}
+    wt = None
     try:
+        wt, path = _worktree(a.before)
         for _ in range(a.rounds):  # one round each, alternating, each in a fresh process
             runs["before"].append(_run_child(a, path))
             runs["after"].append(_run_child(a, None))
     finally:
         repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        subprocess.run(["git", "-C", repo, "worktree", "remove", "--force", wt], check=False,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        shutil.rmtree(os.path.dirname(wt), ignore_errors=True)  # the mkdtemp dir holding tree/ and path/
+        if wt is not None:
+            subprocess.run(["git", "-C", repo, "worktree", "remove", "--force", wt], check=False,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            shutil.rmtree(os.path.dirname(wt), ignore_errors=True)  # the mkdtemp dir holding tree/ and path/
     med = {}
     for k, rs in runs.items():
         med[k] = {name: {f: statistics.median(r[name][f] for r in rs) for f in rs[0][name]} for name in rs[0]}

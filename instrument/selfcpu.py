@@ -25,7 +25,8 @@ lost record loses nothing):
   turns them into per-thread shares;
 - on each recorded step span, the EngineCore thread's figures since the
   previous recorded step span (``step.pdtrace_cpu_ns``, ``step.thread_cpu_ns``;
-  :func:`thread_pair`).
+  :func:`thread_pair_at`, from the clock sample the hook's own window started
+  with), and on each ``connector.load`` span the forward thread's (:func:`stamp`).
 
 The *hot-path share* of a thread over an interval is pdtrace's CPU on it
 divided by the thread's whole CPU in the same interval (both thread CPU
@@ -45,8 +46,9 @@ idle engine step's two hooks (≈ 2.3 µs of pdtrace) were charged ≈ 4.1 µs o
 machine whose thread clock read costs ≈ 0.9 µs (``benchmarks/step_hook_cost.py``).
 The thread CPU rows carry the read cost used (``cpu.read_cost_ns``).
 
-Cost when on: two thread-CPU clock reads per hook (≈ 0.2–0.9 µs each here,
-a system call), one more per recorded step, and one record per active thread
+Cost when on: two thread-CPU clock reads per hook (≈ 0.2–0.9 µs each here
+warm, ~10 µs with cold caches), one more per recorded ``connector.load`` span
+(none per step span), and one record per active thread
 per flush on the writer thread; when off: one module-attribute
 check per hook and nothing at a flush.
 
@@ -139,7 +141,7 @@ def add(t0_ns: int) -> None:
 def stamp(attrs: dict, mark: tuple[int, int] | None) -> tuple[int, int]:
     """Put the calling thread's pdtrace CPU and whole CPU since ``mark`` (a previous return value; None: none
     yet, nothing put) into ``attrs`` as ``step.pdtrace_cpu_ns`` / ``step.thread_cpu_ns`` (ns); return the new
-    mark. The recorded step spans (EngineCore thread) and ``connector.load`` spans (forward thread) use it."""
+    mark. The ``connector.load`` spans (forward thread) use it; step spans use :func:`thread_pair_at`."""
     pd, th = thread_pair()
     if mark is not None:
         attrs["step.pdtrace_cpu_ns"] = pd - mark[0]

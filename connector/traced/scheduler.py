@@ -140,8 +140,10 @@ class SReq:
         self.q_sid = 0  # the open queue span (prefill.queue / decode.queue)
         self.w_sids = ()  # D's open waits for its KV (dest.register / handoff.prep, kv.ready)
         self.h_sid = 0  # P's open prefill.block_hold
-        # its step.batch entry "<X>:d1" once it decodes one token a step (built once: a decode step's batch
-        # reuses it); None until then, and again after a preemption or a failed KV load (kind re-decided)
+        # its step.batch entry "<X>:d1", built the first time it decodes one token a step and reused by later
+        # decode steps; never reset: it is used only for a step that schedules 1 token of a request already
+        # past its prompt, whose kind is d1 whatever happened before (a preempted request recomputing its
+        # prompt is below it and gets its kind built afresh)
         self.dtag = None
 
 

@@ -38,6 +38,8 @@ MIXES = {
     "engines_split": ("aaa", "abcd"),
     "both_split": ("abb", "cccb"),
     "every_span": (None, None),
+    "sides_differ": ("aaa", "bbbb"),  # one id per side, not the same: only least/greatest across sides tells
+    "no_router": ("", "aaaa"),  # no router record at all (engine window): one id
 }
 
 
@@ -47,6 +49,8 @@ def test_trace_count(analyse, mix):
     _request(c, "X", 0)
     letters = {k: secrets.token_hex(16) for k in "abcd"}
     router, engines = MIXES[mix]
+    if router == "":  # drop the router's rows: the request is seen by the engines only
+        c.rows = {k: v for k, v in c.rows.items() if k[0] != "router"}
     spans = {"router": [], "engines": []}
     for (role, _), rows in c.rows.items():
         for r in rows:
@@ -55,14 +59,14 @@ def test_trace_count(analyse, mix):
             else:
                 spans["router" if role == "router" else "engines"].append(r)
     for side, pattern in (("router", router), ("engines", engines)):
-        assert len(spans[side]) == (3 if side == "router" else 4)
+        assert len(spans[side]) == (len(pattern) if pattern is not None else 3 if side == "router" else 4)
         for i, r in enumerate(spans[side]):
             r["trace_id"] = secrets.token_hex(16) if pattern is None else letters[pattern[i]]
     expected = len({r["trace_id"] for side in spans.values() for r in side})
     tr = analyse(c)
     row = one(tr, "SELECT trace_count, flags FROM requests WHERE request_id = 'X'")
     assert row["trace_count"] == expected == {"one": 1, "router_split": 3, "engines_split": 4, "both_split": 3,
-                                              "every_span": 7}[mix]
+                                              "every_span": 7, "sides_differ": 2, "no_router": 1}[mix]
     assert ("split_trace" in row["flags"]) == (expected > 1)
 
 
