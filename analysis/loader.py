@@ -120,22 +120,20 @@ _read_cache: tuple[tuple, dict[str, "Module"]] | None = None
 def modules() -> dict[str, Module]:
     """All modules of the library by name (files not starting with ``_``), as a new dict.
 
-    The files are parsed again only when one was added, removed or changed (name, mtime, size)
-    since the last call: a refresh asks for the modules' materializations a dozen times and
-    parsing them all takes ~25 ms (the ``comments-like`` expansion). Where the package's files
-    are not plain files (a zip import) they are parsed on every call.
+    The files are read on every call, parsed again only when their text changed (the directory
+    and every file's name and text are the cache key): a refresh asks for the modules'
+    materializations a dozen times and parsing them all takes ~25 ms (the ``comments-like``
+    expansion), reading them well under that.
     """
     global _read_cache
-    entries = [e for e in _sql_dir().iterdir() if e.name.endswith(".sql") and not e.name.startswith("_")]
-    try:
-        key = tuple(sorted((e.name, st.st_mtime_ns, st.st_size) for e in entries for st in (e.stat(),)))
-    except (AttributeError, OSError):
-        key = None
-    if key is not None and _read_cache is not None and _read_cache[0] == key:
+    d = _sql_dir()
+    entries = sorted((e.name, e.read_text()) for e in d.iterdir()
+                     if e.name.endswith(".sql") and not e.name.startswith("_"))
+    key = (str(d), tuple(entries))
+    if _read_cache is not None and _read_cache[0] == key:
         return dict(_read_cache[1])
-    out = {e.name[:-4]: read_module(e.name[:-4], e.read_text()) for e in entries}
-    if key is not None:
-        _read_cache = (key, out)
+    out = {name[:-4]: read_module(name[:-4], text) for name, text in entries}
+    _read_cache = (key, out)
     return dict(out)
 
 
