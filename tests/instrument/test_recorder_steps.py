@@ -1,15 +1,7 @@
 """The recorder's per-engine-step calls (issue 18's cheaper step path) write what their slower equivalents wrote."""
 import duckdb
 
-from pdtrace.instrument import config, recorder
-
-
-def _tracer(tmp_path, **env):
-    t = recorder.Tracer()
-    e = {"PDTRACE_DIR": str(tmp_path), "PDTRACE_ROLE": "decode"}
-    e.update({k: str(v) for k, v in env.items()})
-    t.configure(config.from_env(e))
-    return t
+from test_recorder import _tracer
 
 
 def _rows(d):
