@@ -152,11 +152,7 @@ def stamp(attrs: dict, mark: tuple[int, int] | None) -> tuple[int, int]:
 def thread_pair() -> tuple[int, int]:
     """(pdtrace CPU charged to the calling thread so far, the calling thread's whole CPU now less its
     self-measurement reads), ns."""
-    try:
-        c = _tls.cell
-    except AttributeError:
-        c = _cell()
-    return c[0], thread_time_ns() - 2 * _read_cost * c[1]
+    return thread_pair_at(thread_time_ns())
 
 
 def thread_pair_at(t_ns: int) -> tuple[int, int]:

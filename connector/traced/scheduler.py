@@ -283,18 +283,13 @@ class TracedSchedulerMixin:
         t0 = _now()
         meta = super().build_connector_meta(scheduler_output)
         # safe() written out (one frame less per engine step; same counting and self-measurement)
-        if selfcpu.enabled:
-            c0 = _thread_time()
-            try:
-                self._pdt_step_start(scheduler_output, meta, t0)
-            except Exception as exc:  # noqa: BLE001 - tracing never breaks the engine
-                count_error(exc, "TracedSchedulerMixin._pdt_step_start")
+        c0 = _thread_time() if selfcpu.enabled else None
+        try:
+            self._pdt_step_start(scheduler_output, meta, t0)
+        except Exception as exc:  # noqa: BLE001 - tracing never breaks the engine
+            count_error(exc, "TracedSchedulerMixin._pdt_step_start")
+        if c0 is not None:
             selfcpu.add(c0)
-        else:
-            try:
-                self._pdt_step_start(scheduler_output, meta, t0)
-            except Exception as exc:  # noqa: BLE001
-                count_error(exc, "TracedSchedulerMixin._pdt_step_start")
         return meta
 
     def _pdt_step_start(self, so, meta, t0) -> None:
@@ -454,18 +449,13 @@ class TracedSchedulerMixin:
         t1 = _now()
         r = super().update_connector_output(connector_output)
         # safe() written out, as in build_connector_meta
-        if selfcpu.enabled:
-            c0 = _thread_time()
-            try:
-                self._pdt_step_end(connector_output, t1, c0)
-            except Exception as exc:  # noqa: BLE001
-                count_error(exc, "TracedSchedulerMixin._pdt_step_end")
+        c0 = _thread_time() if selfcpu.enabled else None
+        try:
+            self._pdt_step_end(connector_output, t1, c0)
+        except Exception as exc:  # noqa: BLE001 - tracing never breaks the engine
+            count_error(exc, "TracedSchedulerMixin._pdt_step_end")
+        if c0 is not None:
             selfcpu.add(c0)
-        else:
-            try:
-                self._pdt_step_end(connector_output, t1)
-            except Exception as exc:  # noqa: BLE001
-                count_error(exc, "TracedSchedulerMixin._pdt_step_end")
         return r
 
     def _pdt_step_end(self, out, t1, c0=None) -> None:
