@@ -56,7 +56,9 @@ def decode_error(paths: list[str]) -> tuple[str, str]:
     con = None
     try:
         con = duckdb.connect()
-        con.execute("SELECT max(hash(COLUMNS(*))) FROM read_parquet(?, union_by_name = true)", [paths]).fetchall()
+        # hive_partitioning = false: the files' own columns only, never date/hour/host from a fleet layout's directories
+        con.execute("SELECT max(hash(COLUMNS(*))) FROM read_parquet(?, union_by_name = true, hive_partitioning = false)",
+                    [paths]).fetchall()
         return "sound", ""
     except _NOT_FILE_ERRORS as exc:
         return "unknown", type(exc).__name__

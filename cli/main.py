@@ -18,6 +18,8 @@ _SUBCOMMANDS = {
     "dashboard": ("pdtrace.dashboard.cli", "dashboard", "Serve the Streamlit dashboard for a trace directory."),
     "collect": ("pdtrace.instrument.collect", "collect", "Receive OTLP/HTTP spans from routers and engines into a trace directory."),
     "mark": ("pdtrace.instrument.tailmark", "mark", "Mark a time window in which tail retention keeps every request."),
+    "compact": ("pdtrace.instrument.compact", "compact_command",
+                "Rewrite a trace directory's small files as large files in hourly partitions."),
 }
 
 

@@ -30,6 +30,13 @@ variable                       default    meaning
                                           flush interval, rotation and idle time are those of the
                                           process that started it
 ``PDTRACE_ANCHOR_INTERVAL_S``  ``10``     write a (monotonic, wall) clock anchor this often (s)
+``PDTRACE_LAYOUT``             ``flat``   where the host's sink puts its files: ``flat``, in the trace
+                                          directory itself; ``hive``, in
+                                          ``date=YYYY-MM-DD/hour=HH/host=<host>/`` under it (UTC
+                                          hour the file is written; a segment goes where its parts
+                                          are, the parts of an hour are merged when the next hour's
+                                          first part is written; :mod:`pdtrace.instrument.layout`).
+                                          The sink's setting (of the process that started it) is used
 ``PDTRACE_RETAIN``             ``all``    ``tail``: the host's sink holds each request's records and
                                           writes only the requests that miss a threshold below, fail,
                                           fall in a marked window (``pdtrace mark``) or are
@@ -142,6 +149,8 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
     Variable("PDTRACE_ROTATE_BYTES", str(64 << 20), "[2^16, 2^34]", "recorder", "... or at this many bytes of parts"),
     Variable("PDTRACE_SINK_IDLE_S", "5", "[0.1, 86400]", "recorder", "the host's sink exits this long after its last client"),
     Variable("PDTRACE_ANCHOR_INTERVAL_S", "10", "[0.01, 86400]", "recorder", "clock anchor interval (s)"),
+    Variable("PDTRACE_LAYOUT", "flat", "flat | hive", "recorder",
+             "hive: the sink writes under date=YYYY-MM-DD/hour=HH/host=<host>/ (UTC hour of writing)"),
     Variable("PDTRACE_RUN_ID", None, "text", "recorder", "run id written on every row"),
     Variable("PDTRACE_RETAIN", "all", "all | tail", "recorder",
              "tail: keep only slow, failed, marked or head-sampled requests"),
@@ -259,6 +268,7 @@ class Config:
     tail_max_hold_s: float = 600.0
     tail_memory_mb: float = 256.0
     tail_step_ms: float = 0.0
+    layout: str = "flat"
 
     @property
     def enabled(self) -> bool:
@@ -299,7 +309,12 @@ def from_env(env: dict | None = None) -> Config:
     if retain not in ("all", "tail"):
         _warn("PDTRACE_RETAIN", retain, "all", "not all or tail")
         retain = "all"
+    layout = (env.get("PDTRACE_LAYOUT") or "flat").strip().lower()
+    if layout not in ("flat", "hive"):
+        _warn("PDTRACE_LAYOUT", layout, "flat", "not flat or hive")
+        layout = "flat"
     return Config(
+        layout=layout,
         retain=retain,
         tail_ttft_ms=_float(env, "PDTRACE_TAIL_TTFT_MS", 0.0, 0.0, 3.6e6),
         tail_tpot_ms=_float(env, "PDTRACE_TAIL_TPOT_MS", 0.0, 0.0, 3.6e6),

@@ -47,6 +47,13 @@ buffer bytes), and when the last client has gone, the parts are merged into one 
 (``-s<seq>.parquet``) and then deleted; a reader that lists the directory between the rename and
 the deletes sees those rows twice, which readers remove by ``record_id``.
 
+Layout (PDTRACE_LAYOUT, :mod:`pdtrace.instrument.layout`). ``flat``: the files are in the trace
+directory. ``hive``: each part file goes to ``date=YYYY-MM-DD/hour=HH/host=<host>/`` of the UTC
+hour in which it is written (``<host>``: this host's name); a segment goes to the directory of
+its parts, and the parts never span two partitions: the first part file of a new hour (or of
+another host name) first has the parts held so far merged in their own partition (an extra
+rotation), so a segment is always whole in one partition and a part is never moved.
+
 Life. The sink exits when no client has been connected for PDTRACE_SINK_IDLE_S, after writing
 and merging everything; on SIGTERM it takes in what its clients sent, writes and merges what it
 holds, answers its clients and exits (they start a new one at their next send; records a client
@@ -121,7 +128,7 @@ if __name__ == "__main__":  # only in the sink process, before pyarrow is import
 
 import pyarrow as pa  # noqa: E402
 
-from . import attributes, clock, config, hostsink, schema, store  # noqa: E402
+from . import attributes, clock, config, hostsink, layout, schema, store  # noqa: E402
 from .convert import Converter  # noqa: E402
 from .recorder import R_CLOCK, R_STATS  # noqa: E402
 from .retention import SIGNAL_WINDOW_S, TailRetention  # noqa: E402
@@ -466,6 +473,7 @@ class Collector:
         self.conv = Converter()  # converts every client's records of a part file together
         self._parts: list[tuple[str, list[pa.Table]]] = []
         self._parts_bytes = 0
+        self._parts_dir = self.dir  # the directory of the parts in _parts (PDTRACE_LAYOUT=hive: a partition)
         self._segment_started = time.monotonic()
         self._seq = 0
         self._start_tag = time.strftime("%Y%m%dT%H%M%S")
@@ -688,12 +696,17 @@ class Collector:
                 joint[0][0][1] = joint[0][0][1] + [table]  # the joint table rides with the first entry
         if entries:
             groups = _row_groups([t for _, ts, _ in entries for t in ts])
+            d = self._part_dir()
+            if d != self._parts_dir:
+                if self._parts:  # a new hour: the parts held so far become a segment in their own partition
+                    self._merge_parts()
+                self._parts_dir = d
             name = self._file_name("p")
             try:
-                store.write_tables(self.dir, groups, name, compression=store.PART_COMPRESSION)
+                store.write_tables(d, groups, name, compression=store.PART_COMPRESSION)
             except OSError as exc:
                 for c, _, rows in entries:
-                    c.sink.write_failed(rows, exc, self.dir)
+                    c.sink.write_failed(rows, exc, d)
             else:
                 self.files_written += 1
                 for c, _, rows in entries:
@@ -777,6 +790,13 @@ class Collector:
         if not self.conns:
             self._idle_since = time.monotonic()
 
+    def _part_dir(self) -> str:
+        """The directory of the next part file: the trace directory (layout ``flat``) or, with
+        ``hive``, its partition of the current UTC hour and this host (:func:`layout.partition`)."""
+        if self.cfg.layout != "hive":
+            return self.dir
+        return os.path.join(self.dir, layout.partition(time.time_ns(), socket.gethostname()))
+
     def _file_name(self, kind: str) -> str:
         self._seq += 1
         return f"sink-{self._host}-{os.getpid()}-{self._start_tag}-{kind}{self._seq:06d}.parquet"
@@ -789,7 +809,7 @@ class Collector:
         if len(parts) <= 1:
             return
         try:
-            store.merge_parts(self.dir, parts, self._file_name("s"))
+            store.merge_parts(self._parts_dir, parts, self._file_name("s"))
         except OSError as exc:
             for c in self.conns.values():
                 if c.sink is not None:

@@ -28,7 +28,10 @@ CREATE OR REPLACE MACRO _api_clock_domain(role, host, run_id) AS
 CREATE OR REPLACE MACRO _hidden_copy(rid, in_file) AS
     EXISTS (SELECT 1 FROM _dup_drop d WHERE d.record_id = rid AND d._file = in_file);
 
--- Rows of _records from a list of checked store files.
+-- Rows of _records from a list of checked store files. hive_partitioning = false:
+-- a store in the fleet layout (date=/hour=/host= directories, instrument/layout.py) is
+-- read by its files' own columns; DuckDB would otherwise take `host` (and add `date`,
+-- `hour`) from the directory names whenever every listed file is under the same keys.
 CREATE OR REPLACE MACRO _read_store(files) AS TABLE
 SELECT record, record_id, trace_id, span_id, parent_span_id, name, kind, start_ns, end_ns,
        status_code, status_message,
@@ -42,7 +45,7 @@ SELECT record, record_id, trace_id, span_id, parent_span_id, name, kind, start_n
                 CASE WHEN role IN ('prefill', 'decode') THEN _api_clock_domain(role, host, run_id) END,
                 role, 'unknown') AS domain,
        filename AS _file
-FROM read_parquet(files, union_by_name = true, filename = true);
+FROM read_parquet(files, union_by_name = true, filename = true, hive_partitioning = false);
 
 -- _records: every record once. Defined here over no files; the connection
 -- module redefines it on each refresh over the current readable files:
