@@ -135,6 +135,11 @@ class Trace(Materializer):
         before that is ``unreadable now:``. Footers are read through this trace's connection."""
         return _files.scan(self.directory, self._corrupt, self.con)
 
+    def _decode_errors(self, paths: list[str]) -> dict[str, tuple[str, str]]:
+        """The full decode check of the new files ``paths`` (:func:`pdtrace.analysis.files.decode_errors`;
+        :class:`pdtrace.analysis.spark.SparkTrace` spreads it over Spark tasks)."""
+        return _files.decode_errors(paths)
+
     #: A refresh whose store files total at most this many bytes on disk reads them once into
     #: memory instead of once per step (:func:`pdtrace.analysis.files.hold_rows`); 0: never.
     hold_bytes = _files.HOLD_BYTES
@@ -211,7 +216,7 @@ class Trace(Materializer):
                 new = [p for p in new if p not in deferred]
             else:
                 deferred = []
-            for p, (state, reason) in _files.decode_errors(new).items():
+            for p, (state, reason) in self._decode_errors(new).items():
                 sm = good.pop(p)
                 new.remove(p)
                 if state == "corrupt":

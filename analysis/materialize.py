@@ -135,15 +135,22 @@ class Materializer:
                     WHERE r.rkey IS NOT NULL AND r.rkey NOT IN (SELECT rkey FROM _scope_keys)""")
         n_scope = con.execute("SELECT count(*) FROM _scope_keys").fetchone()[0]
         try:
-            if n_scope <= self.batch_requests:
-                if not cold:
-                    self._restrict_records(files)
-                self._materialize_scope()
-            else:
-                self._materialize_in_batches(files, n_scope)
+            self._materialize_requests(files, n_scope, cold)
         finally:
             self._tidy(lambda: self._set_records(files))
         return n_scope
+
+    def _materialize_requests(self, files: list[str], n_scope: int, cold: bool) -> None:
+        """Recompute the ``request``/``scratch`` materializations of the ``n_scope`` keys in
+        ``_scope_keys``: in one pass, or in batches when more than :attr:`batch_requests` (the step
+        another engine replaces: :class:`pdtrace.analysis.spark.SparkTrace` runs the batches as Spark
+        tasks)."""
+        if n_scope <= self.batch_requests:
+            if not cold:
+                self._restrict_records(files)
+            self._materialize_scope()
+        else:
+            self._materialize_in_batches(files, n_scope)
 
     def _tidy(self, step) -> None:
         """Run the clean-up ``step()`` of a refresh step (from a ``finally``). After a failure inside
@@ -300,7 +307,22 @@ class Materializer:
         router linked to it (``router.linked_request_id``) go to the same batch.
         """
         con = self.con
-        n_batches = -(-n_scope // self.batch_requests)
+        batches = self._plan_batches(-(-n_scope // self.batch_requests))
+        for b in batches:
+            con.execute("DELETE FROM _scope_keys")
+            con.execute("INSERT INTO _scope_keys SELECT rkey FROM _scope_batch WHERE b = ?", [b])
+            self._restrict_records(files)
+            self._materialize_scope()
+        con.execute("DELETE FROM _scope_keys")
+        con.execute("INSERT INTO _scope_keys SELECT rkey FROM _scope_all")
+
+    def _plan_batches(self, n_batches: int) -> list[int]:
+        """Split the keys in ``_scope_keys`` into about ``n_batches`` time-ordered batches (rules in
+        :meth:`_materialize_in_batches`): fills the temp tables ``_scope_all`` (every key) and
+        ``_scope_batch`` (rkey, b); returns the batch numbers b in order."""
+        con = self.con
+        n_scope = con.execute("SELECT count(DISTINCT rkey) FROM _scope_keys").fetchone()[0]
+        n_batches = max(1, min(n_batches, n_scope))
         con.execute("CREATE OR REPLACE TEMP TABLE _scope_all AS SELECT DISTINCT rkey FROM _scope_keys")
         # each key's batch: its linking request's (a linked id follows the request that names it)
         con.execute("""
@@ -315,12 +337,5 @@ class Materializer:
                 GROUP BY t.rkey, t.t0
             )
             SELECT rkey, (dense_rank() OVER (ORDER BY t0, owner) - 1) * ? // ? AS b FROM lead""",
-                    [n_batches, n_scope])
-        batches = [r[0] for r in con.execute("SELECT DISTINCT b FROM _scope_batch ORDER BY b").fetchall()]
-        for b in batches:
-            con.execute("DELETE FROM _scope_keys")
-            con.execute("INSERT INTO _scope_keys SELECT rkey FROM _scope_batch WHERE b = ?", [b])
-            self._restrict_records(files)
-            self._materialize_scope()
-        con.execute("DELETE FROM _scope_keys")
-        con.execute("INSERT INTO _scope_keys SELECT rkey FROM _scope_all")
+                    [n_batches, max(n_scope, 1)])
+        return [r[0] for r in con.execute("SELECT DISTINCT b FROM _scope_batch ORDER BY b").fetchall()]

@@ -200,7 +200,8 @@ SELECT t.rkey,
        bool_or(t.role IN ('prefill', 'decode') AND t.name IN ('kv.post_failed', 'kv.transfer_failed', 'handshake.failed',
                                                               'notification.unmatched')) AS has_engine_failure,
        min(t.c_start_ns) FILTER (WHERE t.name = 'kv.post_failed') AS post_failed_ns,
-       list(DISTINCT coalesce(t.tp_rank, t.attr_int['peer.tp_rank'])) FILTER (WHERE t.name = 'kv.post_failed') AS post_failed_ranks,
+       list(DISTINCT coalesce(t.tp_rank, t.attr_int['peer.tp_rank'])
+            ORDER BY coalesce(t.tp_rank, t.attr_int['peer.tp_rank'])) FILTER (WHERE t.name = 'kv.post_failed') AS post_failed_ranks,
        max(coalesce(t.attr_int['kv.ranks_expected'], t.attr_int['lifecycle.expected'])) AS ranks_expected,
        list(DISTINCT t.attr_int['peer.tp_rank'] ORDER BY t.attr_int['peer.tp_rank'])
            FILTER (WHERE t.name = 'notification.received' AND coalesce(t.attr_str['kv.notif_kind'], 'write_done') = 'write_done'
@@ -215,11 +216,13 @@ SELECT t.rkey,
        any_value(t.attr_str['router.linked_request_id']) FILTER (WHERE t.attr_str['router.linked_request_id'] IS NOT NULL) AS linked_request_id,
        any_value(t.attr_str['lifecycle.cause']) FILTER (WHERE t.attr_str['lifecycle.cause'] IS NOT NULL) AS lifecycle_cause,
        -- the processes that hold the request's rows (their trace ends are read in the view)
-       list(DISTINCT {'domain': t.domain, 'host': t.host, 'pid': t.pid, 'role': t.role}) AS procs,
+       list(DISTINCT {'domain': t.domain, 'host': t.host, 'pid': t.pid, 'role': t.role}
+            ORDER BY {'domain': t.domain, 'host': t.host, 'pid': t.pid, 'role': t.role}) AS procs,
        -- P: KV ready, releases; D: first record, allocation, give-ups / releases
        coalesce(min(t.c_start_ns) FILTER (WHERE t.record = 'span' AND t.name = 'prefill.block_hold'),
                 max(t.c_end_ns) FILTER (WHERE t.record = 'span' AND t.name = 'prefill.compute')) AS p_ready_ns,
-       list(CASE WHEN t.record = 'span' AND t.name = 'prefill.block_hold' THEN t.c_end_ns ELSE t.c_start_ns END)
+       list(CASE WHEN t.record = 'span' AND t.name = 'prefill.block_hold' THEN t.c_end_ns ELSE t.c_start_ns END
+            ORDER BY CASE WHEN t.record = 'span' AND t.name = 'prefill.block_hold' THEN t.c_end_ns ELSE t.c_start_ns END)
            FILTER (WHERE t.role = 'prefill' AND (
                (t.record = 'span' AND t.name IN ('prefill.block_hold', 'kv.transfer'))
                OR (t.record = 'event' AND t.name IN ('kv.lease_expired', 'request.abort'))
@@ -227,12 +230,13 @@ SELECT t.rkey,
                OR (t.record = 'event' AND t.name = 'notification.sent'
                    AND coalesce(t.attr_str['kv.notif_kind'], 'write_done') = 'write_done'))) AS p_release_ts,
        min(t.c_start_ns) FILTER (WHERE t.role = 'decode') AS d_first_ns,
-       list(t.c_start_ns) FILTER (WHERE t.role = 'decode' AND t.record = 'event' AND (
+       list(t.c_start_ns ORDER BY t.c_start_ns) FILTER (WHERE t.role = 'decode' AND t.record = 'event' AND (
                t.name IN ('kv.ttl_expired', 'request.timeout', 'registration.timeout', 'request.finished')
                OR (t.name = 'request.abort' AND t.reason <> 'aborted_waiting_for_kv'))) AS d_end_ts,
        min(t.c_start_ns) FILTER (WHERE t.role = 'decode' AND t.name = 'request.abort' AND t.reason = 'aborted_waiting_for_kv')
            AS d_abort_waiting_ns,
-       list(CASE WHEN t.record = 'span' THEN t.c_end_ns ELSE t.c_start_ns END) FILTER (WHERE t.role = 'decode' AND (
+       list(CASE WHEN t.record = 'span' THEN t.c_end_ns ELSE t.c_start_ns END
+            ORDER BY CASE WHEN t.record = 'span' THEN t.c_end_ns ELSE t.c_start_ns END) FILTER (WHERE t.role = 'decode' AND (
                (t.record = 'event' AND t.name = 'notification.received')
                OR (t.record = 'span' AND t.name IN ('kv.transfer', 'kv.ready')))) AS d_completion_ts,
        max(t.c_end_ns) FILTER (WHERE t.record = 'span' AND t.name = 'decode.queue') AS d_queue_end_ns,
