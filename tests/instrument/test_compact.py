@@ -152,6 +152,7 @@ def _corrupt_first_page(path: Path) -> None:
     path.write_bytes(bytes(raw))
 
 
+@pytest.mark.filterwarnings("ignore:skipped store file")  # the analysis names them too (expected)
 def test_bad_files_are_skipped_named_and_kept(fleet, capsys):
     a, b = fleet
     bad = {}

@@ -186,3 +186,23 @@ def test_a_new_hour_merges_the_previous_hours_parts_in_their_partition(tmp_path)
     finally:
         a.close()
         b.close()
+
+
+def test_compacting_a_sink_store_in_place_keeps_the_answer(tmp_path, child):
+    """A real sink's hive store (two runs: two processes, their segments), compacted in place into the same
+    partitions tree: spans, processes and the report are those of an untouched copy."""
+    from pdtrace.instrument import compact
+
+    d = tmp_path / "hive"
+    _run(child, d, PDTRACE_LAYOUT="hive")
+    _run(child, d, PDTRACE_LAYOUT="hive")
+    copy = tmp_path / "copy"
+    shutil.copytree(d, copy)
+    res = compact.compact(d, min_age_s=0)
+    assert res.skipped == [] and res.young == [] and len(res.deleted) == len(store.store_files(copy))
+    files = store.store_files(d)
+    assert files and all(compact.OUTPUT_FILE.match(p.name) and store.check_file(p).ok for p in files)
+    assert fleetkit.table(d, SPANS) == fleetkit.table(copy, SPANS)
+    assert len(fleetkit.table(d, SPANS)) == 80
+    assert fleetkit.table(d, PROCESSES) == fleetkit.table(copy, PROCESSES)
+    assert fleetkit.report_json(d) == fleetkit.report_json(copy)
