@@ -21,10 +21,12 @@ from pdtrace import analysis
 from . import check as _check, report as _report
 
 
-def _open(directory: str, cache: str | None, no_cache: bool):
+def _open(directory: str, cache: str | None, no_cache: bool, engine: str = "duckdb", spark_master: str | None = None):
     """Open DIRECTORY through :func:`pdtrace.analysis.open` (cache as the options say; a locked cache file
-    falls back to memory) and print each skipped store file as a warning on stderr; returns the Session."""
-    s = analysis.open(directory, cache=None if no_cache else (Path(cache) if cache else True))
+    falls back to memory; ``engine`` and ``spark_master`` as :func:`pdtrace.analysis.open` takes them) and
+    print each skipped store file as a warning on stderr; returns the Session."""
+    s = analysis.open(directory, cache=None if no_cache else (Path(cache) if cache else True),
+                      engine=engine, spark_master=spark_master)
     for path, reason in s.skipped:
         click.echo(f"warning: skipped store file {path}: {reason}", err=True)
     return s
@@ -64,6 +66,21 @@ def _with_cache(f):
     return f
 
 
+_engine_opts = [
+    click.option("--engine", type=click.Choice(["duckdb", "spark"]), default="duckdb", show_default=True,
+                 help="Build the analysis on this machine's DuckDB, or with its per-request steps as Apache Spark "
+                      "tasks (needs the 'spark' extra and Java 17; same answers)."),
+    click.option("--spark-master", default=None, metavar="URL",
+                 help="Spark master for --engine spark (default local[2]; e.g. spark://host:7077)."),
+]
+
+
+def _with_engine(f):
+    for opt in reversed(_engine_opts):
+        f = opt(f)
+    return f
+
+
 @click.command("report")
 @click.argument("directory", type=click.Path(exists=True, file_okay=False))
 @click.option("--compare", "compare_dir", type=click.Path(exists=True, file_okay=False), default=None,
@@ -71,14 +88,15 @@ def _with_cache(f):
                    "difference in mean TTFT (second minus first) split by critical-path stage per prompt bucket.")
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
 @_with_cache
-def report(directory, compare_dir, fmt, cache, no_cache):
-    """Print the TTFT breakdown summary of a trace directory (DIRECTORY)."""
-    with _open(directory, cache, no_cache) as s:
+@_with_engine
+def report(directory, compare_dir, fmt, cache, no_cache, engine, spark_master):
+    """Print the TTFT breakdown summary of a trace directory or a materialization (DIRECTORY)."""
+    with _open(directory, cache, no_cache, engine, spark_master) as s:
         data = _report.collect(s.cursor())
     if compare_dir is None:
         click.echo(json.dumps(data, default=str, indent=1) if fmt == "json" else _report.render(data, directory))
         return
-    with _open(compare_dir, None, no_cache) as s2:
+    with _open(compare_dir, None, no_cache, engine, spark_master) as s2:
         data2 = _report.collect(s2.cursor())
     delta = _report.compare_delta(data, data2)
     if fmt == "json":
@@ -126,12 +144,14 @@ def _shell(con, fmt: str) -> None:
 @click.argument("query", required=False)
 @click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True)
 @_with_cache
-def sql(directory, query, fmt, cache, no_cache):
+@_with_engine
+def sql(directory, query, fmt, cache, no_cache, engine, spark_master):
     """Run read-only SQL over DIRECTORY's views (interactive shell without QUERY).
 
-    Queries cannot write files, attach databases or change settings.
+    DIRECTORY is a trace directory or a materialization (``pdtrace materialize``). Queries cannot
+    write files, attach databases or change settings.
     """
-    with _open(directory, cache, no_cache) as s:
+    with _open(directory, cache, no_cache, engine, spark_master) as s:
         con = s.cursor()
         if query is None:
             _shell(con, fmt)
@@ -178,3 +198,31 @@ def check(directory, recent_s, at_end, max_clock_bound_ms, fmt, cache, no_cache)
                                   max_clock_bound_ms=max_clock_bound_ms)
     click.echo(json.dumps(data, default=str, indent=1) if fmt == "json" else _check.render(data))
     sys.exit(0 if data["ok"] else 1)
+
+
+@click.command("materialize")
+@click.argument("source", type=click.Path(exists=True, file_okay=False))
+@click.argument("dest", type=click.Path(file_okay=False))
+@_with_engine
+@click.option("--task-memory-limit", default=None, metavar="SIZE",
+              help="DuckDB memory_limit of each Spark task (e.g. 1GB; bound it by the executors' memory).")
+@click.option("--work-dir", type=click.Path(file_okay=False), default=None,
+              help="Directory for the Spark tasks' snapshot and outputs, readable and writable by the driver and "
+                   "every executor (default: a temporary directory; local mode only).")
+def materialize(source, dest, engine, spark_master, task_memory_limit, work_dir):
+    """Analyse the trace directory SOURCE once and write DEST: the views as Parquet datasets
+    partitioned by date and hour, and the analysis database that `pdtrace report DEST`, `pdtrace sql DEST`
+    and the dashboard read (layout: pdtrace.analysis.materialized)."""
+    from . import materialized as _materialized
+
+    try:
+        doc = _materialized.write(source, dest, engine, master=spark_master, task_memory_limit=task_memory_limit,
+                                  work_dir=work_dir)
+    except (ValueError, FileExistsError) as exc:
+        raise click.UsageError(str(exc)) from exc
+    for path, reason in doc["skipped"]:
+        click.echo(f"warning: skipped store file {path}: {reason}", err=True)
+    rows = sum(v["rows"] for v in doc["views"].values())
+    click.echo(f"materialized {source} into {dest} with {engine}: {doc['files']} store files, "
+               f"{doc['views'].get('requests', {}).get('rows', 0)} requests, {len(doc['views'])} views "
+               f"({rows} rows) in {doc['seconds']:.1f} s")

@@ -17,6 +17,11 @@ one place:
   directory (and the directories its symlinked store files point into) only
   (:func:`pdtrace.analysis.sandbox.restrict_to_directory`, applied after the first refresh). Only the
   session's own refresh writes, and only into its cache, never into the store.
+* **A materialized directory** (``pdtrace materialize``, :mod:`pdtrace.analysis.materialized`) opens
+  as its analysis database, read-only and locked down, and is never refreshed: its answers are
+  those written when it was made.
+* **The engine.** ``engine="spark"`` builds the analysis with :class:`pdtrace.analysis.spark.SparkTrace`
+  (the per-request steps as Spark tasks, same answers); queries run on DuckDB either way.
 * **Refresh.** :meth:`Session.refresh` absorbs the files that appeared or changed since the last
   one (:meth:`pdtrace.analysis.db.Trace.refresh`); refreshes are serialized, queries run on their
   own cursors meanwhile. Files the refresh skipped are in :attr:`Session.skipped` (path, reason),
@@ -33,6 +38,7 @@ import duckdb
 
 from . import cache as _cache
 from . import db as _db
+from . import materialized as _materialized
 from . import sandbox as _sandbox
 
 
@@ -48,8 +54,12 @@ class Session:
 
     def __init__(self, directory: str | os.PathLike, cache: str | os.PathLike | bool | None = True,
                  read_only: bool = True, live: bool = False, threads: int | None = None,
-                 memory_limit: str | None = None):
+                 memory_limit: str | None = None, engine: str = "duckdb", spark_master: str | None = None):
+        if engine not in ("duckdb", "spark"):
+            raise ValueError(f"unknown engine {engine!r}: duckdb or spark")
         self.directory = Path(directory)
+        self.engine = engine
+        self._spark_master = spark_master
         self.read_only = read_only
         self.live = live
         self._looked: _sandbox.ReadOnlyConnection | None = None  # a one-look session, locked down
@@ -76,10 +86,16 @@ class Session:
         if cache is True:
             cache = _cache.default_cache_path(self.directory)
         kw = {"threads": self._threads, "memory_limit": self._memory_limit}
+        make = _db.Trace
+        if self.engine == "spark":
+            from . import spark as _spark
+
+            make = _spark.SparkTrace
+            kw["master"] = self._spark_master or _spark.DEFAULT_MASTER
         try:
-            tr = _db.Trace(self.directory, cache=cache or None, **kw)
+            tr = make(self.directory, cache=cache or None, **kw)
         except duckdb.IOException:  # the cache file is held by another process: work in memory
-            tr = _db.Trace(self.directory, cache=None, **kw)
+            tr = make(self.directory, cache=None, **kw)
             self.cache_locked = True
         self._trace = tr
         self.cache_path = tr.cache
@@ -94,12 +110,19 @@ class Session:
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"session of {self.directory} is closed")
+            if self._looked is not None and self._materialized:
+                return False  # a materialization never changes
             if self._looked is not None:
                 raise RuntimeError(f"session of {self.directory} was opened for one look (live=False): "
                                    "open another to see new files")
             if self._trace is None:
                 if not self.exists:
                     return False
+                if _materialized.is_materialized(self.directory):
+                    self._materialized = True
+                    self._looked = _sandbox.connect_readonly(_materialized.database(self.directory))
+                    self.version += 1
+                    return True
                 self._connect()
             res = self._trace.refresh(warn=False)  # skipped files are in self.skipped
             changed = bool(res.new or res.gone or res.rebuilt) or self.skipped != res.skipped
@@ -121,6 +144,8 @@ class Session:
         _sandbox.restrict_to_directory(con, dirs)
 
     _closed = False
+    #: True when the directory is a materialization (:mod:`pdtrace.analysis.materialized`).
+    _materialized = False
 
     def close(self) -> None:
         """Close the database (safe to call twice); the session cannot be queried or refreshed afterwards."""
@@ -145,6 +170,8 @@ class Session:
         cursor. Raises FileNotFoundError when the directory has not appeared yet, RuntimeError after
         :meth:`close`."""
         with self._lock:
+            if self._looked is not None and not self._closed:
+                return self._looked.cursor()
             if self._closed or self._trace is None:
                 if not self._closed and not self.exists:
                     raise FileNotFoundError(f"trace directory not found: {self.directory}")
@@ -182,7 +209,7 @@ class Session:
 
 def open(directory: str | os.PathLike, cache: str | os.PathLike | bool | None = True, read_only: bool = True,
          *, live: bool = False, refresh: bool = True, missing_ok: bool = False, threads: int | None = None,
-         memory_limit: str | None = None) -> Session:
+         memory_limit: str | None = None, engine: str = "duckdb", spark_master: str | None = None) -> Session:
     """Open the trace in ``directory`` and absorb its files (with ``refresh=False``, at the first
     :meth:`Session.refresh`): the one way in.
 
@@ -193,12 +220,15 @@ def open(directory: str | os.PathLike, cache: str | os.PathLike | bool | None = 
     following a growing directory); a read-only session that is not live is locked down after its
     first refresh (see the module docstring). ``missing_ok``: a directory that does not exist yet is
     not an error; the session opens when it appears (:meth:`Session.refresh`). ``threads``,
-    ``memory_limit``: DuckDB settings (see :class:`pdtrace.analysis.db.Trace`).
+    ``memory_limit``: DuckDB settings (see :class:`pdtrace.analysis.db.Trace`). ``engine``: ``duckdb``
+    or ``spark`` (:class:`pdtrace.analysis.spark.SparkTrace`, on ``spark_master``, default
+    ``local[2]``). A materialization (``pdtrace materialize``) opens read-only whatever the options.
 
-    Raises FileNotFoundError when ``directory`` does not exist (unless ``missing_ok``), and what a
+    Raises ValueError for an unknown ``engine``, FileNotFoundError when ``directory`` does not exist (unless ``missing_ok``), and what a
     refresh raises.
     """
-    s = Session(directory, cache=cache, read_only=read_only, live=live, threads=threads, memory_limit=memory_limit)
+    s = Session(directory, cache=cache, read_only=read_only, live=live, threads=threads, memory_limit=memory_limit,
+                engine=engine, spark_master=spark_master)
     if not missing_ok and not s.exists:
         raise FileNotFoundError(f"trace directory not found: {s.directory}")
     if refresh:

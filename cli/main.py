@@ -14,6 +14,8 @@ _SUBCOMMANDS = {
     "lab": ("pdtrace.connector.cli", "lab", "Run the local P/D lab (real vLLM engines, router, trace replay)."),
     "report": ("pdtrace.analysis.cli", "report", "Print the TTFT breakdown summary of a trace directory."),
     "sql": ("pdtrace.analysis.cli", "sql", "Run read-only SQL over a trace directory's views."),
+    "materialize": ("pdtrace.analysis.cli", "materialize",
+                    "Analyse a trace directory once (DuckDB or Spark) into Parquet datasets and a database."),
     "check": ("pdtrace.analysis.cli", "check", "Check that tracing works: processes writing, drops, errors, clocks."),
     "dashboard": ("pdtrace.dashboard.cli", "dashboard", "Serve the Streamlit dashboard for a trace directory."),
     "collect": ("pdtrace.instrument.collect", "collect", "Receive OTLP/HTTP spans from routers and engines into a trace directory."),

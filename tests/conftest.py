@@ -33,3 +33,17 @@ def _attribute_allowlist_restored():
         attributes._ALLOWED.clear()
         attributes._ALLOWED.update(saved)
         attributes.registrations += 1  # a live writer re-sends the restored allowlist
+
+
+@pytest.fixture(scope="session")
+def spark():
+    """One SparkSession (local[2]) for every test that runs the Spark engine (a JVM starts once);
+    skipped without pyspark or Java, a failure under ``PDTRACE_LAB_REQUIRED=1``."""
+    from answers import require_spark
+
+    require_spark()
+    from pdtrace.analysis import spark as _spark
+
+    s = _spark.session("local[2]")
+    yield s
+    s.stop()

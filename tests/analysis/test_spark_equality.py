@@ -11,90 +11,14 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import math
-import os
-import shutil
 from pathlib import Path
 
 import pytest
 
+from answers import answers, differences
 from pdtrace.analysis import db
-from pdtrace.analysis.materialize import materializations
 
 HERE = Path(__file__).resolve().parent
-
-
-def _require_spark():
-    if shutil.which("java") is None or importlib.util.find_spec("pyspark") is None:
-        msg = "the Spark engine needs pyspark (pip install -e '.[spark]') and Java 17 (openjdk-17-jre-headless)"
-        if os.environ.get("PDTRACE_LAB_REQUIRED") == "1":
-            pytest.fail(msg)
-        pytest.skip(msg)
-
-
-@pytest.fixture(scope="module")
-def spark():
-    _require_spark()
-    from pdtrace.analysis import spark as _spark
-
-    s = _spark.session("local[2]")
-    yield s
-    s.stop()
-
-
-def _norm(v):
-    """A value in a comparable form: floats kept for the tolerance check, containers recursively."""
-    if isinstance(v, dict):
-        return tuple(sorted((k, _norm(x)) for k, x in v.items()))
-    if isinstance(v, (list, tuple)):
-        return tuple(_norm(x) for x in v)
-    return v
-
-
-def _close(a, b) -> bool:
-    if isinstance(a, float) and isinstance(b, float):
-        if math.isnan(a) or math.isnan(b):
-            return math.isnan(a) and math.isnan(b)
-        return a == b or abs(a - b) <= 1e-9 * max(abs(a), abs(b))
-    if isinstance(a, tuple) and isinstance(b, tuple):
-        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b))
-    return a == b
-
-
-def _sort_key(row):
-    return repr(tuple(round(x, 6) if isinstance(x, float) and math.isfinite(x) else x for x in row))
-
-
-def relations(con) -> list[str]:
-    """Every materialized table and every public view of the library, by name."""
-    views = [r[0] for r in con.execute("SELECT view_name FROM duckdb_views() WHERE NOT internal AND NOT "
-                                       "starts_with(view_name, '_') AND database_name = current_database() "
-                                       "ORDER BY 1").fetchall()]
-    return [m.table for m in materializations() if m.kind != "scratch"] + views
-
-
-def answers(con) -> dict[str, list]:
-    """Every relation's rows (:func:`relations`), normalized and sorted: {name: rows}."""
-    return {rel: sorted((_norm(r) for r in con.execute(f"SELECT * FROM {rel}").fetchall()), key=_sort_key)
-            for rel in relations(con)}
-
-
-def differences(a, b) -> list[str]:
-    """The relations whose rows differ between ``a`` and ``b`` (connections, or :func:`answers` of
-    them), each with its first differing row; empty when every one is equal."""
-    a = a if isinstance(a, dict) else answers(a)
-    b = b if isinstance(b, dict) else answers(b)
-    out = [f"{rel}: missing" for rel in a if rel not in b]
-    for rel in (r for r in a if r in b):
-        ra, rb = a[rel], b[rel]
-        if len(ra) != len(rb):
-            out.append(f"{rel}: {len(ra)} rows vs {len(rb)}")
-            continue
-        for x, y in zip(ra, rb):
-            if not _close(x, y):
-                out.append(f"{rel}: {x!r} != {y!r}")
-                break
-    return out
 
 
 def _case_tests():

@@ -199,3 +199,8 @@ def test_engine_clock_window_without_the_routers_files(traced_run):
     TTFT (ttft_source = engine) whose breakdown tiles the window to the ns, within the router's TTFT."""
     from engine_window import check_engine_window
     check_engine_window(traced_run["dir"], [r.router_request_id for r in traced_run["recs"]])
+
+
+def test_spark_engine_gives_duckdbs_answers(traced_run, spark):
+    """Issue 20: the same answers from Spark's tasks as from DuckDB on this lab run."""
+    lt.check_spark_engine(traced_run["dir"], traced_run["tr"], spark)

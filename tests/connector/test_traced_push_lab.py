@@ -264,3 +264,8 @@ def test_non_streamed_requests_are_finished_not_hung(traced_run):
     for r in rows:
         assert (r["status"], r["hung"], r["one_write"], r["tpot_ms"]) == ("complete", False, True, 0.0), r
         assert "hung_after_first_token" not in r["flags"], r
+
+
+def test_spark_engine_gives_duckdbs_answers(traced_run, spark):
+    """Issue 20: the same answers from Spark's tasks as from DuckDB on this lab run."""
+    lt.check_spark_engine(traced_run["dir"], traced_run["tr"], spark)

@@ -1,0 +1,102 @@
+"""``pdtrace materialize``: a trace analysed once into Parquet datasets and a database that
+``pdtrace report``/``sql`` open like a trace directory (issue 20)."""
+from __future__ import annotations
+
+import json
+
+import duckdb
+import pytest
+from click.testing import CliRunner
+
+from pdtrace.analysis import materialized
+from pdtrace.cli.main import main
+from pdtrace_case_builder import Case
+
+
+def _store(d, n=6):
+    """n pull requests one hour apart (so they fall in n hourly partitions), each complete."""
+    c = Case()
+    for i in range(n):
+        t = 3_600_000.0 * i
+        rid = f"r{i}"
+        c.router_request(rid, t, t + 60, "pull", first_token_ms=t + 40, last_token_ms=t + 58)
+        c.span("prefill", "prefill.queue", t + 1, t + 5, rid=rid, engine="p0")
+        c.span("prefill", "prefill.compute", t + 5, t + 20, rid=rid, engine="p0")
+        c.span("decode", "kv.transfer", t + 21, t + 30, rid=rid, engine="d0", attrs={"kv.bytes": 4096})
+        c.span("decode", "decode.first_step", t + 31, t + 39, rid=rid, engine="d0")
+    c.write(d)
+    return d
+
+
+def _run(*args):
+    r = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+    return r
+
+
+def test_materialize_then_report_and_sql_read_it_like_the_trace(tmp_path):
+    src = _store(tmp_path / "src")
+    dest = tmp_path / "dest"
+    r = _run("materialize", src, dest)
+    assert r.exit_code == 0, r.output
+    assert "6 requests" in r.output
+    doc = materialized.manifest(dest)
+    assert doc["engine"] == "duckdb" and doc["views"]["requests"]["rows"] == 6
+    assert doc["views"]["requests"]["partitioned_by"] == ["date", "hour"]
+    want = json.loads(_run("report", "--no-cache", "--format", "json", src).output)
+    got = json.loads(_run("report", "--format", "json", dest).output)
+    assert got == want
+    q = _run("sql", "--format", "csv", dest, "SELECT count(*) AS n, round(sum(ttft_ms), 3) AS s FROM requests")
+    assert q.output.splitlines() == ["n,s", "6,240.0"]
+    # the dataset: one partition per hour, the same rows as the view
+    parts = sorted(p.parent.relative_to(dest / "requests").as_posix()
+                   for p in (dest / "requests").rglob("*.parquet"))
+    assert len(parts) == 6 and parts[0].startswith("date=2025-06-15/hour=")
+    con = duckdb.connect()
+    ds = con.execute(f"SELECT request_id, ttft_ms, date, hour FROM read_parquet('{dest}/requests/**/*.parquet', "
+                     "hive_partitioning = true) ORDER BY request_id").fetchall()
+    assert [(r[0], r[1]) for r in ds] == [(f"r{i}", 40.0) for i in range(6)]
+    hours = [r[3] for r in ds]
+    assert hours == sorted(hours) and len(set(hours)) == 6
+    # the spans views still read the store in place
+    n = _run("sql", "--format", "csv", dest, "SELECT count(*) FROM spans").output.splitlines()[1]
+    assert int(n) == 6 * 5
+
+
+def test_materialize_refuses_a_destination_inside_the_store_or_holding_other_files(tmp_path):
+    src = _store(tmp_path / "src", n=1)
+    r = CliRunner().invoke(main, ["materialize", str(src), str(src / "m")])
+    assert r.exit_code == 2 and "must not contain each other" in r.output
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("x")
+    r = CliRunner().invoke(main, ["materialize", str(src), str(other)])
+    assert r.exit_code == 2 and "not a materialization" in r.output
+    assert (other / "notes.txt").read_text() == "x" and not (src / "m").exists()
+
+
+def test_materialize_again_replaces_and_an_unfinished_one_has_no_manifest(tmp_path):
+    src = _store(tmp_path / "src", n=2)
+    dest = tmp_path / "dest"
+    assert _run("materialize", src, dest).exit_code == 0
+    _store(tmp_path / "src", n=3)  # one more request (the files rewritten)
+    assert _run("materialize", src, dest).exit_code == 0
+    assert materialized.manifest(dest)["views"]["requests"]["rows"] == 3
+    assert not list(dest.glob(".*.tmp"))
+    # a run that died before its manifest: not opened as a materialization; a new run completes it
+    (dest / materialized.MANIFEST).unlink()
+    assert not materialized.is_materialized(dest)
+    assert _run("materialize", src, dest).exit_code == 0
+    assert materialized.is_materialized(dest)
+
+
+def test_spark_engine_materializes_and_spark_reads_the_datasets(tmp_path, spark):
+    src = _store(tmp_path / "src")
+    dest = tmp_path / "dest"
+    doc = materialized.write(src, dest, engine="spark")
+    assert doc["engine"] == "spark" and doc["spark"]["batches"] >= 2
+    want = json.loads(_run("report", "--no-cache", "--format", "json", src).output)
+    assert json.loads(_run("report", "--format", "json", dest).output) == want
+    df = spark.read.parquet(str(dest / "requests"))  # Spark's own Hive partition discovery
+    rows = sorted((r["request_id"], r["ttft_ms"], r["hour"]) for r in df.select("request_id", "ttft_ms", "hour").collect())
+    assert [r[:2] for r in rows] == [(f"r{i}", 40.0) for i in range(6)]
+    assert len({r[2] for r in rows}) == 6
