@@ -146,9 +146,17 @@ class SparkTrace(_db.Trace):
         self.work_dir = Path(work_dir) if work_dir is not None else None
         self.task_threads = task_threads
         self.task_memory_limit = task_memory_limit
-        #: What the last cold build did: {"batches", "requests", "task_seconds", "decode_tasks"}.
+        #: What the last cold build did: {"batches", "requests", "task_seconds" (summed over tasks),
+        #: "wall_seconds" (of the tasks' job), "decode_tasks", "driver_global_seconds", "gather_seconds"}.
         self.spark_stats: dict[str, float] = {}
         super().__init__(directory, cache=cache, threads=threads, memory_limit=memory_limit)
+
+    def refresh(self, warn: bool = True) -> _db.RefreshResult:
+        """:meth:`pdtrace.analysis.db.Trace.refresh`; :attr:`spark_stats` then also holds the driver's
+        seconds before the per-request tasks (``driver_global_seconds``: listing, checks, global parts)
+        and gathering their rows (``gather_seconds``)."""
+        self._t_refresh = time.perf_counter()
+        return super().refresh(warn)
 
     @property
     def _cores(self) -> int:
@@ -176,6 +184,7 @@ class SparkTrace(_db.Trace):
         if not cold or n_scope == 0:
             return super()._materialize_requests(files, n_scope, cold)
         con = self.con
+        self.spark_stats["driver_global_seconds"] = time.perf_counter() - getattr(self, "_t_refresh", time.perf_counter())
         batches = self._plan_batches(max(-(-n_scope // self.batch_requests), self._cores))
         good = set(files)
         holding = {b: sorted(good.intersection(fs)) for b, fs in con.execute("""
@@ -200,6 +209,7 @@ class SparkTrace(_db.Trace):
                 lambda j: _run_batch(snapshot, work, j[0], j[1], threads, limit)).collect()
             self.spark_stats.update(batches=len(done), requests=sum(d[2] for d in done),
                                     task_seconds=sum(d[3] for d in done), wall_seconds=time.perf_counter() - t0)
+            t0 = time.perf_counter()
             for _, path, _, _ in sorted(done):
                 con.execute("ATTACH ? AS _spark_batch_db (READ_ONLY)", [path])
                 try:
@@ -207,6 +217,7 @@ class SparkTrace(_db.Trace):
                         con.execute(f"INSERT INTO {m.table} SELECT * FROM _spark_batch_db.main.{m.table}")
                 finally:
                     con.execute("DETACH _spark_batch_db")
+            self.spark_stats["gather_seconds"] = time.perf_counter() - t0
         finally:
             con.execute("DROP TABLE IF EXISTS main._spark_batch")
             if own:

@@ -130,8 +130,9 @@ def main() -> None:
             first_spark = first_spark or res["wall_s"]
             speed = f" speed-up {first_spark / res['wall_s']:.2f}x over {runs[1 if not a.no_duckdb else 0][1]}"
         sp = res["spark"]
-        extra = (f" (session {res['session_s']:.1f} s; {sp.get('batches', 0)} tasks, task time {sp.get('task_seconds', 0):.1f} s,"
-                 f" tasks' wall {sp.get('wall_seconds', 0):.1f} s)") if engine == "spark" else ""
+        extra = (f" (session {res['session_s']:.1f} s; driver before the tasks {sp.get('driver_global_seconds', 0):.1f} s;"
+                 f" {sp.get('batches', 0)} tasks: wall {sp.get('wall_seconds', 0):.1f} s, summed {sp.get('task_seconds', 0):.1f} s;"
+                 f" gather {sp.get('gather_seconds', 0):.1f} s)") if engine == "spark" else ""
         print(f"{engine:6s} {master:9s} cold {res['wall_s']:7.1f} s{speed}{extra}; peak RSS tree {peak['tree']:.0f} MiB,"
               f" driver {peak['driver']:.0f}, JVM {peak['jvm']:.0f}, largest Python worker {peak['python_worker']:.0f};"
               f" {res['requests']} requests, {res['files']} files", flush=True)

@@ -100,3 +100,17 @@ def test_spark_engine_materializes_and_spark_reads_the_datasets(tmp_path, spark)
     rows = sorted((r["request_id"], r["ttft_ms"], r["hour"]) for r in df.select("request_id", "ttft_ms", "hour").collect())
     assert [r[:2] for r in rows] == [(f"r{i}", 40.0) for i in range(6)]
     assert len({r[2] for r in rows}) == 6
+
+
+def test_the_dashboard_reads_a_materialization_like_its_trace(tmp_path, cache_dir):
+    from answers import same_within
+    from pdtrace.dashboard import data
+
+    src = _store(tmp_path / "src")
+    dest = tmp_path / "dest"
+    materialized.write(src, dest)
+    a, b = data.session(src), data.session(dest)
+    assert data.store_health(b) == data.store_health(a)
+    assert data.store_health(b)["requests"] == 6
+    assert same_within(data.headline(b), data.headline(a))
+    assert b.refresh() is False  # a materialization never changes
