@@ -29,6 +29,11 @@ How a :class:`SparkTrace` refresh runs (a cold build; the driver is this process
 A warm refresh (a few new files of a growing directory) recomputes few requests: it runs on the
 driver, through the same steps as :class:`pdtrace.analysis.db.Trace`.
 
+Bad input is the DuckDB path's: the listing and its checks are the same code, so a bad or corrupt
+file is skipped and named alike, and a store file removed while the tasks read it (compaction)
+fails the Spark job as an access error; the refresh then lists the directory again and starts over,
+as :meth:`pdtrace.analysis.db.Trace.refresh` does for DuckDB (never a silently short answer).
+
 The work directory must be readable and writable by the driver and every executor (a shared file
 system on a cluster; a temporary directory in local mode). The store files are read by the
 executors at the paths the driver listed. pyspark and a Java 17 runtime are needed (the ``spark``
@@ -205,8 +210,15 @@ class SparkTrace(_db.Trace):
             threads, limit = self.task_threads, self.task_memory_limit
             jobs = [(b, holding.get(b, [])) for b in batches]
             t0 = time.perf_counter()
-            done = self.spark.sparkContext.parallelize(jobs, len(jobs)).map(
-                lambda j: _run_batch(snapshot, work, j[0], j[1], threads, limit)).collect()
+            try:
+                done = self.spark.sparkContext.parallelize(jobs, len(jobs)).map(
+                    lambda j: _run_batch(snapshot, work, j[0], j[1], threads, limit)).collect()
+            except Exception as exc:  # the job failed: a task's error, wrapped by Spark (Py4JJavaError)
+                moved = [p for p in files if not os.path.exists(p)]
+                if moved:  # compaction removed a listed file: an access error, as DuckDB's own would be
+                    raise duckdb.IOException(f"Cannot open file {moved[0]}: removed while Spark tasks read the "
+                                             f"store ({len(moved)} listed file(s) gone)") from exc
+                raise
             self.spark_stats.update(batches=len(done), requests=sum(d[2] for d in done),
                                     task_seconds=sum(d[3] for d in done), wall_seconds=time.perf_counter() - t0)
             t0 = time.perf_counter()

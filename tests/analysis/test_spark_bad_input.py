@@ -1,0 +1,103 @@
+"""Bad input on the Spark engine (issue 20): the same files skipped with the same reasons as the DuckDB
+path, the same answers from what is left, and a store file removed while the Spark tasks read it
+makes the refresh start again, never a short answer."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from answers import differences
+from pdtrace.analysis import db
+from pdtrace.instrument import schema, store
+from pdtrace_case_builder import Case
+
+
+def _requests(d: Path, n=24, prefix="", t0=0.0):
+    c = Case()
+    for i in range(n):
+        t = t0 + 10.0 * i
+        rid = f"{prefix}r{i}"
+        c.router_request(rid, t, t + 60, "pull", first_token_ms=t + 40, last_token_ms=t + 58)
+        c.span("prefill", "prefill.compute", t + 5, t + 20, rid=rid, engine="p0")
+        c.span("decode", "kv.transfer", t + 21, t + 30, rid=rid, engine="d0", attrs={"kv.bytes": 4096})
+        c.span("decode", "decode.first_step", t + 31, t + 39, rid=rid, engine="d0")
+    return c.write(d, prefix=prefix)
+
+
+def _corrupt_first_page(path: Path) -> None:
+    off = pq.ParquetFile(path).metadata.row_group(0).column(0).data_page_offset
+    b = bytearray(path.read_bytes())
+    b[off:off + 64] = b"\xff" * 64
+    path.write_bytes(bytes(b))
+
+
+def test_bad_files_skipped_alike_and_the_rest_answered_alike(tmp_path, spark):
+    from pdtrace.analysis.spark import SparkTrace
+
+    d = tmp_path / "s"
+    _requests(d)
+    part = d / "date=2025-06-15" / "hour=15" / "host=h"  # a fleet partition beside the flat files
+    later = _requests(part, n=6, prefix="b-", t0=1000.0)
+    # a newer schema minor (one column more) in the partition: read
+    t = pq.read_table(later[0])
+    t = t.append_column("new_col", pa.array([1] * t.num_rows, pa.int64()))
+    pq.write_table(t.replace_schema_metadata(dict(t.schema.metadata or {})), part / "newer-minor.parquet")
+    later[0].unlink()
+    # bad files: skipped and named
+    (d / "empty.parquet").write_bytes(b"")
+    good = store.store_files(d)[0]
+    (part / "truncated.parquet").write_bytes(good.read_bytes()[:200])
+    pq.write_table(pa.table({"x": [1]}), d / "foreign.parquet")
+    nt = store.rows_to_table([{"name": "router.request", "span_id": 1, "start_ns": 1}])
+    pq.write_table(nt.replace_schema_metadata({schema.VERSION_KEY: b"2.0"}), d / "newer-major.parquet")
+    bad = store.write_rows(d, [{"name": "prefill.compute", "request_id": f"z{i}", "span_id": 90_000 + i,
+                                "start_ns": 10**9 + i, "end_ns": 10**9 + i + 5} for i in range(500)],
+                           resource={"role": "prefill", "engine_id": "p9", "host": "h", "pid": 9}, name="corrupt.parquet")
+    _corrupt_first_page(bad)
+
+    with db.Trace(d) as a, SparkTrace(d, spark=spark) as b:
+        b.spark_decode_bytes = 0  # the full decode in Spark tasks too
+        ra, rb = a.refresh(warn=False), b.refresh(warn=False)
+        assert b.spark_stats["decode_tasks"] >= 2 and b.spark_stats["batches"] >= 2
+        assert sorted(rb.skipped) == sorted(ra.skipped)
+        names = {Path(p).name: why for p, why in rb.skipped}
+        assert set(names) == {"empty.parquet", "truncated.parquet", "foreign.parquet", "newer-major.parquet",
+                              "corrupt.parquet"}
+        assert names["corrupt.parquet"].startswith("corrupt data:")
+        assert a.query("SELECT count(*) AS n FROM requests")[0]["n"] == 30
+        assert differences(a.con, b.con) == []
+
+
+def test_a_file_removed_while_spark_tasks_read_restarts_the_refresh(tmp_path, spark):
+    """The removal is real (compaction replacing two files by one), forced at the moment the driver
+    hands the batches to Spark (a subclass runs it there) instead of waiting for the race."""
+    from pdtrace.analysis.spark import SparkTrace
+
+    d = tmp_path / "s"
+    files = _requests(d)
+    victims = [f for f in files if "decode" in f.name]
+    seen = []
+
+    class CompactedDuringTasks(SparkTrace):
+        def _materialize_requests(self, listed, n_scope, cold):
+            if not seen:
+                seen.append(n_scope)
+                t = pa.concat_tables([pq.read_table(v) for v in victims])
+                merged = store.write_table(d, t, name="merged-decode.parquet")  # (renamed into place)
+                assert merged.exists()
+                for v in victims:
+                    v.unlink()
+            return super()._materialize_requests(listed, n_scope, cold)
+
+    with CompactedDuringTasks(d, spark=spark) as b:
+        r = b.refresh(warn=False)
+        assert len(seen) == 1 and r.skipped == []
+        assert sorted(Path(p).name for p in r.new) == sorted(
+            [f.name for f in files if f not in victims] + ["merged-decode.parquet"])
+    with db.Trace(d) as a, SparkTrace(d, spark=spark) as b2:
+        a.refresh()
+        b2.refresh()
+        assert a.query("SELECT count(*) AS n FROM ttft_breakdown")[0]["n"] == 24
+        assert differences(a.con, b2.con) == []
