@@ -178,15 +178,18 @@ class Materializer:
             if files:
                 con.execute("""
                     INSERT INTO _dup_copies
-                    SELECT DISTINCT record_id, filename FROM read_parquet(?, filename = true)
-                    WHERE record_id IN (SELECT record_id FROM read_parquet(?) GROUP BY record_id HAVING count(*) > 1)""",
+                    SELECT DISTINCT record_id, filename
+                    FROM read_parquet(?, filename = true, hive_partitioning = false)
+                    WHERE record_id IN (SELECT record_id FROM read_parquet(?, hive_partitioning = false)
+                                        GROUP BY record_id HAVING count(*) > 1)""",
                             [files, files])
         else:
             if gone:
                 con.execute("DELETE FROM _dup_copies WHERE _file IN (SELECT unnest(?::VARCHAR[]))", [gone])
             if new:
                 con.execute("CREATE OR REPLACE TEMP TABLE _new_ids AS "
-                            "SELECT DISTINCT record_id, filename AS _file FROM read_parquet(?, filename = true)", [new])
+                            "SELECT DISTINCT record_id, filename AS _file "
+                            "FROM read_parquet(?, filename = true, hive_partitioning = false)", [new])
                 lo, hi = con.execute("SELECT min(record_id), max(record_id) FROM _new_ids").fetchone()
                 fresh = set(new)
                 old = [f for f in files if f not in fresh]
@@ -194,7 +197,8 @@ class Materializer:
                 if old and lo is not None:
                     con.execute("""
                         INSERT INTO _id_copies
-                        SELECT DISTINCT record_id, filename FROM read_parquet(?, filename = true)
+                        SELECT DISTINCT record_id, filename
+                        FROM read_parquet(?, filename = true, hive_partitioning = false)
                         WHERE record_id BETWEEN ? AND ? AND record_id IN (SELECT record_id FROM _new_ids)""",
                                 [old, lo, hi])
                 con.execute("DELETE FROM _dup_copies WHERE record_id IN (SELECT record_id FROM _new_ids)")
