@@ -10,13 +10,14 @@ compact-<batch>-<i>of<n>.parquet``. Rules, all of them:
    row is in the partition of its own host (the ``host`` partition always equals the ``host`` column,
    and every file is at the same depth, as Spark and Trino require). Rows are copied as they are
    (every column, the same values, the source's column types), sorted by ``start_ns`` within a file.
-2. **Sizes**: sources are read in *batches* of at most ``batch_bytes`` on disk (default: the size
-   target), in order of modification time (so rows of one hour tend to share a batch); a batch's rows
-   of one partition are written as files of at most about ``target_bytes`` (estimated from the
-   sources' bytes per row), in row groups of :data:`pdtrace.instrument.sink.ROW_GROUP` rows (the
-   writer's), zstd. Memory: a batch's rows are held in Arrow, plus one output's rows at a time (peak
-   RSS ~20x the batch's bytes on disk: 26 MiB of sources, 1M rows, 509 MiB, 3.6 s on 2 cores,
-   2026-12-06; so ~5 GiB at the default target: lower ``--target-mb`` on a small machine).
+2. **Sizes**: sources are read in *batches* of about ``batch_bytes`` on disk (default: the size
+   target; a batch closes with the source that brings it to that size), in order of modification
+   time (so rows of one hour tend to share a batch); a batch's rows of one partition are written as
+   files of at most about ``target_bytes`` (estimated from the sources' bytes per row), in row
+   groups of :data:`pdtrace.instrument.sink.ROW_GROUP` rows (the writer's), zstd. Memory: a batch's
+   rows are held in Arrow, plus one output's rows at a time (peak RSS ~20x the batch's bytes on disk:
+   26 MiB of sources, 1M rows, 509 MiB, 3.6 s on 2 cores, 2026-12-06; so ~5 GiB at the default
+   target: lower ``--target-mb`` on a small machine).
 3. **No span lost or duplicated**: within a batch, a record_id present in several sources is written
    once, the copy of the first source by path (the analysis's rule for duplicate copies, so either copy
    is the one it shows). Sources with different Arrow schemas (another schema minor) are never mixed
