@@ -21,12 +21,23 @@ from pdtrace import analysis
 from . import check as _check, report as _report
 
 
-def _open(directory: str, cache: str | None, no_cache: bool, engine: str = "duckdb", spark_master: str | None = None):
+def _open(directory: str, cache: str | None, no_cache: bool, engine: str = "duckdb", spark_master: str | None = None,
+          spark_opts: dict | None = None):
     """Open DIRECTORY through :func:`pdtrace.analysis.open` (cache as the options say; a locked cache file
-    falls back to memory; ``engine`` and ``spark_master`` as :func:`pdtrace.analysis.open` takes them) and
-    print each skipped store file as a warning on stderr; returns the Session."""
-    s = analysis.open(directory, cache=None if no_cache else (Path(cache) if cache else True),
-                      engine=engine, spark_master=spark_master)
+    falls back to memory; ``engine``, ``spark_master`` and ``spark_opts`` as :func:`pdtrace.analysis.open`
+    takes them) and print each skipped store file as a warning on stderr; returns the Session. An
+    incomplete materialization, or a Spark engine that cannot start (no Java, no pyspark, a bad master),
+    is a ClickException."""
+    try:
+        s = analysis.open(directory, cache=None if no_cache else (Path(cache) if cache else True),
+                          engine=engine, spark_master=spark_master, spark_opts=spark_opts)
+    except (RuntimeError, ImportError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    except Exception as exc:  # Spark's own errors (Py4J, Java gateway) name no pdtrace type
+        if engine != "spark":
+            raise
+        raise click.ClickException(f"the Spark engine failed: {type(exc).__name__}: "
+                                   f"{(str(exc).strip().splitlines() or [''])[0][:300]}") from exc
     for path, reason in s.skipped:
         click.echo(f"warning: skipped store file {path}: {reason}", err=True)
     return s
@@ -72,7 +83,16 @@ _engine_opts = [
                       "tasks (needs the 'spark' extra and Java 17; same answers)."),
     click.option("--spark-master", default=None, metavar="URL",
                  help="Spark master for --engine spark (default local[2]; e.g. spark://host:7077)."),
+    click.option("--task-memory-limit", default=None, metavar="SIZE",
+                 help="--engine spark: DuckDB memory_limit of each Spark task (e.g. 1GB; bound it by the executors' memory)."),
+    click.option("--work-dir", type=click.Path(file_okay=False), default=None,
+                 help="--engine spark: directory for the tasks' snapshot and outputs, readable and writable by the "
+                      "driver and every executor (required with a master that is not local; default the temp dir)."),
 ]
+
+
+def _spark_opts(task_memory_limit, work_dir) -> dict:
+    return {"task_memory_limit": task_memory_limit, "work_dir": work_dir}
 
 
 def _with_engine(f):
@@ -89,14 +109,15 @@ def _with_engine(f):
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
 @_with_cache
 @_with_engine
-def report(directory, compare_dir, fmt, cache, no_cache, engine, spark_master):
+def report(directory, compare_dir, fmt, cache, no_cache, engine, spark_master, task_memory_limit, work_dir):
     """Print the TTFT breakdown summary of a trace directory or a materialization (DIRECTORY)."""
-    with _open(directory, cache, no_cache, engine, spark_master) as s:
+    opts = _spark_opts(task_memory_limit, work_dir)
+    with _open(directory, cache, no_cache, engine, spark_master, opts) as s:
         data = _report.collect(s.cursor())
     if compare_dir is None:
         click.echo(json.dumps(data, default=str, indent=1) if fmt == "json" else _report.render(data, directory))
         return
-    with _open(compare_dir, None, no_cache, engine, spark_master) as s2:
+    with _open(compare_dir, None, no_cache, engine, spark_master, opts) as s2:
         data2 = _report.collect(s2.cursor())
     delta = _report.compare_delta(data, data2)
     if fmt == "json":
@@ -145,13 +166,13 @@ def _shell(con, fmt: str) -> None:
 @click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True)
 @_with_cache
 @_with_engine
-def sql(directory, query, fmt, cache, no_cache, engine, spark_master):
+def sql(directory, query, fmt, cache, no_cache, engine, spark_master, task_memory_limit, work_dir):
     """Run read-only SQL over DIRECTORY's views (interactive shell without QUERY).
 
     DIRECTORY is a trace directory or a materialization (``pdtrace materialize``). Queries cannot
     write files, attach databases or change settings.
     """
-    with _open(directory, cache, no_cache, engine, spark_master) as s:
+    with _open(directory, cache, no_cache, engine, spark_master, _spark_opts(task_memory_limit, work_dir)) as s:
         con = s.cursor()
         if query is None:
             _shell(con, fmt)
@@ -204,11 +225,6 @@ def check(directory, recent_s, at_end, max_clock_bound_ms, fmt, cache, no_cache)
 @click.argument("source", type=click.Path(exists=True, file_okay=False))
 @click.argument("dest", type=click.Path(file_okay=False))
 @_with_engine
-@click.option("--task-memory-limit", default=None, metavar="SIZE",
-              help="DuckDB memory_limit of each Spark task (e.g. 1GB; bound it by the executors' memory).")
-@click.option("--work-dir", type=click.Path(file_okay=False), default=None,
-              help="Directory for the Spark tasks' snapshot and outputs, readable and writable by the driver and "
-                   "every executor (default: a temporary directory; local mode only).")
 def materialize(source, dest, engine, spark_master, task_memory_limit, work_dir):
     """Analyse the trace directory SOURCE once and write DEST: the views as Parquet datasets
     partitioned by date and hour, and the analysis database that `pdtrace report DEST`, `pdtrace sql DEST`
@@ -220,6 +236,8 @@ def materialize(source, dest, engine, spark_master, task_memory_limit, work_dir)
                                   work_dir=work_dir)
     except (ValueError, FileExistsError) as exc:
         raise click.UsageError(str(exc)) from exc
+    except ImportError as exc:
+        raise click.ClickException(str(exc)) from exc
     for path, reason in doc["skipped"]:
         click.echo(f"warning: skipped store file {path}: {reason}", err=True)
     rows = sum(v["rows"] for v in doc["views"].values())

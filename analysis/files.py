@@ -41,7 +41,7 @@ def access_error(exc: BaseException) -> bool:
     return isinstance(exc, duckdb.Error) and _ACCESS_WORDS.search(str(exc)) is not None
 
 
-def decode_error(paths: list[str]) -> tuple[str, str]:
+def decode_error(paths: list[str], threads: int | None = None, memory_limit: str | None = None) -> tuple[str, str]:
     """Whether DuckDB decodes every value of every column of the store files ``paths``.
 
     The footers were already checked (:func:`pdtrace.instrument.store.check_file`);
@@ -51,11 +51,16 @@ def decode_error(paths: list[str]) -> tuple[str, str]:
     line>")`` (non-printable characters escaped); or ``("unknown", <error
     class>)`` when the decode failed for a reason that is not the bytes'
     (:data:`_NOT_FILE_ERRORS`, such as out of memory, or :func:`access_error`:
-    a file could not be opened).
+    a file could not be opened). ``threads``, ``memory_limit``: that connection's DuckDB settings
+    (default DuckDB's).
     """
     con = None
     try:
         con = duckdb.connect()
+        if threads:
+            con.execute(f"SET threads = {int(threads)}")
+        if memory_limit:
+            con.execute("SET memory_limit = ?", [memory_limit])
         # hive_partitioning = false: the files' own columns only, never date/hour/host from a fleet layout's directories
         con.execute("SELECT max(hash(COLUMNS(*))) FROM read_parquet(?, union_by_name = true, hive_partitioning = false)",
                     [paths]).fetchall()
@@ -72,18 +77,20 @@ def decode_error(paths: list[str]) -> tuple[str, str]:
             con.close()
 
 
-def decode_errors(paths: list[str]) -> dict[str, tuple[str, str]]:
-    """{path: (state, reason)} of the files in ``paths`` that do not decode as sound (:func:`decode_error`).
+def decode_errors(paths: list[str], threads: int | None = None,
+                  memory_limit: str | None = None) -> dict[str, tuple[str, str]]:
+    """{path: (state, reason)} of the files in ``paths`` that do not decode as sound (:func:`decode_error`,
+    with ``threads`` and ``memory_limit``).
 
     All of them are decoded in one statement (3.65 s for the 1M-request benchmark
     store's 180 files, against 14.17 s one by one; BENCHMARKS.md "Analysis cold build"); only when that
     is not sound, each file alone.
     """
-    if not paths or decode_error(paths)[0] == "sound":
+    if not paths or decode_error(paths, threads, memory_limit)[0] == "sound":
         return {}
     out = {}
     for p in paths:
-        state, reason = decode_error([p])
+        state, reason = decode_error([p], threads, memory_limit)
         if state != "sound":
             out[p] = (state, reason)
     return out

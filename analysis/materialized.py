@@ -12,8 +12,10 @@ and writes DEST::
                                        ``block_holds``, ``decode_stalls``, ``request_stalls``,
                                        ``clock_offsets``, the summaries, ...), partitioned like the
                                        store by the UTC date and hour of the row's time column
-                                       (:data:`TIME_COLUMNS`); a view without one is one file
-                                       ``DEST/<view>/data.parquet``
+                                       (:data:`TIME_COLUMNS`; a row without one under
+                                       ``__HIVE_DEFAULT_PARTITION__``); a view without one is one
+                                       file ``DEST/<view>/data.parquet``. HUGEINT columns (sums of
+                                       ns) are written as BIGINT; ``rkey`` stays UBIGINT (UINT64)
 
 ``pdtrace report DEST``, ``pdtrace sql DEST`` and the dashboard open DEST like a trace directory
 (:func:`pdtrace.analysis.open` recognizes the manifest, :func:`is_materialized`): they read the
@@ -60,6 +62,45 @@ def database(directory: str | os.PathLike) -> Path:
     return Path(directory) / DATABASE
 
 
+def is_started(directory: str | os.PathLike) -> bool:
+    """True when ``directory`` is, or was being made, a materialization (its marker or manifest)."""
+    d = Path(directory)
+    return (d / MARKER).exists() or is_materialized(d)
+
+
+def open_readonly(directory: str | os.PathLike):
+    """The analysis database of the materialization in ``directory``, read-only and locked down
+    (:func:`pdtrace.analysis.sandbox.connect_readonly`: only its store files readable); with the
+    manifest's skipped files as [(path, reason)]. Returns (ReadOnlyConnection, skipped).
+
+    Raises RuntimeError when the materialization is incomplete (no manifest: a run died or runs
+    now), when its database was made by another SQL library (another pdtrace version), or when it
+    names store files outside the manifest's source directory (a database pdtrace did not write
+    this way is never trusted with file access).
+    """
+    from . import cache as _cache
+    from . import sandbox as _sandbox
+
+    d = Path(directory)
+    if not is_materialized(d):
+        raise RuntimeError(f"{d} is an incomplete materialization (no {MANIFEST}): run `pdtrace materialize` again")
+    doc = manifest(d)
+    src = Path(doc.get("source", ""))
+    con = duckdb.connect(str(database(d)), read_only=True)
+    try:
+        row = con.execute("SELECT value FROM _meta WHERE key = 'library'").fetchone()
+        if row is None or row[0] != _cache.library_stamp():
+            raise RuntimeError(f"{d} was materialized by another pdtrace version: run `pdtrace materialize` again")
+        outside = [p for (p,) in con.execute("SELECT path FROM _files WHERE ok").fetchall()
+                   if not src.is_absolute() or src not in Path(p).resolve().parents]
+        if outside:
+            raise RuntimeError(f"{d}: its database names store files outside its source {src} ({outside[0]})")
+        return _sandbox.lock_down(con), [tuple(x) for x in doc.get("skipped", [])]
+    except BaseException:
+        con.close()
+        raise
+
+
 def _inside(a: Path, b: Path) -> bool:
     a, b = a.resolve(), b.resolve()
     return a == b or b in a.parents
@@ -74,28 +115,33 @@ def write(source: str | os.PathLike, dest: str | os.PathLike, engine: str = "duc
     ``master``: the Spark master (default :data:`pdtrace.analysis.spark.DEFAULT_MASTER`);
     ``threads``, ``memory_limit``: the driver's DuckDB settings; ``task_memory_limit``, ``work_dir``:
     see :class:`pdtrace.analysis.spark.SparkTrace`. Nothing is read from or written into ``source``
-    beyond its store files. ``dest`` is written under temporary names and the manifest last: a crash
-    leaves no manifest, and a later run replaces what it left. An earlier materialization in
-    ``dest`` is replaced.
+    beyond its store files. ``dest`` is written under temporary names, fsynced, and the manifest
+    written last; an earlier materialization in ``dest`` keeps its manifest until the new build
+    succeeded (a run that cannot start, e.g. without Java, leaves it whole), and a crash after that
+    leaves no manifest (:func:`pdtrace.analysis.open` then refuses DEST until a run completes). A
+    view dataset of an earlier materialization that no longer exists is removed. One writer per
+    ``dest`` at a time (not locked).
 
-    Raises ValueError for an unknown engine, for ``dest`` inside ``source`` (its Parquet files would
-    be read as store files) or ``source`` inside ``dest``, and FileExistsError for a ``dest`` that
+    Raises ValueError for an unknown engine, for a ``source`` that is itself a materialization, for
+    ``dest`` inside ``source`` (its Parquet files would be read as store files) or ``source`` inside ``dest``, and FileExistsError for a ``dest`` that
     holds other files and no manifest; FileNotFoundError when ``source`` does not exist.
     """
     from . import db as _db
 
-    src, out = Path(source), Path(dest)
+    src, out = Path(source).resolve(), Path(dest).resolve()  # the database names store files by absolute path
     if engine not in ("duckdb", "spark"):
         raise ValueError(f"unknown engine {engine!r}: duckdb or spark")
     if not src.is_dir():
         raise FileNotFoundError(f"trace directory not found: {src}")
+    if (src / MARKER).exists():
+        raise ValueError(f"{src} is a materialization, not a trace directory")
     if _inside(out, src) or _inside(src, out):
         raise ValueError(f"the materialization {out} and the store {src} must not contain each other")
     if out.exists() and any(out.iterdir()) and not (out / MARKER).exists():
         raise FileExistsError(f"{out} holds files and is not a materialization: choose an empty directory")
     out.mkdir(parents=True, exist_ok=True)
     (out / MARKER).touch()
-    (out / MANIFEST).unlink(missing_ok=True)  # from here on, incomplete until written again
+    old_views = set(manifest(out)["views"]) if is_materialized(out) else set()
     t0 = time.perf_counter()
     tmp_db = out / f".{DATABASE}.tmp"
     for p in (tmp_db, Path(f"{tmp_db}.wal")):
@@ -111,20 +157,50 @@ def write(source: str | os.PathLike, dest: str | os.PathLike, engine: str = "duc
     with tr:
         res = tr.refresh(warn=False)
         stats = dict(getattr(tr, "spark_stats", {}))
+        used_master = tr.spark.sparkContext.master if engine == "spark" else None
         tr.con.execute("CHECKPOINT")
     build_s = time.perf_counter() - t0
+    # the build succeeded: from here on DEST is incomplete until its manifest is written again
+    (out / MANIFEST).unlink(missing_ok=True)
     views = _export(tmp_db, out)
+    for gone in old_views - set(views):  # a view of an earlier materialization that no longer exists
+        shutil.rmtree(out / gone, ignore_errors=True)
     os.replace(tmp_db, out / DATABASE)
+    _sync_tree(out)
     doc = {
-        "source": str(src.resolve()), "engine": engine, "master": master if engine == "spark" else None,
+        "source": str(src), "engine": engine, "master": used_master,
         "created_unix_s": round(time.time(), 3), "build_seconds": round(build_s, 3),
         "seconds": round(time.perf_counter() - t0, 3), "files": len(res.new), "skipped": res.skipped,
         "spark": stats, "views": views,
     }
     tmp = out / f".{MANIFEST}.tmp"
-    tmp.write_text(json.dumps(doc, indent=1, default=str))
+    with open(tmp, "w") as f:
+        f.write(json.dumps(doc, indent=1, default=str))
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, out / MANIFEST)
+    _fsync_dir(out)
     return doc
+
+
+def _fsync_dir(d: Path) -> None:
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sync_tree(out: Path) -> None:
+    """fsync every file and directory under ``out`` (before the manifest says DEST is complete)."""
+    for root, _, names in os.walk(out):
+        for n in names:
+            fd = os.open(os.path.join(root, n), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(root))
 
 
 def _export(db_path: Path, out: Path) -> dict[str, dict]:
@@ -138,24 +214,29 @@ def _export(db_path: Path, out: Path) -> dict[str, dict]:
             "SELECT view_name FROM duckdb_views() WHERE NOT internal AND NOT starts_with(view_name, '_') "
             "AND database_name = current_database() ORDER BY 1").fetchall() if r[0] not in RAW_VIEWS]
         for v in views:
-            cols = [r[0] for r in con.execute(f'SELECT * FROM "{v}" LIMIT 0').description]
+            types = con.execute("SELECT column_name, data_type FROM duckdb_columns() WHERE table_name = ? "
+                                "AND database_name = current_database() ORDER BY column_index", [v]).fetchall()
+            cols = [c for c, _ in types]
+            # HUGEINT (sums of ns) has no Parquet type (DuckDB would write DOUBLE, losing digits): BIGINT
+            sel = ", ".join(f'"{c}"::BIGINT AS "{c}"' if t == "HUGEINT" else f'"{c}"' for c, t in types)
             tcol = next((c for c in TIME_COLUMNS if c in cols), None)
             tmp, final = out / f".{v}.tmp", out / v
             shutil.rmtree(tmp, ignore_errors=True)
             if tcol is None:
                 tmp.mkdir()
-                con.execute(f"COPY (SELECT * FROM \"{v}\") TO '{_q(tmp / 'data.parquet')}' (FORMAT parquet)")
+                n = con.execute(f"COPY (SELECT {sel} FROM \"{v}\") TO '{_q(tmp / 'data.parquet')}' (FORMAT parquet)"
+                                ).fetchone()[0]
             else:
-                # the partition of a row whose time is unknown: date=unknown/hour=-1
-                con.execute(f"""
-                    COPY (SELECT *, coalesce(strftime(make_timestamp("{tcol}" // 1000), '%Y-%m-%d'), 'unknown') AS date,
-                                 coalesce(hour(make_timestamp("{tcol}" // 1000)), -1) AS hour FROM "{v}")
-                    TO '{_q(tmp)}' (FORMAT parquet, PARTITION_BY (date, hour))""")
+                # like the store's: date=YYYY-MM-DD/hour=HH (UTC); a row without a time in
+                # date=__HIVE_DEFAULT_PARTITION__/hour=__HIVE_DEFAULT_PARTITION__
+                n = con.execute(f"""
+                    COPY (SELECT {sel}, strftime(make_timestamp("{tcol}" // 1000), '%Y-%m-%d') AS date,
+                                 strftime(make_timestamp("{tcol}" // 1000), '%H') AS hour FROM "{v}")
+                    TO '{_q(tmp)}' (FORMAT parquet, PARTITION_BY (date, hour))""").fetchone()[0]
                 if not tmp.exists():  # no row: an empty directory, still a dataset
                     tmp.mkdir()
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
-            n = con.execute(f'SELECT count(*) FROM "{v}"').fetchone()[0]
             done[v] = {"rows": n, "partitioned_by": ["date", "hour"] if tcol else [], "time_column": tcol}
     finally:
         con.close()

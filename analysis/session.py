@@ -54,12 +54,14 @@ class Session:
 
     def __init__(self, directory: str | os.PathLike, cache: str | os.PathLike | bool | None = True,
                  read_only: bool = True, live: bool = False, threads: int | None = None,
-                 memory_limit: str | None = None, engine: str = "duckdb", spark_master: str | None = None):
+                 memory_limit: str | None = None, engine: str = "duckdb", spark_master: str | None = None,
+                 spark_opts: dict | None = None):
         if engine not in ("duckdb", "spark"):
             raise ValueError(f"unknown engine {engine!r}: duckdb or spark")
         self.directory = Path(directory)
         self.engine = engine
         self._spark_master = spark_master
+        self._spark_opts = {k: v for k, v in (spark_opts or {}).items() if v is not None}
         self.read_only = read_only
         self.live = live
         self._looked: _sandbox.ReadOnlyConnection | None = None  # a one-look session, locked down
@@ -92,6 +94,7 @@ class Session:
 
             make = _spark.SparkTrace
             kw["master"] = self._spark_master or _spark.DEFAULT_MASTER
+            kw.update(self._spark_opts)
         try:
             tr = make(self.directory, cache=cache or None, **kw)
         except duckdb.IOException:  # the cache file is held by another process: work in memory
@@ -106,7 +109,9 @@ class Session:
         exist. Raises what :meth:`pdtrace.analysis.db.Trace.refresh` raises (out of memory, an
         interrupt, a fault in the SQL); a skipped file is not an error (see :attr:`skipped`).
         Raises RuntimeError on a read-only session that is not ``live`` after its first refresh
-        (it is locked down: open another to see new files) and after :meth:`close`."""
+        (it is locked down: open another to see new files) and after :meth:`close`. A materialization
+        is opened by the first refresh (RuntimeError when it is incomplete or not to be trusted:
+        :func:`pdtrace.analysis.materialized.open_readonly`); every later refresh returns False."""
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"session of {self.directory} is closed")
@@ -118,9 +123,9 @@ class Session:
             if self._trace is None:
                 if not self.exists:
                     return False
-                if _materialized.is_materialized(self.directory):
+                if _materialized.is_started(self.directory):
+                    self._looked, self.skipped = _materialized.open_readonly(self.directory)
                     self._materialized = True
-                    self._looked = _sandbox.connect_readonly(_materialized.database(self.directory))
                     self.version += 1
                     return True
                 self._connect()
@@ -209,7 +214,8 @@ class Session:
 
 def open(directory: str | os.PathLike, cache: str | os.PathLike | bool | None = True, read_only: bool = True,
          *, live: bool = False, refresh: bool = True, missing_ok: bool = False, threads: int | None = None,
-         memory_limit: str | None = None, engine: str = "duckdb", spark_master: str | None = None) -> Session:
+         memory_limit: str | None = None, engine: str = "duckdb", spark_master: str | None = None,
+         spark_opts: dict | None = None) -> Session:
     """Open the trace in ``directory`` and absorb its files (with ``refresh=False``, at the first
     :meth:`Session.refresh`): the one way in.
 
@@ -222,13 +228,13 @@ def open(directory: str | os.PathLike, cache: str | os.PathLike | bool | None = 
     not an error; the session opens when it appears (:meth:`Session.refresh`). ``threads``,
     ``memory_limit``: DuckDB settings (see :class:`pdtrace.analysis.db.Trace`). ``engine``: ``duckdb``
     or ``spark`` (:class:`pdtrace.analysis.spark.SparkTrace`, on ``spark_master``, default
-    ``local[2]``). A materialization (``pdtrace materialize``) opens read-only whatever the options.
+    ``local[2]``; ``spark_opts``: its ``work_dir``, ``task_memory_limit``, ``task_threads``). A materialization (``pdtrace materialize``) opens read-only whatever the options.
 
     Raises ValueError for an unknown ``engine``, FileNotFoundError when ``directory`` does not exist (unless ``missing_ok``), and what a
     refresh raises.
     """
     s = Session(directory, cache=cache, read_only=read_only, live=live, threads=threads, memory_limit=memory_limit,
-                engine=engine, spark_master=spark_master)
+                engine=engine, spark_master=spark_master, spark_opts=spark_opts)
     if not missing_ok and not s.exists:
         raise FileNotFoundError(f"trace directory not found: {s.directory}")
     if refresh:

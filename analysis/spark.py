@@ -81,9 +81,11 @@ def session(master: str = DEFAULT_MASTER, conf: dict[str, str] | None = None):
     return b.getOrCreate()
 
 
-def _decode_slice(paths: list[str]) -> list[tuple[str, str, str]]:
-    """Spark task: :func:`pdtrace.analysis.files.decode_errors` of ``paths``, as (path, state, reason)."""
-    return [(p, state, reason) for p, (state, reason) in _files.decode_errors(paths).items()]
+def _decode_slice(paths: list[str], threads: int, memory_limit: str | None) -> list[tuple[str, str, str]]:
+    """Spark task: :func:`pdtrace.analysis.files.decode_errors` of ``paths`` (DuckDB bounded by ``threads``
+    and ``memory_limit``), as (path, state, reason)."""
+    return [(p, state, reason) for p, (state, reason) in
+            _files.decode_errors(paths, threads=threads, memory_limit=memory_limit).items()]
 
 
 class _BatchState(Materializer):
@@ -97,35 +99,49 @@ def _run_batch(snapshot: str, work: str, batch: int, paths: list[str], threads: 
                memory_limit: str | None) -> tuple[int, str, int, float]:
     """Spark task: compute the ``request`` materializations of batch ``batch``.
 
-    Copies the driver's ``snapshot`` (a DuckDB file) to ``work/batch-<batch>.duckdb``, sets
-    ``_scope_keys`` to the keys of the batch (table ``_spark_batch``), points ``_records`` at the store
-    files ``paths`` holding them, and runs the same step as a batched cold build
-    (:meth:`~pdtrace.analysis.materialize.Materializer._materialize_scope`). Returns (batch, path of the
-    copy, requests, seconds). Raises what DuckDB raises (the Spark job then fails with it).
+    Copies the driver's ``snapshot`` (a DuckDB file) into the work directory, sets ``_scope_keys`` to
+    the keys of the batch (table ``_spark_batch``), points ``_records`` at the store files ``paths``
+    holding them, and runs the same step as a batched cold build
+    (:meth:`~pdtrace.analysis.materialize.Materializer._materialize_scope`); then writes the batch's
+    ``request`` tables alone to ``work/batch-<batch>-<attempt>.duckdb`` and deletes the copy. Every
+    file of the task is named by its Spark task attempt, so a retried or speculative attempt never
+    shares one. Returns (batch, path of the output, requests, seconds). Raises what DuckDB raises (the
+    Spark job then fails with it).
     """
+    from pyspark import TaskContext
+
     t0 = time.perf_counter()
-    out = os.path.join(work, f"batch-{batch:06d}.duckdb")
-    tmp = os.path.join(work, f".batch-{batch:06d}.duckdb.tmp")
-    shutil.copyfile(snapshot, tmp)
-    con = duckdb.connect(tmp)
+    ctx = TaskContext.get()
+    tag = f"{batch:06d}-{ctx.taskAttemptId() if ctx is not None else os.getpid()}"
+    copy = os.path.join(work, f".copy-{tag}.duckdb")
+    out = os.path.join(work, f"batch-{tag}.duckdb")
+    spill = os.path.join(work, f"spill-{tag}")
     try:
-        con.execute(f"SET threads = {int(threads)}")
-        if memory_limit:
-            con.execute("SET memory_limit = ?", [memory_limit])
-        con.execute("SET preserve_insertion_order = false")
-        spill = os.path.join(work, f"spill-{batch:06d}")
-        con.execute("SET temp_directory = ?", [spill])
-        st = _BatchState(con)
-        con.execute("DELETE FROM _scope_keys")
-        con.execute("INSERT INTO _scope_keys SELECT rkey FROM _spark_batch WHERE b = ?", [batch])
-        n = con.execute("SELECT count(*) FROM _scope_keys").fetchone()[0]
-        st._set_records(sorted(paths))
-        st._materialize_scope()
-        con.execute("CHECKPOINT")
+        shutil.copyfile(snapshot, copy)
+        con = duckdb.connect(copy)
+        try:
+            con.execute(f"SET threads = {int(threads)}")
+            if memory_limit:
+                con.execute("SET memory_limit = ?", [memory_limit])
+            con.execute("SET preserve_insertion_order = false")
+            con.execute("SET temp_directory = ?", [spill])
+            st = _BatchState(con)
+            con.execute("DELETE FROM _scope_keys")
+            con.execute("INSERT INTO _scope_keys SELECT rkey FROM _spark_batch WHERE b = ?", [batch])
+            n = con.execute("SELECT count(*) FROM _scope_keys").fetchone()[0]
+            st._set_records(sorted(paths))
+            st._materialize_scope()
+            con.execute("ATTACH ? AS _out", [out])
+            for m in materializations("request"):
+                con.execute(f"CREATE TABLE _out.{m.table} AS SELECT * FROM {m.table}")
+            con.execute("DETACH _out")
+        finally:
+            con.close()
     finally:
-        con.close()
-    shutil.rmtree(os.path.join(work, f"spill-{batch:06d}"), ignore_errors=True)
-    os.replace(tmp, out)
+        for p in (copy, copy + ".wal"):
+            if os.path.exists(p):
+                os.unlink(p)
+        shutil.rmtree(spill, ignore_errors=True)
     return batch, out, n, time.perf_counter() - t0
 
 
@@ -133,11 +149,14 @@ class SparkTrace(_db.Trace):
     """A :class:`pdtrace.analysis.db.Trace` whose cold build runs its per-request steps, and the full
     decode of new files, as Spark tasks (see the module docstring).
 
-    ``spark``: a SparkSession (default: :func:`session` with ``master``). ``work_dir``: where the
-    snapshot and the tasks' outputs go (a directory every executor can read and write; default a
-    temporary directory, removed after each refresh). ``task_threads``, ``task_memory_limit``: each
+    ``spark``: a SparkSession (default: :func:`session` with ``master``). ``work_dir``: where each
+    refresh makes its own directory for the snapshot and the tasks' outputs, removed whole afterwards
+    (it must be readable and writable by every executor; default the temp dir, for a local master
+    only). ``directory`` is resolved to an absolute path (executors read the files at the listed paths). ``task_threads``, ``task_memory_limit``: each
     task's DuckDB ``threads`` and ``memory_limit`` (e.g. ``'1GB'``; bound them with the executors'
-    cores and memory). Other arguments as :class:`pdtrace.analysis.db.Trace`.
+    cores and memory; the full decode tasks are bound alike). Other arguments as
+    :class:`pdtrace.analysis.db.Trace`. Raises ValueError for a work directory inside the store, or
+    none with a master that is not local.
     """
 
     #: Rows are never held in the driver's memory: the tasks read the store files themselves.
@@ -147,8 +166,15 @@ class SparkTrace(_db.Trace):
                  threads: int | None = None, memory_limit: str | None = None, *, spark=None,
                  master: str = DEFAULT_MASTER, work_dir: str | os.PathLike | None = None,
                  task_threads: int = 1, task_memory_limit: str | None = None):
+        directory = Path(directory).resolve()  # executors read the store at the listed paths
         self.spark = spark if spark is not None else session(master)
-        self.work_dir = Path(work_dir) if work_dir is not None else None
+        self.work_dir = Path(work_dir).resolve() if work_dir is not None else None
+        if self.work_dir is not None and directory.is_dir() and (
+                self.work_dir == directory or directory in self.work_dir.parents):
+            raise ValueError(f"the Spark work directory {self.work_dir} must not be inside the store {directory}")
+        if self.work_dir is None and not self.spark.sparkContext.master.startswith("local"):
+            raise ValueError(f"a Spark master that is not local ({self.spark.sparkContext.master}) needs a work "
+                             "directory every executor can read and write (work_dir / --work-dir)")
         self.task_threads = task_threads
         self.task_memory_limit = task_memory_limit
         #: What the last cold build did: {"batches", "requests", "task_seconds" (summed over tasks),
@@ -161,6 +187,7 @@ class SparkTrace(_db.Trace):
         seconds before the per-request tasks (``driver_global_seconds``: listing, checks, global parts)
         and gathering their rows (``gather_seconds``)."""
         self._t_refresh = time.perf_counter()
+        self.spark_stats = {}
         return super().refresh(warn)
 
     @property
@@ -180,7 +207,9 @@ class SparkTrace(_db.Trace):
             return super()._decode_errors(paths)
         n = min(len(paths), self._cores * 2)
         slices = [paths[i::n] for i in range(n)]
-        rows = self.spark.sparkContext.parallelize(slices, n).flatMap(_decode_slice).collect()
+        threads, limit = self.task_threads, self.task_memory_limit
+        rows = self.spark.sparkContext.parallelize(slices, n).flatMap(
+            lambda sl: _decode_slice(sl, threads, limit)).collect()
         self.spark_stats["decode_tasks"] = n
         return {p: (state, reason) for p, state, reason in rows}
 
@@ -195,9 +224,10 @@ class SparkTrace(_db.Trace):
         holding = {b: sorted(good.intersection(fs)) for b, fs in con.execute("""
             SELECT s.b, list(DISTINCT fk._file) FROM _scope_batch s JOIN _file_keys fk ON fk.rkey = s.rkey
             GROUP BY s.b""").fetchall()}
-        own = self.work_dir is None
-        work = tempfile.mkdtemp(prefix="pdtrace-spark-") if own else str(self.work_dir)
-        os.makedirs(work, exist_ok=True)
+        if self.work_dir is not None:
+            self.work_dir.mkdir(parents=True, exist_ok=True)
+        # one directory per refresh (removed whole): runs sharing a work directory never meet
+        work = tempfile.mkdtemp(prefix="pdtrace-spark-", dir=self.work_dir)
         snapshot = os.path.join(work, "snapshot.duckdb")
         try:
             con.execute("CREATE OR REPLACE TABLE main._spark_batch AS SELECT rkey, b FROM _scope_batch")
@@ -215,7 +245,8 @@ class SparkTrace(_db.Trace):
                     lambda j: _run_batch(snapshot, work, j[0], j[1], threads, limit)).collect()
             except Exception as exc:  # the job failed: a task's error, wrapped by Spark (Py4JJavaError)
                 moved = [p for p in files if not os.path.exists(p)]
-                if moved:  # compaction removed a listed file: an access error, as DuckDB's own would be
+                if moved and _files._ACCESS_WORDS.search(str(exc)):
+                    # a task could not open a listed file that compaction removed: DuckDB's access error
                     raise duckdb.IOException(f"Cannot open file {moved[0]}: removed while Spark tasks read the "
                                              f"store ({len(moved)} listed file(s) gone)") from exc
                 raise
@@ -232,11 +263,6 @@ class SparkTrace(_db.Trace):
             self.spark_stats["gather_seconds"] = time.perf_counter() - t0
         finally:
             con.execute("DROP TABLE IF EXISTS main._spark_batch")
-            if own:
-                shutil.rmtree(work, ignore_errors=True)
-            else:
-                for p in Path(work).glob("*batch-*.duckdb*"):
-                    p.unlink(missing_ok=True)
-                Path(snapshot).unlink(missing_ok=True)
+            shutil.rmtree(work, ignore_errors=True)
         con.execute("DELETE FROM _scope_keys")
         con.execute("INSERT INTO _scope_keys SELECT rkey FROM _scope_all")

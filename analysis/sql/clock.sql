@@ -96,7 +96,7 @@ SELECT _file, rkey, attempt,
        min(record_id) FILTER (WHERE name = 'router.dispatch' AND attr_str['router.leg'] = 'decode') AS disp_d_id_lo,
        max(record_id) FILTER (WHERE name = 'router.dispatch' AND attr_str['router.leg'] = 'decode') AS disp_d_id_hi,
        min(start_ns) FILTER (WHERE name = 'router.first_token') AS first_token_ns,
-       any_value(attr_str['request.mode']) FILTER (WHERE name = 'router.request') AS mode,
+       min(attr_str['request.mode']) FILTER (WHERE name = 'router.request') AS mode,
        any_value(domain) AS router_domain
 FROM _file_rows
 WHERE role = 'router' AND rkey IS NOT NULL AND record IN ('span', 'event')

@@ -96,7 +96,7 @@ WITH ranked AS (
     FROM in_flight_spans f
 ), m AS (
     SELECT rkey, any_value(mode_attr) FILTER (WHERE mode_attr IS NOT NULL) AS mode_attr,
-           any_value(connector) FILTER (WHERE connector IS NOT NULL) AS connector
+           min(connector) AS connector
     FROM _mat_open_spans GROUP BY rkey
 )
 SELECT r.run_id, r.request_id, r.prompt_index, r.attempt, r.stage, r.category, r.since_ns, r.age_ms,

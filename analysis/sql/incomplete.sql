@@ -207,14 +207,14 @@ SELECT t.rkey,
            FILTER (WHERE t.name = 'notification.received' AND coalesce(t.attr_str['kv.notif_kind'], 'write_done') = 'write_done'
                    AND t.attr_int['peer.tp_rank'] IS NOT NULL) AS ranks_notified,
        max(t.attr_int['lifecycle.received']) AS ranks_received_attr,
-       any_value(t.attr_str['kv.ranks_missing']) FILTER (WHERE t.attr_str['kv.ranks_missing'] IS NOT NULL) AS ranks_missing_attr,
+       min(t.attr_str['kv.ranks_missing']) AS ranks_missing_attr,
        max(t.c_start_ns) FILTER (WHERE t.name = 'notification.received') AS last_notification_ns,
        max(t.c_start_ns) FILTER (WHERE t.role = 'decode' AND t.name IN ('kv.ttl_expired', 'request.timeout',
            'registration.timeout', 'request.abort')) AS decode_gave_up_ns,
        max(t.c_start_ns) FILTER (WHERE t.name = 'request.timeout') AS timeout_ns,
        max(t.c_end_ns) AS last_seen_ns,
-       any_value(t.attr_str['router.linked_request_id']) FILTER (WHERE t.attr_str['router.linked_request_id'] IS NOT NULL) AS linked_request_id,
-       any_value(t.attr_str['lifecycle.cause']) FILTER (WHERE t.attr_str['lifecycle.cause'] IS NOT NULL) AS lifecycle_cause,
+       min(t.attr_str['router.linked_request_id']) AS linked_request_id,
+       arg_max(t.attr_str['lifecycle.cause'], t.c_start_ns) FILTER (WHERE t.attr_str['lifecycle.cause'] IS NOT NULL) AS lifecycle_cause,
        -- the processes that hold the request's rows (their trace ends are read in the view)
        list(DISTINCT {'domain': t.domain, 'host': t.host, 'pid': t.pid, 'role': t.role}
             ORDER BY {'domain': t.domain, 'host': t.host, 'pid': t.pid, 'role': t.role}) AS procs,

@@ -87,7 +87,7 @@ WITH rt AS (
            max(status_code) FILTER (WHERE record = 'span' AND name = 'router.request') AS root_status,
            min(c_start_ns) FILTER (WHERE record = 'event' AND name = 'router.first_token') AS first_token_ns,
            max(c_start_ns) FILTER (WHERE record = 'event' AND name = 'router.last_token') AS last_token_ns,
-           any_value(attr_str['request.mode']) FILTER (WHERE name = 'router.request') AS mode,
+           min(attr_str['request.mode']) FILTER (WHERE name = 'router.request') AS mode,
            max(attr_int['gen_ai.usage.input_tokens']) AS prompt_tokens,
            max(attr_int['gen_ai.usage.output_tokens']) AS output_tokens,
            max(attr_int['request.num_cached_tokens']) AS cached_tokens,
@@ -123,8 +123,9 @@ WITH rt AS (
     SELECT rkey,
            any_value(run_id) AS run_id, any_value(request_id) AS request_id, any_value(prompt_index) AS prompt_index,
            min(c_start_ns) AS first_ns, max(c_end_ns) AS last_ns,
-           any_value(engine_id) FILTER (WHERE role = 'prefill') AS prefill_engine,
-           any_value(engine_id) FILTER (WHERE role = 'decode') AS decode_engine,
+           -- a request re-dispatched to another engine: the engine of its latest row (any_value would vary by run)
+           arg_max(engine_id, c_start_ns) FILTER (WHERE role = 'prefill' AND engine_id IS NOT NULL) AS prefill_engine,
+           arg_max(engine_id, c_start_ns) FILTER (WHERE role = 'decode' AND engine_id IS NOT NULL) AS decode_engine,
            max(attr_int['gen_ai.usage.input_tokens']) AS prompt_tokens,
            max(attr_int['request.num_cached_tokens']) AS cached_tokens,
            max(attempt) AS attempt,
@@ -132,7 +133,7 @@ WITH rt AS (
            bool_or(name IN ('kv.load_failed', 'request.preempted')) AS recomputed,
            -- for wasted_compute_ns (see the header): the resets (the compute spans are read in w_spans,
            -- for the few requests with a reset only)
-           list(c_start_ns) FILTER (WHERE record = 'event' AND name IN ('kv.load_failed', 'request.preempted'))
+           list(c_start_ns ORDER BY c_start_ns) FILTER (WHERE record = 'event' AND name IN ('kv.load_failed', 'request.preempted'))
                AS reset_events,
            CASE WHEN bool_or(connector ILIKE '%push%') THEN 'push'
                 WHEN bool_or(connector ILIKE '%nixl%') THEN 'pull' END AS connector_mode,
@@ -167,7 +168,7 @@ WITH rt AS (
     -- the engines' side: their distinct ids, from their own rows (the rows rt and en read)
     SELECT rkey,
            count(DISTINCT trace_id) FILTER (WHERE record = 'span' AND trace_id IS NOT NULL) AS trace_count,
-           list(DISTINCT attr_str['router.linked_request_id'])
+           list(DISTINCT attr_str['router.linked_request_id'] ORDER BY attr_str['router.linked_request_id'])
                FILTER (WHERE role = 'router' AND attr_str['router.linked_request_id'] IS NOT NULL) AS linked_ids
     FROM _records
     WHERE record IN ('span', 'event') AND role IN ('router', 'prefill', 'decode')

@@ -34,7 +34,7 @@ WITH ev AS (
     SELECT rkey, any_value(run_id) AS run_id, any_value(request_id) AS request_id,
            any_value(prompt_index) AS prompt_index, attempt, role, engine_id, name::VARCHAR AS incident,
            coalesce(attr_str['lifecycle.cause'], attr_str['error.type']) AS reason,
-           any_value(attr_str['lifecycle.phase']) FILTER (WHERE attr_str['lifecycle.phase'] IS NOT NULL) AS phase,
+           min(attr_str['lifecycle.phase']) AS phase,
            min(c_start_ns) AS first_ns, max(c_start_ns) AS last_ns,
            count(*) AS records,
            list(DISTINCT tp_rank ORDER BY tp_rank) FILTER (WHERE tp_rank IS NOT NULL) AS ranks,

@@ -1,5 +1,6 @@
 -- module: segment_culprits
 -- requires: spans
+-- materialize: _culprit_event_part file
 -- materialize: _segment_culprits request
 --
 -- ttft_segments.culprit_request_id (issue 17 kind 10; DESIGN.md §4 "the root
@@ -27,25 +28,38 @@
 --                 ended during the wait (push: one writer serves all requests)
 -- No such event in the wait: NULL (the wait was for the engine step, not for
 -- another request).
--- Materialized per waiting request (kind request) from the rows a refresh
--- reads: the store files holding the waiting request's rows, whole, so other
--- requests' events on the same process and time are there (an event in another
--- file of that process, across a file rotation, is not seen).
+-- Materialized per waiting request (kind request). The waits are the waiting
+-- request's own rows; the events that may end them are every store file's
+-- (_culprit_event_part, kind file: read once per file), so the answer does
+-- not depend on which files a refresh reads for the waiting request (a
+-- batch of a large cold build, a Spark task, a file rotation between the two
+-- requests' rows): the same culprit in one pass or in batches. An event
+-- copied in two files (the recorder's compaction) is the same event twice:
+-- the same culprit.
+
+-- The events that can end a wait, per store file (raw clocks; corrected when read).
+CREATE OR REPLACE VIEW _calc_culprit_event_part AS
+SELECT _file, record, name::VARCHAR AS name, role, engine_id, tp_rank, rkey, request_id, domain, start_ns, end_ns
+FROM _file_rows
+WHERE rkey IS NOT NULL
+  AND ((record = 'span' AND name IN ('prefill.queue', 'decode.queue', 'prefill.compute', 'handoff.descriptors',
+                                     'handoff.handshake', 'handoff.agent_load'))
+       OR (record = 'event' AND name IN ('request.finished', 'request.abort', 'kv.ttl_expired')));
+CREATE TABLE IF NOT EXISTS _mat_culprit_event_part AS SELECT * FROM _calc_culprit_event_part LIMIT 0;
 
 CREATE OR REPLACE VIEW _calc_segment_culprits AS
-WITH r AS MATERIALIZED (
-    SELECT record, name, role, engine_id, tp_rank, rkey, request_id, span_id,
-           c_start_ns AS start_ns, c_end_ns AS end_ns
-    FROM _timed
-    WHERE rkey IS NOT NULL
-      AND name IN ('prefill.queue', 'decode.queue', 'handoff.writer_queue', 'prefill.compute',
-                   'request.finished', 'request.abort', 'kv.ttl_expired',
-                   'handoff.descriptors', 'handoff.handshake', 'handoff.agent_load')
-), w AS (
+WITH w AS MATERIALIZED (
     -- the waits of the refreshed requests
-    SELECT rkey, span_id, name AS stage, engine_id, tp_rank, start_ns, end_ns FROM r
+    SELECT rkey, span_id, name AS stage, engine_id, tp_rank, c_start_ns AS start_ns, c_end_ns AS end_ns
+    FROM _timed
     WHERE record = 'span' AND name IN ('prefill.queue', 'decode.queue', 'handoff.writer_queue')
       AND rkey IN (SELECT rkey FROM _scope_keys)
+), r AS MATERIALIZED (
+    -- every file's events on the waits' engines within the waits' time range (corrected clocks)
+    SELECT record, name, role, engine_id, tp_rank, rkey, request_id, c_start_ns AS start_ns, c_end_ns AS end_ns
+    FROM _clock_corrected('_mat_culprit_event_part')
+    WHERE (engine_id IN (SELECT engine_id FROM w) OR (engine_id IS NULL AND (SELECT bool_or(engine_id IS NULL) FROM w)))
+      AND c_end_ns >= (SELECT min(start_ns) FROM w) AND c_start_ns <= (SELECT max(end_ns) FROM w)
 ), e AS (
     -- wait stage it can end, engine, rank (writer only), request, instant, kind, tie order, queued-since
     SELECT name AS wait_stage, engine_id, NULL::SMALLINT AS tp_rank, rkey, request_id, end_ns AS t_ns,

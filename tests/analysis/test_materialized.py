@@ -114,3 +114,46 @@ def test_the_dashboard_reads_a_materialization_like_its_trace(tmp_path, cache_di
     assert data.store_health(b)["requests"] == 6
     assert same_within(data.headline(b), data.headline(a))
     assert b.refresh() is False  # a materialization never changes
+
+
+def test_an_unfinished_or_foreign_materialization_is_refused_and_its_sql_stays_read_only(tmp_path):
+    src = _store(tmp_path / "src", n=2)
+    dest = tmp_path / "dest"
+    assert _run("materialize", src, dest).exit_code == 0
+    # read-only: no COPY, no other file
+    r = CliRunner().invoke(main, ["sql", str(dest), f"COPY requests TO '{tmp_path / 'x.csv'}'"])
+    assert r.exit_code != 0 and not (tmp_path / "x.csv").exists()
+    (tmp_path / "secret.txt").write_text("s")
+    r = CliRunner().invoke(main, ["sql", str(dest), f"SELECT * FROM read_text('{tmp_path / 'secret.txt'}')"])
+    assert r.exit_code != 0 and "s\n" not in r.output
+    # a materialization is not a source
+    r = CliRunner().invoke(main, ["materialize", str(dest), str(tmp_path / "again")])
+    assert r.exit_code == 2 and "is a materialization" in r.output
+    # a database naming a file outside its source is never opened
+    doc = materialized.manifest(dest)
+    doc["source"] = str(tmp_path / "elsewhere")
+    (dest / materialized.MANIFEST).write_text(json.dumps(doc))
+    r = CliRunner().invoke(main, ["report", str(dest)])
+    assert r.exit_code == 1 and "outside its source" in r.output
+    # a run that died after its build: no manifest; refused, not read as a trace directory
+    (dest / materialized.MANIFEST).unlink()
+    r = CliRunner().invoke(main, ["report", str(dest)])
+    assert r.exit_code == 1 and "incomplete materialization" in r.output
+
+
+def test_datasets_keep_the_stores_partition_names_and_exact_integers(tmp_path):
+    src = _store(tmp_path / "src", n=2)
+    (src / "empty.parquet").write_bytes(b"")
+    dest = tmp_path / "dest"
+    r = _run("materialize", src, dest)
+    assert "skipped store file" in r.output and "empty.parquet" in r.output
+    hours = sorted(p.name for p in (dest / "requests").glob("date=*/hour=*"))
+    assert hours == ["hour=15", "hour=16"]  # two digits, as the store's partitions
+    import pyarrow.parquet as pq
+
+    f = next((dest / "ttft_breakdown").rglob("*.parquet"))
+    t = pq.read_schema(f)
+    assert str(t.field("queue_ns").type) == "int64"  # HUGEINT in the database: exact as BIGINT
+    # the skipped file is named when the materialization is read, as for the trace
+    rep = CliRunner().invoke(main, ["report", str(dest)])
+    assert "skipped store file" in rep.output and "empty.parquet" in rep.output

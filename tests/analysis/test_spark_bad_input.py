@@ -101,3 +101,35 @@ def test_a_file_removed_while_spark_tasks_read_restarts_the_refresh(tmp_path, sp
         b2.refresh()
         assert a.query("SELECT count(*) AS n FROM ttft_breakdown")[0]["n"] == 24
         assert differences(a.con, b2.con) == []
+
+
+def test_report_and_sql_with_engine_spark_print_duckdbs_and_a_warm_refresh_follows(tmp_path, spark):
+    """The Session path (`pdtrace report --engine spark`, the default cache file), then a new file: the warm
+    refresh after a Spark cold build gives DuckDB's answers too."""
+    import json
+
+    from click.testing import CliRunner
+
+    from pdtrace import analysis
+    from pdtrace.cli.main import main
+
+    d = tmp_path / "s"
+    _requests(d, n=10)
+    run = CliRunner().invoke
+    want = run(main, ["report", "--no-cache", "--format", "json", str(d)], catch_exceptions=False)
+    got = run(main, ["report", "--no-cache", "--engine", "spark", "--format", "json", str(d)], catch_exceptions=False)
+    assert got.exit_code == 0 and json.loads(got.output) == json.loads(want.output)
+    q = run(main, ["sql", "--no-cache", "--engine", "spark", "--format", "csv", str(d), "SELECT count(*) FROM requests"])
+    assert q.output.splitlines()[1] == "10"
+    cache = tmp_path / "c.duckdb"
+    s = analysis.open(d, cache=cache, read_only=False, engine="spark")
+    try:
+        assert s._trace.spark_stats["batches"] >= 2
+        _requests(d, n=4, prefix="late-", t0=5000.0)
+        assert s.refresh() is True
+        with db.Trace(d) as a:
+            a.refresh()
+            assert differences(a.con, s._trace.con) == []
+            assert a.query("SELECT count(*) AS n FROM requests")[0]["n"] == 14
+    finally:
+        s.close()

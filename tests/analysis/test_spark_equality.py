@@ -100,3 +100,31 @@ def test_batches_split_across_tasks_give_the_same_rows(spark, tmp_path):
             assert tr.spark_stats["requests"] == 24
             assert differences(a.con, tr.con) == []
             assert a.con.execute("SELECT count(*) FROM requests").fetchone()[0] == 24
+
+
+def test_a_culprit_in_another_file_is_found_whatever_the_batching(spark, tmp_path):
+    """ttft_segments' culprit (DESIGN.md §4): request A waits in prefill.queue on p0; B's prefill.compute
+    on p0 ends during the wait, written in another file (another rotation). One pass, batches of one
+    request (each reading only its own files) and Spark's tasks all name B."""
+    from pdtrace.analysis.spark import SparkTrace
+
+    from pdtrace_case_builder import Case
+
+    d = tmp_path / "s"
+    a = Case()
+    a.router_request("A", 0, 200, "pull", first_token_ms=150, last_token_ms=190)
+    a.span("prefill", "prefill.queue", 1, 50, rid="A", engine="p0")
+    a.span("prefill", "prefill.compute", 50, 100, rid="A", engine="p0")
+    a.write(d, prefix="a-")
+    b = Case()
+    b.router_request("B", 0, 60, "pull", first_token_ms=50, last_token_ms=58)
+    b.span("prefill", "prefill.compute", 5, 40, rid="B", engine="p0")
+    b.write(d, prefix="b-")
+    sql = "SELECT culprit_request_id AS r, culprit_kind AS k FROM _segment_culprits"
+    with db.Trace(d) as one, db.Trace(d) as batched, SparkTrace(d, spark=spark) as sp:
+        batched.batch_requests = 1
+        for tr in (one, batched, sp):
+            tr.refresh()
+            assert tr.query(sql) == [{"r": "B", "k": "batch_slot"}]
+        assert sp.spark_stats["batches"] == 2
+        assert differences(one.con, sp.con) == [] and differences(one.con, batched.con) == []

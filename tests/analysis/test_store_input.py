@@ -101,9 +101,9 @@ def decoded(monkeypatch):
     seen = []
     real = files.decode_error
 
-    def spy(paths):
+    def spy(paths, *settings):
         seen.extend(paths)
-        return real(paths)
+        return real(paths, *settings)
 
     monkeypatch.setattr(files, "decode_error", spy)
     return seen
@@ -375,10 +375,10 @@ def test_parts_are_deferred_once_even_when_the_other_new_files_cannot_be_decoded
     part = store.write_rows(d, _p9_rows(10, first=100), resource=_P9, name=_part_name(2))
     real, calls = files.decode_error, []
 
-    def unknown_for_the_segment(paths):
+    def unknown_for_the_segment(paths, *settings):
         calls.append(paths)
         assert len(calls) < 50, "refresh loops"
-        return ("unknown", "IOException") if str(seg) in paths else real(paths)
+        return ("unknown", "IOException") if str(seg) in paths else real(paths, *settings)
 
     monkeypatch.setattr(files, "decode_error", unknown_for_the_segment)
     with pytest.warns(files.SkippedFileWarning, match="unreadable now"):
