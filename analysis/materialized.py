@@ -34,6 +34,8 @@ from pathlib import Path
 
 import duckdb
 
+from .template import fsync_path
+
 #: The manifest's file name; its presence marks a complete materialization.
 MANIFEST = "pdtrace-materialized.json"
 #: Written first and kept: DEST is (or was being made) a materialization, which a new run may replace.
@@ -179,28 +181,16 @@ def write(source: str | os.PathLike, dest: str | os.PathLike, engine: str = "duc
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, out / MANIFEST)
-    _fsync_dir(out)
+    fsync_path(out)
     return doc
-
-
-def _fsync_dir(d: Path) -> None:
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _sync_tree(out: Path) -> None:
     """fsync every file and directory under ``out`` (before the manifest says DEST is complete)."""
     for root, _, names in os.walk(out):
         for n in names:
-            fd = os.open(os.path.join(root, n), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(Path(root))
+            fsync_path(os.path.join(root, n))
+        fsync_path(root)
 
 
 def _export(db_path: Path, out: Path) -> dict[str, dict]:

@@ -36,7 +36,8 @@ import duckdb
 STALE_S = 600.0
 
 
-def _fsync(path: Path) -> None:
+def fsync_path(path: str | os.PathLike) -> None:
+    """fsync the file or directory ``path`` (its data, or its entries); raises OSError."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -85,11 +86,11 @@ def _build(tpl: Path, build: Callable[[duckdb.DuckDBPyConnection], None], tag: s
             con.execute("CHECKPOINT")
         finally:
             con.close()
-        _fsync(tmp)
+        fsync_path(tmp)
         sums.write_text(hashlib.sha256(tmp.read_bytes()).hexdigest())
         os.replace(sums, _sum_path(tpl))
         os.replace(tmp, tpl)
-        _fsync(tpl.parent)
+        fsync_path(tpl.parent)
     finally:
         unlink_db(tmp)
         sums.unlink(missing_ok=True)

@@ -1,10 +1,12 @@
 """Cold analysis of a large store: DuckDB on one machine against the Spark engine, in the same run.
 
 ``python benchmarks/spark_scale.py STORE [--masters local[1],local[2]] [--task-memory-limit 1GB]
-[--batch-requests 100000] [--no-duckdb]``
+[--memory-limit 6GB] [--batch-requests 100000] [--no-duckdb]``
 
 For each engine (DuckDB, then the Spark engine on each master) a fresh child process builds the
-analysis of STORE cold, in memory (no cache file), as ``pdtrace report --engine ...`` would. The
+analysis of STORE cold into a new cache file, as ``pdtrace report --engine ...`` would, the driver's
+DuckDB bounded by ``--memory-limit`` (default 6GB; the Spark work directory beside the cache file,
+under ``$PDTRACE_BENCH_TMP`` or the temp dir). The
 parent samples the child's process tree every 0.2 s (psutil): peak RSS of the whole tree, of the
 driver, of the JVM, and of the largest Python worker (a Spark task's DuckDB, bounded by
 ``--task-memory-limit``). Printed per engine: wall seconds, speed-up of each master over the first,
@@ -32,19 +34,28 @@ FROM requests r LEFT JOIN ttft_breakdown b USING (rkey)
 """
 
 
-def _child(engine: str, store: str, master: str, task_memory_limit: str | None, batch: int) -> None:
-    """Build the analysis of ``store`` cold with ``engine``; print one JSON line of timings and the digest."""
+def _child(engine: str, store: str, master: str, task_memory_limit: str | None, batch: int,
+           memory_limit: str | None) -> None:
+    """Build the analysis of ``store`` cold with ``engine`` into a new cache file (as ``pdtrace report``
+    does) in a temporary directory, the driver's DuckDB bounded by ``memory_limit``; print one JSON
+    line of timings and the digest."""
+    import shutil
+    import tempfile
+
+    work = tempfile.mkdtemp(prefix="pdtrace-scale-", dir=os.environ.get("PDTRACE_BENCH_TMP"))
+    cache = os.path.join(work, "analysis.duckdb")
     t0 = time.perf_counter()
     if engine == "duckdb":
         from pdtrace.analysis import db
 
-        tr = db.Trace(store)
+        tr = db.Trace(store, cache=cache, memory_limit=memory_limit)
     else:
         from pdtrace.analysis import spark
 
         s = spark.session(master)
         t_session = time.perf_counter() - t0
-        tr = spark.SparkTrace(store, spark=s, task_memory_limit=task_memory_limit)
+        tr = spark.SparkTrace(store, cache=cache, memory_limit=memory_limit, spark=s,
+                              task_memory_limit=task_memory_limit, work_dir=work)
     tr.batch_requests = batch
     t1 = time.perf_counter()
     res = tr.refresh(warn=False)
@@ -57,6 +68,7 @@ def _child(engine: str, store: str, master: str, task_memory_limit: str | None, 
         out["session_s"] = t_session
     print("RESULT " + json.dumps(out), flush=True)
     tr.close()
+    shutil.rmtree(work, ignore_errors=True)
 
 
 def _measure(cmd: list[str]) -> tuple[dict, dict]:
@@ -108,12 +120,13 @@ def main() -> None:
     ap.add_argument("store")
     ap.add_argument("--masters", default="local[1],local[2]")
     ap.add_argument("--task-memory-limit", default="1GB")
+    ap.add_argument("--memory-limit", default="6GB", help="the driver's DuckDB memory_limit (both engines)")
     ap.add_argument("--batch-requests", type=int, default=100_000)
     ap.add_argument("--no-duckdb", action="store_true")
     ap.add_argument("--child", nargs=2, metavar=("ENGINE", "MASTER"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
-        _child(a.child[0], a.store, a.child[1], a.task_memory_limit, a.batch_requests)
+        _child(a.child[0], a.store, a.child[1], a.task_memory_limit, a.batch_requests, a.memory_limit)
         return
     print(f"store {a.store}: bare scan {_bare_scan(a.store):.1f} s (every column of every file, DuckDB, 2 threads)")
     runs = [("duckdb", "-")] if not a.no_duckdb else []
@@ -122,6 +135,7 @@ def main() -> None:
     digests = set()
     for engine, master in runs:
         cmd = [sys.executable, __file__, a.store, "--task-memory-limit", a.task_memory_limit,
+               "--memory-limit", a.memory_limit,
                "--batch-requests", str(a.batch_requests), "--child", engine, master]
         res, peak = _measure(cmd)
         digests.add((res["requests"], res["digest"]))

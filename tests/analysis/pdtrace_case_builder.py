@@ -71,6 +71,19 @@ class Case:
             self.event("router", "router.last_token", last_token_ms, rid=rid, span=root)
         return root
 
+    def pull_requests(self, n, gap_ms=10.0, t0_ms=0.0, prefix=""):
+        """n complete pull requests ``<prefix>r<i>`` arriving every ``gap_ms`` from ``t0_ms``: router root
+        (TTFT 40 ms), prefill.queue and prefill.compute on p0, kv.transfer and decode.first_step on d0."""
+        for i in range(n):
+            t = t0_ms + gap_ms * i
+            rid = f"{prefix}r{i}"
+            self.router_request(rid, t, t + 60, "pull", first_token_ms=t + 40, last_token_ms=t + 58)
+            self.span("prefill", "prefill.queue", t + 1, t + 5, rid=rid, engine="p0")
+            self.span("prefill", "prefill.compute", t + 5, t + 20, rid=rid, engine="p0")
+            self.span("decode", "kv.transfer", t + 21, t + 30, rid=rid, engine="d0", attrs={"kv.bytes": 4096})
+            self.span("decode", "decode.first_step", t + 31, t + 39, rid=rid, engine="d0")
+        return self
+
     def write(self, directory, prefix=""):
         paths = []
         for (role, engine), rows in sorted(self.rows.items(), key=lambda kv: (kv[0][0], kv[0][1] or "")):

@@ -15,16 +15,7 @@ from pdtrace_case_builder import Case
 
 def _store(d, n=6):
     """n pull requests one hour apart (so they fall in n hourly partitions), each complete."""
-    c = Case()
-    for i in range(n):
-        t = 3_600_000.0 * i
-        rid = f"r{i}"
-        c.router_request(rid, t, t + 60, "pull", first_token_ms=t + 40, last_token_ms=t + 58)
-        c.span("prefill", "prefill.queue", t + 1, t + 5, rid=rid, engine="p0")
-        c.span("prefill", "prefill.compute", t + 5, t + 20, rid=rid, engine="p0")
-        c.span("decode", "kv.transfer", t + 21, t + 30, rid=rid, engine="d0", attrs={"kv.bytes": 4096})
-        c.span("decode", "decode.first_step", t + 31, t + 39, rid=rid, engine="d0")
-    c.write(d)
+    Case().pull_requests(n, gap_ms=3_600_000.0).write(d)
     return d
 
 

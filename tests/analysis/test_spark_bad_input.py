@@ -15,15 +15,7 @@ from pdtrace_case_builder import Case
 
 
 def _requests(d: Path, n=24, prefix="", t0=0.0):
-    c = Case()
-    for i in range(n):
-        t = t0 + 10.0 * i
-        rid = f"{prefix}r{i}"
-        c.router_request(rid, t, t + 60, "pull", first_token_ms=t + 40, last_token_ms=t + 58)
-        c.span("prefill", "prefill.compute", t + 5, t + 20, rid=rid, engine="p0")
-        c.span("decode", "kv.transfer", t + 21, t + 30, rid=rid, engine="d0", attrs={"kv.bytes": 4096})
-        c.span("decode", "decode.first_step", t + 31, t + 39, rid=rid, engine="d0")
-    return c.write(d, prefix=prefix)
+    return Case().pull_requests(n, t0_ms=t0, prefix=prefix).write(d, prefix=prefix)
 
 
 def _corrupt_first_page(path: Path) -> None:

@@ -81,16 +81,7 @@ def test_batches_split_across_tasks_give_the_same_rows(spark, tmp_path):
 
     from pdtrace_case_builder import Case
 
-    c = Case()
-    for i in range(24):
-        t = 10.0 * i
-        rid = f"r{i}"
-        c.router_request(rid, t, t + 60, "pull", first_token_ms=t + 40, last_token_ms=t + 58)
-        c.span("prefill", "prefill.queue", t + 1, t + 5, rid=rid, engine="p0")
-        c.span("prefill", "prefill.compute", t + 5, t + 20, rid=rid, engine="p0")
-        c.span("decode", "kv.transfer", t + 21, t + 30, rid=rid, engine="d0", attrs={"kv.bytes": 4096})
-        c.span("decode", "decode.first_step", t + 31, t + 39, rid=rid, engine="d0")
-    c.write(tmp_path / "s")
+    Case().pull_requests(24).write(tmp_path / "s")
     with db.open_trace(tmp_path / "s") as a:
         tr = SparkTrace(tmp_path / "s", spark=spark)
         tr.batch_requests = 3
