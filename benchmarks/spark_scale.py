@@ -1,12 +1,12 @@
 """Cold analysis of a large store: DuckDB on one machine against the Spark engine, in the same run.
 
 ``python benchmarks/spark_scale.py STORE [--masters local[1],local[2]] [--task-memory-limit 1GB]
-[--memory-limit 6GB] [--batch-requests 100000] [--no-duckdb]``
+[--memory-limit 6GB] [--tmp DIR] [--batch-requests 100000] [--no-duckdb]``
 
 For each engine (DuckDB, then the Spark engine on each master) a fresh child process builds the
 analysis of STORE cold into a new cache file, as ``pdtrace report --engine ...`` would, the driver's
 DuckDB bounded by ``--memory-limit`` (default 6GB; the Spark work directory beside the cache file,
-under ``$PDTRACE_BENCH_TMP`` or the temp dir). The
+under ``--tmp`` or the temp dir). The
 parent samples the child's process tree every 0.2 s (psutil): peak RSS of the whole tree, of the
 driver, of the JVM, and of the largest Python worker (a Spark task's DuckDB, bounded by
 ``--task-memory-limit``). Printed per engine: wall seconds, speed-up of each master over the first,
@@ -35,14 +35,14 @@ FROM requests r LEFT JOIN ttft_breakdown b USING (rkey)
 
 
 def _child(engine: str, store: str, master: str, task_memory_limit: str | None, batch: int,
-           memory_limit: str | None) -> None:
+           memory_limit: str | None, tmp: str | None) -> None:
     """Build the analysis of ``store`` cold with ``engine`` into a new cache file (as ``pdtrace report``
     does) in a temporary directory, the driver's DuckDB bounded by ``memory_limit``; print one JSON
     line of timings and the digest."""
     import shutil
     import tempfile
 
-    work = tempfile.mkdtemp(prefix="pdtrace-scale-", dir=os.environ.get("PDTRACE_BENCH_TMP"))
+    work = tempfile.mkdtemp(prefix="pdtrace-scale-", dir=tmp)
     cache = os.path.join(work, "analysis.duckdb")
     t0 = time.perf_counter()
     if engine == "duckdb":
@@ -121,12 +121,13 @@ def main() -> None:
     ap.add_argument("--masters", default="local[1],local[2]")
     ap.add_argument("--task-memory-limit", default="1GB")
     ap.add_argument("--memory-limit", default="6GB", help="the driver's DuckDB memory_limit (both engines)")
+    ap.add_argument("--tmp", default=None, help="directory for the cache files and Spark work (default the temp dir)")
     ap.add_argument("--batch-requests", type=int, default=100_000)
     ap.add_argument("--no-duckdb", action="store_true")
     ap.add_argument("--child", nargs=2, metavar=("ENGINE", "MASTER"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
-        _child(a.child[0], a.store, a.child[1], a.task_memory_limit, a.batch_requests, a.memory_limit)
+        _child(a.child[0], a.store, a.child[1], a.task_memory_limit, a.batch_requests, a.memory_limit, a.tmp)
         return
     print(f"store {a.store}: bare scan {_bare_scan(a.store):.1f} s (every column of every file, DuckDB, 2 threads)")
     runs = [("duckdb", "-")] if not a.no_duckdb else []
@@ -135,7 +136,7 @@ def main() -> None:
     digests = set()
     for engine, master in runs:
         cmd = [sys.executable, __file__, a.store, "--task-memory-limit", a.task_memory_limit,
-               "--memory-limit", a.memory_limit,
+               "--memory-limit", a.memory_limit, *(["--tmp", a.tmp] if a.tmp else []),
                "--batch-requests", str(a.batch_requests), "--child", engine, master]
         res, peak = _measure(cmd)
         digests.add((res["requests"], res["digest"]))
