@@ -359,6 +359,28 @@ class Trace(Materializer):
 
 
 
+#: The engines a trace's analysis can be built with (:func:`make_trace`).
+ENGINES = ("duckdb", "spark")
+
+
+def make_trace(directory: str | os.PathLike, cache: str | os.PathLike | None = None, threads: int | None = None,
+               memory_limit: str | None = None, engine: str = "duckdb", spark_master: str | None = None,
+               spark_opts: dict | None = None) -> Trace:
+    """A new, not yet refreshed analysis of ``directory`` on ``engine``: a :class:`Trace` (``duckdb``), or a
+    :class:`pdtrace.analysis.spark.SparkTrace` on ``spark_master`` (default ``local[2]``) with
+    ``spark_opts`` (its ``work_dir``, ``task_memory_limit``, ``task_threads``; None values ignored).
+    Raises ValueError for an engine not in :data:`ENGINES`, and what the engine's constructor raises."""
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r}: duckdb or spark")
+    if engine == "duckdb":
+        return Trace(directory, cache=cache, threads=threads, memory_limit=memory_limit)
+    from . import spark as _spark
+
+    opts = {k: v for k, v in (spark_opts or {}).items() if v is not None}
+    return _spark.SparkTrace(directory, cache=cache, threads=threads, memory_limit=memory_limit,
+                             master=spark_master or _spark.DEFAULT_MASTER, **opts)
+
+
 def open_trace(directory: str | os.PathLike, cache: str | os.PathLike | None = None,
                threads: int | None = None) -> Trace:
     """Open ``directory``'s analysis database and refresh it (see :class:`Trace`)."""

@@ -312,13 +312,27 @@ class Materializer:
         """
         con = self.con
         batches = self._plan_batches(-(-n_scope // self.batch_requests))
+        holding = self._batch_files(files)
         for b in batches:
             con.execute("DELETE FROM _scope_keys")
             con.execute("INSERT INTO _scope_keys SELECT rkey FROM _scope_batch WHERE b = ?", [b])
-            self._restrict_records(files)
+            self._set_records(holding.get(b, []))
             self._materialize_scope()
-        con.execute("DELETE FROM _scope_keys")
-        con.execute("INSERT INTO _scope_keys SELECT rkey FROM _scope_all")
+        self._end_batches()
+
+    def _batch_files(self, files: list[str]) -> dict[int, list[str]]:
+        """{batch b: the files of ``files`` holding rows of its requests, sorted} for the batches of
+        ``_scope_batch`` (:meth:`_plan_batches`; ``_file_keys`` maps each file to the request keys, and
+        linked ids, it touches). A batch whose requests have no file is absent."""
+        good = set(files)
+        return {b: sorted(good.intersection(fs)) for b, fs in self.con.execute("""
+            SELECT s.b, list(DISTINCT fk._file) FROM _scope_batch s JOIN _file_keys fk ON fk.rkey = s.rkey
+            GROUP BY s.b""").fetchall()}
+
+    def _end_batches(self) -> None:
+        """After the batches: ``_scope_keys`` holds every key of the refresh again (``_scope_all``)."""
+        self.con.execute("DELETE FROM _scope_keys")
+        self.con.execute("INSERT INTO _scope_keys SELECT rkey FROM _scope_all")
 
     def _plan_batches(self, n_batches: int) -> list[int]:
         """Split the keys in ``_scope_keys`` into about ``n_batches`` time-ordered batches (rules in

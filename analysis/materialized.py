@@ -131,7 +131,7 @@ def write(source: str | os.PathLike, dest: str | os.PathLike, engine: str = "duc
     from . import db as _db
 
     src, out = Path(source).resolve(), Path(dest).resolve()  # the database names store files by absolute path
-    if engine not in ("duckdb", "spark"):
+    if engine not in _db.ENGINES:
         raise ValueError(f"unknown engine {engine!r}: duckdb or spark")
     if not src.is_dir():
         raise FileNotFoundError(f"trace directory not found: {src}")
@@ -148,14 +148,8 @@ def write(source: str | os.PathLike, dest: str | os.PathLike, engine: str = "duc
     tmp_db = out / f".{DATABASE}.tmp"
     for p in (tmp_db, Path(f"{tmp_db}.wal")):
         p.unlink(missing_ok=True)
-    if engine == "spark":
-        from . import spark as _spark
-
-        tr = _spark.SparkTrace(src, cache=tmp_db, threads=threads, memory_limit=memory_limit,
-                               master=master or _spark.DEFAULT_MASTER, work_dir=work_dir,
-                               task_memory_limit=task_memory_limit)
-    else:
-        tr = _db.Trace(src, cache=tmp_db, threads=threads, memory_limit=memory_limit)
+    tr = _db.make_trace(src, cache=tmp_db, threads=threads, memory_limit=memory_limit, engine=engine,
+                        spark_master=master, spark_opts={"work_dir": work_dir, "task_memory_limit": task_memory_limit})
     with tr:
         res = tr.refresh(warn=False)
         stats = dict(getattr(tr, "spark_stats", {}))

@@ -56,12 +56,12 @@ class Session:
                  read_only: bool = True, live: bool = False, threads: int | None = None,
                  memory_limit: str | None = None, engine: str = "duckdb", spark_master: str | None = None,
                  spark_opts: dict | None = None):
-        if engine not in ("duckdb", "spark"):
+        if engine not in _db.ENGINES:
             raise ValueError(f"unknown engine {engine!r}: duckdb or spark")
         self.directory = Path(directory)
         self.engine = engine
         self._spark_master = spark_master
-        self._spark_opts = {k: v for k, v in (spark_opts or {}).items() if v is not None}
+        self._spark_opts = spark_opts
         self.read_only = read_only
         self.live = live
         self._looked: _sandbox.ReadOnlyConnection | None = None  # a one-look session, locked down
@@ -87,18 +87,12 @@ class Session:
         cache = self._cache_arg
         if cache is True:
             cache = _cache.default_cache_path(self.directory)
-        kw = {"threads": self._threads, "memory_limit": self._memory_limit}
-        make = _db.Trace
-        if self.engine == "spark":
-            from . import spark as _spark
-
-            make = _spark.SparkTrace
-            kw["master"] = self._spark_master or _spark.DEFAULT_MASTER
-            kw.update(self._spark_opts)
+        kw = {"threads": self._threads, "memory_limit": self._memory_limit, "engine": self.engine,
+              "spark_master": self._spark_master, "spark_opts": self._spark_opts}
         try:
-            tr = make(self.directory, cache=cache or None, **kw)
+            tr = _db.make_trace(self.directory, cache=cache or None, **kw)
         except duckdb.IOException:  # the cache file is held by another process: work in memory
-            tr = make(self.directory, cache=None, **kw)
+            tr = _db.make_trace(self.directory, cache=None, **kw)
             self.cache_locked = True
         self._trace = tr
         self.cache_path = tr.cache

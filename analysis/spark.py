@@ -220,10 +220,7 @@ class SparkTrace(_db.Trace):
         con = self.con
         self.spark_stats["driver_global_seconds"] = time.perf_counter() - getattr(self, "_t_refresh", time.perf_counter())
         batches = self._plan_batches(max(-(-n_scope // self.batch_requests), self._cores))
-        good = set(files)
-        holding = {b: sorted(good.intersection(fs)) for b, fs in con.execute("""
-            SELECT s.b, list(DISTINCT fk._file) FROM _scope_batch s JOIN _file_keys fk ON fk.rkey = s.rkey
-            GROUP BY s.b""").fetchall()}
+        holding = self._batch_files(files)
         if self.work_dir is not None:
             self.work_dir.mkdir(parents=True, exist_ok=True)
         # one directory per refresh (removed whole): runs sharing a work directory never meet
@@ -264,5 +261,4 @@ class SparkTrace(_db.Trace):
         finally:
             con.execute("DROP TABLE IF EXISTS main._spark_batch")
             shutil.rmtree(work, ignore_errors=True)
-        con.execute("DELETE FROM _scope_keys")
-        con.execute("INSERT INTO _scope_keys SELECT rkey FROM _scope_all")
+        self._end_batches()
