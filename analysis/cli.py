@@ -22,15 +22,15 @@ from . import check as _check, report as _report
 
 
 def _open(directory: str, cache: str | None, no_cache: bool, engine: str = "duckdb", spark_master: str | None = None,
-          spark_opts: dict | None = None):
+          spark_opts: dict | None = None, window=None):
     """Open DIRECTORY through :func:`pdtrace.analysis.open` (cache as the options say; a locked cache file
-    falls back to memory; ``engine``, ``spark_master`` and ``spark_opts`` as :func:`pdtrace.analysis.open`
-    takes them) and print each skipped store file as a warning on stderr; returns the Session. An
+    falls back to memory; ``engine``, ``spark_master``, ``spark_opts`` and ``window`` as
+    :func:`pdtrace.analysis.open` takes them) and print each skipped store file as a warning on stderr; returns the Session. An
     incomplete materialization, or a Spark engine that cannot start (no Java, no pyspark, a bad master),
     is a ClickException."""
     try:
         s = analysis.open(directory, cache=None if no_cache else (Path(cache) if cache else True),
-                          engine=engine, spark_master=spark_master, spark_opts=spark_opts)
+                          engine=engine, spark_master=spark_master, spark_opts=spark_opts, window=window)
     except (RuntimeError, ImportError, ValueError) as exc:
         raise click.ClickException(str(exc)) from exc
     except Exception as exc:  # Spark's own errors (Py4J, Java gateway) name no pdtrace type
@@ -41,6 +41,43 @@ def _open(directory: str, cache: str | None, no_cache: bool, engine: str = "duck
     for path, reason in s.skipped:
         click.echo(f"warning: skipped store file {path}: {reason}", err=True)
     return s
+
+
+_window_opts = [
+    click.option("--since", default=None, metavar="WHEN",
+                 help="Only the requests that arrived at or after WHEN: ISO 8601 (UTC without a zone, e.g. "
+                      "2026-12-06T10:00) or a duration before now (30m, 2h, 1d). Reads only the store files "
+                      "(Hive partitions, then footer statistics) that can hold them."),
+    click.option("--until", default=None, metavar="WHEN", help="Only the requests that arrived before WHEN (as --since)."),
+    click.option("--lookahead", default=None, metavar="DURATION",
+                 help="With --until: how long after it the rows of a request that arrived before it are read "
+                      "(default 10m; rules: pdtrace.analysis.window)."),
+]
+
+
+def _with_window(f):
+    for opt in reversed(_window_opts):
+        f = opt(f)
+    return f
+
+
+def _window(since, until, lookahead):
+    """The :class:`pdtrace.analysis.window.Window` of the options (None without --since/--until);
+    a text that does not parse is a UsageError."""
+    from . import window as _window_mod
+
+    try:
+        return _window_mod.Window.from_options(since, until, lookahead)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+
+
+def _window_line(s) -> str:
+    """The report's first line for a windowed session: the window and the files it left out."""
+    w = s.window.describe()
+    pruned = len(s.last_refresh.pruned) if s.last_refresh is not None else 0
+    return (f"Window: requests arriving in [{w['since']}, {w['until']}) (lookahead {w['lookahead_s']:g} s); "
+            f"{pruned} store file(s) outside it not read")
 
 
 def _result(con, query: str):
@@ -109,15 +146,24 @@ def _with_engine(f):
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
 @_with_cache
 @_with_engine
-def report(directory, compare_dir, fmt, cache, no_cache, engine, spark_master, task_memory_limit, work_dir):
+@_with_window
+def report(directory, compare_dir, fmt, cache, no_cache, engine, spark_master, task_memory_limit, work_dir,
+           since, until, lookahead):
     """Print the TTFT breakdown summary of a trace directory or a materialization (DIRECTORY)."""
     opts = _spark_opts(task_memory_limit, work_dir)
-    with _open(directory, cache, no_cache, engine, spark_master, opts) as s:
+    window = _window(since, until, lookahead)
+    with _open(directory, cache, no_cache, engine, spark_master, opts, window) as s:
         data = _report.collect(s.cursor())
+        head = _window_line(s) if window is not None else None
+    if window is not None:
+        data["window"] = {**window.describe(), "pruned_files": len(s.last_refresh.pruned)}
     if compare_dir is None:
-        click.echo(json.dumps(data, default=str, indent=1) if fmt == "json" else _report.render(data, directory))
+        if fmt == "json":
+            click.echo(json.dumps(data, default=str, indent=1))
+        else:
+            click.echo((head + "\n\n" if head else "") + _report.render(data, directory))
         return
-    with _open(compare_dir, None, no_cache, engine, spark_master, opts) as s2:
+    with _open(compare_dir, None, no_cache, engine, spark_master, opts, window) as s2:
         data2 = _report.collect(s2.cursor())
     delta = _report.compare_delta(data, data2)
     if fmt == "json":
@@ -166,13 +212,17 @@ def _shell(con, fmt: str) -> None:
 @click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True)
 @_with_cache
 @_with_engine
-def sql(directory, query, fmt, cache, no_cache, engine, spark_master, task_memory_limit, work_dir):
+@_with_window
+def sql(directory, query, fmt, cache, no_cache, engine, spark_master, task_memory_limit, work_dir,
+        since, until, lookahead):
     """Run read-only SQL over DIRECTORY's views (interactive shell without QUERY).
 
     DIRECTORY is a trace directory or a materialization (``pdtrace materialize``). Queries cannot
     write files, attach databases or change settings.
     """
-    with _open(directory, cache, no_cache, engine, spark_master, _spark_opts(task_memory_limit, work_dir)) as s:
+    window = _window(since, until, lookahead)
+    with _open(directory, cache, no_cache, engine, spark_master, _spark_opts(task_memory_limit, work_dir),
+               window) as s:
         con = s.cursor()
         if query is None:
             _shell(con, fmt)
@@ -225,22 +275,27 @@ def check(directory, recent_s, at_end, max_clock_bound_ms, fmt, cache, no_cache)
 @click.argument("source", type=click.Path(exists=True, file_okay=False))
 @click.argument("dest", type=click.Path(file_okay=False))
 @_with_engine
-def materialize(source, dest, engine, spark_master, task_memory_limit, work_dir):
+@_with_window
+def materialize(source, dest, engine, spark_master, task_memory_limit, work_dir, since, until, lookahead):
     """Analyse the trace directory SOURCE once and write DEST: the views as Parquet datasets
     partitioned by date and hour, and the analysis database that `pdtrace report DEST`, `pdtrace sql DEST`
-    and the dashboard read (layout: pdtrace.analysis.materialized)."""
+    and the dashboard read (layout: pdtrace.analysis.materialized). With --since/--until, only the
+    requests that arrived in that window (e.g. one materialization per hour of a fleet's day)."""
     from . import materialized as _materialized
 
+    window = _window(since, until, lookahead)
     try:
         doc = _materialized.write(source, dest, engine, master=spark_master, task_memory_limit=task_memory_limit,
-                                  work_dir=work_dir)
+                                  work_dir=work_dir, window=window)
     except (ValueError, FileExistsError) as exc:
         raise click.UsageError(str(exc)) from exc
-    except ImportError as exc:
+    except (ImportError, _materialized.MaterializeBusy) as exc:
         raise click.ClickException(str(exc)) from exc
     for path, reason in doc["skipped"]:
         click.echo(f"warning: skipped store file {path}: {reason}", err=True)
     rows = sum(v["rows"] for v in doc["views"].values())
     click.echo(f"materialized {source} into {dest} with {engine}: {doc['files']} store files, "
                f"{doc['views'].get('requests', {}).get('rows', 0)} requests, {len(doc['views'])} views "
-               f"({rows} rows) in {doc['seconds']:.1f} s")
+               f"({rows} rows) in {doc['seconds']:.1f} s"
+               + (f"; requests arriving in [{doc['window']['since']}, {doc['window']['until']}), "
+                  f"{doc['pruned_files']} store file(s) outside the window not read" if window is not None else ""))

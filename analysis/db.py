@@ -45,7 +45,8 @@ class RefreshResult:
 
     ``new``/``gone``: files absorbed / dropped; ``skipped``: [(path, reason)];
     ``dirty_requests``: requests recomputed; ``seconds``: wall time;
-    ``rebuilt``: True when the cache was (re)built from scratch.
+    ``rebuilt``: True when the cache was (re)built from scratch; ``pruned``: the store files a
+    :class:`pdtrace.analysis.window.Window` left out (not read, not checked).
     """
 
     new: list[str] = field(default_factory=list)
@@ -54,6 +55,7 @@ class RefreshResult:
     dirty_requests: int = 0
     seconds: float = 0.0
     rebuilt: bool = False
+    pruned: list[str] = field(default_factory=list)
 
 
 
@@ -63,15 +65,18 @@ class Trace(Materializer):
     ``cache``: path of a DuckDB file to keep between runs (created if
     missing, rebuilt if made by another SQL library version), or None for an
     in-memory database. ``threads``: DuckDB threads (default: all cores); ``memory_limit``: DuckDB's
-    ``memory_limit`` setting, e.g. ``'2GB'`` (default: DuckDB's, 80 % of RAM).
+    ``memory_limit`` setting, e.g. ``'2GB'`` (default: DuckDB's, 80 % of RAM). ``window``: a
+    :class:`pdtrace.analysis.window.Window`: only the requests that arrived in it, from the files that
+    can hold them (rules there); a cache file built for another window (or none) is rebuilt.
     Raises FileNotFoundError when ``directory`` does not exist.
     """
 
     def __init__(self, directory: str | os.PathLike, cache: str | os.PathLike | None = None,
-                 threads: int | None = None, memory_limit: str | None = None):
+                 threads: int | None = None, memory_limit: str | None = None, window=None):
         self.directory = Path(directory)
         if not self.directory.is_dir():
             raise FileNotFoundError(f"trace directory not found: {self.directory}")
+        self.window = window
         self.cache = Path(cache) if cache is not None else None
         self._threads = threads
         self._memory_limit = memory_limit
@@ -110,6 +115,9 @@ class Trace(Materializer):
         self._empty = copied or row is None
         if row is None:
             _cache.install(con, stamp)
+        built_for = con.execute("SELECT value FROM _meta WHERE key = 'window'").fetchone()
+        if (built_for[0] if built_for else "") != self._window_key:
+            self._fresh = True  # built for another window (or for none): rebuild
         # scratch steps live in memory (temp tables shadow the empty main ones)
         for m in materializations("scratch"):
             con.execute(f"CREATE OR REPLACE TEMP TABLE {m.table} AS SELECT * FROM main.{m.table} LIMIT 0")
@@ -132,8 +140,20 @@ class Trace(Materializer):
     def scan(self) -> tuple[dict[str, tuple[int, int]], list[tuple[str, str]]]:
         """List the directory (:func:`pdtrace.analysis.files.scan`), skipping the files whose data
         failed to decode until they change. :meth:`refresh` keeps the rows of a file it absorbed
-        before that is ``unreadable now:``. Footers are read through this trace's connection."""
-        return _files.scan(self.directory, self._corrupt, self.con)
+        before that is ``unreadable now:``. Footers are read through this trace's connection. With a
+        :attr:`window`, only the files it selects; the others are in :attr:`pruned` afterwards."""
+        pruned: list[str] = []
+        out = _files.scan(self.directory, self._corrupt, self.con, window=self.window, pruned=pruned)
+        self.pruned = pruned
+        return out
+
+    #: The store files the last :meth:`scan` left out for the :attr:`window` (paths).
+    pruned: list[str] = []
+
+    @property
+    def _window_key(self) -> str:
+        """What ``_meta`` key ``window`` holds for this trace's :attr:`window` ('' for none)."""
+        return self.window.key() if getattr(self, "window", None) is not None else ""
 
     def _decode_errors(self, paths: list[str]) -> dict[str, tuple[str, str]]:
         """The full decode check of the new files ``paths`` (:func:`pdtrace.analysis.files.decode_errors`;
@@ -239,6 +259,7 @@ class Trace(Materializer):
             out.new += [p for p in res.new if p not in out.new]
             out.gone += [p for p in res.gone if p not in out.gone]
             out.skipped = res.skipped
+            out.pruned = list(self.pruned)
             if not deferred:
                 break
         out.dirty_requests = self.con.execute("SELECT count(DISTINCT rkey) FROM _refreshed_keys").fetchone()[0]
@@ -267,6 +288,7 @@ class Trace(Materializer):
                 con.execute(f"DELETE FROM {m.table}")
         self._empty = False  # the refresh attempt that follows fills them
         con.execute("INSERT OR REPLACE INTO _meta VALUES ('state', 'wiped')")
+        con.execute("INSERT OR REPLACE INTO _meta VALUES ('window', ?)", [self._window_key])
         self._fresh = True
 
     def _vanished(self, exc: duckdb.Error, good: dict[str, tuple[int, int]]) -> bool:
@@ -365,20 +387,21 @@ ENGINES = ("duckdb", "spark")
 
 def make_trace(directory: str | os.PathLike, cache: str | os.PathLike | None = None, threads: int | None = None,
                memory_limit: str | None = None, engine: str = "duckdb", spark_master: str | None = None,
-               spark_opts: dict | None = None) -> Trace:
+               spark_opts: dict | None = None, window=None) -> Trace:
     """A new, not yet refreshed analysis of ``directory`` on ``engine``: a :class:`Trace` (``duckdb``), or a
     :class:`pdtrace.analysis.spark.SparkTrace` on ``spark_master`` (default ``local[2]``) with
-    ``spark_opts`` (its ``work_dir``, ``task_memory_limit``, ``task_threads``; None values ignored).
+    ``spark_opts`` (its ``work_dir``, ``task_memory_limit``, ``task_threads``; None values ignored);
+    ``window``: a :class:`pdtrace.analysis.window.Window` or None (either engine).
     Raises ValueError for an engine not in :data:`ENGINES`, and what the engine's constructor raises."""
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}: duckdb or spark")
     if engine == "duckdb":
-        return Trace(directory, cache=cache, threads=threads, memory_limit=memory_limit)
+        return Trace(directory, cache=cache, threads=threads, memory_limit=memory_limit, window=window)
     from . import spark as _spark
 
     opts = {k: v for k, v in (spark_opts or {}).items() if v is not None}
     return _spark.SparkTrace(directory, cache=cache, threads=threads, memory_limit=memory_limit,
-                             master=spark_master or _spark.DEFAULT_MASTER, **opts)
+                             master=spark_master or _spark.DEFAULT_MASTER, window=window, **opts)
 
 
 def open_trace(directory: str | os.PathLike, cache: str | os.PathLike | None = None,

@@ -211,7 +211,7 @@ def footers(con: duckdb.DuckDBPyConnection, paths: list[Path]) -> dict[str, dict
 
 
 def scan(directory: str | os.PathLike, corrupt: dict[str, tuple[int, int, str]] | None = None,
-         con: duckdb.DuckDBPyConnection | None = None
+         con: duckdb.DuckDBPyConnection | None = None, window=None, pruned: list[str] | None = None
          ) -> tuple[dict[str, tuple[int, int]], list[tuple[str, str]]]:
     """List ``directory``: ({readable file: (size, mtime_ns)}, [(skipped file, reason)]).
 
@@ -223,11 +223,20 @@ def scan(directory: str | os.PathLike, corrupt: dict[str, tuple[int, int, str]] 
     changes. ``con``: a DuckDB connection that may read the directory, to read the footers in one
     statement (:func:`footers`); without it, and for a file DuckDB cannot read, the footer is read by
     :func:`pdtrace.instrument.store.check_file`. Both apply one rule (``store.check_metadata``).
+    ``window``: a :class:`pdtrace.analysis.window.Window`; only the files it selects are checked and
+    listed (:meth:`~pdtrace.analysis.window.Window.select`), the others appended to ``pruned`` (when
+    given) and in neither list.
     """
     corrupt = corrupt or {}
     good: dict[str, tuple[int, int]] = {}
     bad: list[tuple[str, str]] = []
     paths = _store.store_files(Path(directory))
+    if window is not None:
+        kept = window.select(paths, directory, con)
+        if pruned is not None:
+            chosen = set(kept)
+            pruned.extend(str(p) for p in paths if p not in chosen)
+        paths = kept
     kvs = footers(con, paths) if con is not None else {}
     for p in paths:
         kv = kvs.get(str(p))

@@ -138,7 +138,31 @@ class Materializer:
             self._materialize_requests(files, n_scope, cold)
         finally:
             self._tidy(lambda: self._set_records(files))
+        self._apply_window()
         return n_scope
+
+    #: The :class:`pdtrace.analysis.window.Window` of the analysis (None: every request).
+    window = None
+
+    def _apply_window(self) -> None:
+        """With a :attr:`window`: delete from every ``request`` materialization (each has an ``rkey``
+        column) the requests whose arrival (``_req_base.arrival_ns``) is before ``since`` or at or after
+        ``until``. A request that began before ``since`` keeps its arrival when part of its records lie
+        in files the window left out: the arrival comes from a span that lasts from it (``router.request``,
+        P's or D's API-server span) or, without one, from the earliest record (``first_ns``), and such
+        spans end in the window's files. A request with no arrival stays. Idempotent: a warm refresh
+        recomputes the requests it touches, then this removes them again."""
+        w = self.window
+        if w is None:
+            return
+        con = self.con
+        lo = -(1 << 63) if w.since_ns is None else w.since_ns
+        hi = (1 << 63) - 1 if w.until_ns is None else w.until_ns
+        con.execute("""CREATE OR REPLACE TEMP TABLE _window_out AS
+                       SELECT rkey FROM _mat_req_base WHERE arrival_ns < ? OR arrival_ns >= ?""", [lo, hi])
+        for m in materializations("request"):
+            con.execute(f"DELETE FROM {m.table} WHERE rkey IN (SELECT rkey FROM _window_out)")
+        con.execute("DROP TABLE _window_out")
 
     def _materialize_requests(self, files: list[str], n_scope: int, cold: bool) -> None:
         """Recompute the ``request``/``scratch`` materializations of the ``n_scope`` keys in

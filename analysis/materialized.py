@@ -26,6 +26,7 @@ they answer while SRC is where it was. Spark, Trino or any Parquet reader reads 
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -110,23 +111,26 @@ def _inside(a: Path, b: Path) -> bool:
 
 def write(source: str | os.PathLike, dest: str | os.PathLike, engine: str = "duckdb", *,
           master: str | None = None, threads: int | None = None, memory_limit: str | None = None,
-          task_memory_limit: str | None = None, work_dir: str | os.PathLike | None = None) -> dict:
+          task_memory_limit: str | None = None, work_dir: str | os.PathLike | None = None, window=None) -> dict:
     """Analyse the store ``source`` with ``engine`` (``duckdb`` or ``spark``) and write the
     materialization ``dest`` (layout in the module docstring); returns the manifest.
 
     ``master``: the Spark master (default :data:`pdtrace.analysis.spark.DEFAULT_MASTER`);
     ``threads``, ``memory_limit``: the driver's DuckDB settings; ``task_memory_limit``, ``work_dir``:
-    see :class:`pdtrace.analysis.spark.SparkTrace`. Nothing is read from or written into ``source``
+    see :class:`pdtrace.analysis.spark.SparkTrace`; ``window``: a :class:`pdtrace.analysis.window.Window`,
+    the requests that arrived in it only (the manifest's ``window`` names it, ``pruned_files`` counts the
+    store files it left out; a fleet materializes each hour of a day this way). Nothing is read from or written into ``source``
     beyond its store files. ``dest`` is written under temporary names, fsynced, and the manifest
     written last; an earlier materialization in ``dest`` keeps its manifest until the new build
     succeeded (a run that cannot start, e.g. without Java, leaves it whole), and a crash after that
     leaves no manifest (:func:`pdtrace.analysis.open` then refuses DEST until a run completes). A
     view dataset of an earlier materialization that no longer exists is removed. One writer per
-    ``dest`` at a time (not locked).
+    ``dest`` at a time: the run holds an exclusive lock (flock) on ``dest``'s marker file while it runs.
 
     Raises ValueError for an unknown engine, for a ``source`` that is itself a materialization, for
-    ``dest`` inside ``source`` (its Parquet files would be read as store files) or ``source`` inside ``dest``, and FileExistsError for a ``dest`` that
-    holds other files and no manifest; FileNotFoundError when ``source`` does not exist.
+    ``dest`` inside ``source`` (its Parquet files would be read as store files) or ``source`` inside ``dest``, FileExistsError for a ``dest`` that
+    holds other files and no manifest, :class:`MaterializeBusy` while another run writes ``dest``;
+    FileNotFoundError when ``source`` does not exist.
     """
     from . import db as _db
 
@@ -142,14 +146,35 @@ def write(source: str | os.PathLike, dest: str | os.PathLike, engine: str = "duc
     if out.exists() and any(out.iterdir()) and not (out / MARKER).exists():
         raise FileExistsError(f"{out} holds files and is not a materialization: choose an empty directory")
     out.mkdir(parents=True, exist_ok=True)
-    (out / MARKER).touch()
+    lock = os.open(out / MARKER, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise MaterializeBusy(f"another pdtrace materialize is writing {out}") from None
+        return _write_locked(src, out, engine, master=master, threads=threads, memory_limit=memory_limit,
+                             task_memory_limit=task_memory_limit, work_dir=work_dir, window=window)
+    finally:
+        os.close(lock)  # (releases the lock)
+
+
+class MaterializeBusy(RuntimeError):
+    """Another ``pdtrace materialize`` holds the lock of the same DEST."""
+
+
+def _write_locked(src: Path, out: Path, engine: str, *, master, threads, memory_limit, task_memory_limit,
+                  work_dir, window) -> dict:
+    """:func:`write`'s build and export, with ``out``'s lock held."""
+    from . import db as _db
+
     old_views = set(manifest(out)["views"]) if is_materialized(out) else set()
     t0 = time.perf_counter()
     tmp_db = out / f".{DATABASE}.tmp"
     for p in (tmp_db, Path(f"{tmp_db}.wal")):
         p.unlink(missing_ok=True)
     tr = _db.make_trace(src, cache=tmp_db, threads=threads, memory_limit=memory_limit, engine=engine,
-                        spark_master=master, spark_opts={"work_dir": work_dir, "task_memory_limit": task_memory_limit})
+                        spark_master=master, spark_opts={"work_dir": work_dir, "task_memory_limit": task_memory_limit},
+                        window=window)
     with tr:
         res = tr.refresh(warn=False)
         stats = dict(getattr(tr, "spark_stats", {}))
@@ -167,6 +192,7 @@ def write(source: str | os.PathLike, dest: str | os.PathLike, engine: str = "duc
         "source": str(src), "engine": engine, "master": used_master,
         "created_unix_s": round(time.time(), 3), "build_seconds": round(build_s, 3),
         "seconds": round(time.perf_counter() - t0, 3), "files": len(res.new), "skipped": res.skipped,
+        "window": window.describe() if window is not None else None, "pruned_files": len(res.pruned),
         "spark": stats, "views": views,
     }
     tmp = out / f".{MANIFEST}.tmp"

@@ -22,6 +22,10 @@ one place:
   those written when it was made.
 * **The engine.** ``engine="spark"`` builds the analysis with :class:`pdtrace.analysis.spark.SparkTrace`
   (the per-request steps as Spark tasks, same answers); queries run on DuckDB either way.
+* **A time window** (``window``, :class:`pdtrace.analysis.window.Window`): only the requests that
+  arrived in it, read from the files that can hold them (rules in :mod:`pdtrace.analysis.window`).
+  With ``cache=True`` a windowed session works in memory, so the directory's default cache keeps
+  the whole store's analysis; a cache path given explicitly is rebuilt whenever its window changes.
 * **Refresh.** :meth:`Session.refresh` absorbs the files that appeared or changed since the last
   one (:meth:`pdtrace.analysis.db.Trace.refresh`); refreshes are serialized, queries run on their
   own cursors meanwhile. Files the refresh skipped are in :attr:`Session.skipped` (path, reason),
@@ -55,13 +59,15 @@ class Session:
     def __init__(self, directory: str | os.PathLike, cache: str | os.PathLike | bool | None = True,
                  read_only: bool = True, live: bool = False, threads: int | None = None,
                  memory_limit: str | None = None, engine: str = "duckdb", spark_master: str | None = None,
-                 spark_opts: dict | None = None):
+                 spark_opts: dict | None = None, window=None):
         if engine not in _db.ENGINES:
             raise ValueError(f"unknown engine {engine!r}: duckdb or spark")
         self.directory = Path(directory)
         self.engine = engine
         self._spark_master = spark_master
         self._spark_opts = spark_opts
+        #: The :class:`pdtrace.analysis.window.Window` asked for (None: the whole store).
+        self.window = window
         self.read_only = read_only
         self.live = live
         self._looked: _sandbox.ReadOnlyConnection | None = None  # a one-look session, locked down
@@ -85,10 +91,10 @@ class Session:
     def _connect(self) -> None:
         """Open the engine on the cache asked for, in memory when another process holds that file."""
         cache = self._cache_arg
-        if cache is True:
-            cache = _cache.default_cache_path(self.directory)
+        if cache is True:  # (a window's analysis is not the directory's: in memory)
+            cache = _cache.default_cache_path(self.directory) if self.window is None else None
         kw = {"threads": self._threads, "memory_limit": self._memory_limit, "engine": self.engine,
-              "spark_master": self._spark_master, "spark_opts": self._spark_opts}
+              "spark_master": self._spark_master, "spark_opts": self._spark_opts, "window": self.window}
         try:
             tr = _db.make_trace(self.directory, cache=cache or None, **kw)
         except duckdb.IOException:  # the cache file is held by another process: work in memory
@@ -118,6 +124,9 @@ class Session:
                 if not self.exists:
                     return False
                 if _materialized.is_started(self.directory):
+                    if self.window is not None:
+                        raise RuntimeError(f"{self.directory} is a materialization: its requests are fixed when it "
+                                           "is made (pdtrace materialize --since/--until), not chosen when read")
                     self._looked, self.skipped = _materialized.open_readonly(self.directory)
                     self._materialized = True
                     self.version += 1
@@ -209,7 +218,7 @@ class Session:
 def open(directory: str | os.PathLike, cache: str | os.PathLike | bool | None = True, read_only: bool = True,
          *, live: bool = False, refresh: bool = True, missing_ok: bool = False, threads: int | None = None,
          memory_limit: str | None = None, engine: str = "duckdb", spark_master: str | None = None,
-         spark_opts: dict | None = None) -> Session:
+         spark_opts: dict | None = None, window=None) -> Session:
     """Open the trace in ``directory`` and absorb its files (with ``refresh=False``, at the first
     :meth:`Session.refresh`): the one way in.
 
@@ -222,13 +231,14 @@ def open(directory: str | os.PathLike, cache: str | os.PathLike | bool | None = 
     not an error; the session opens when it appears (:meth:`Session.refresh`). ``threads``,
     ``memory_limit``: DuckDB settings (see :class:`pdtrace.analysis.db.Trace`). ``engine``: ``duckdb``
     or ``spark`` (:class:`pdtrace.analysis.spark.SparkTrace`, on ``spark_master``, default
-    ``local[2]``; ``spark_opts``: its ``work_dir``, ``task_memory_limit``, ``task_threads``). A materialization (``pdtrace materialize``) opens read-only whatever the options.
+    ``local[2]``; ``spark_opts``: its ``work_dir``, ``task_memory_limit``, ``task_threads``). ``window``: a
+    :class:`pdtrace.analysis.window.Window` (module docstring). A materialization (``pdtrace materialize``) opens read-only whatever the options (RuntimeError with a window).
 
     Raises ValueError for an unknown ``engine``, FileNotFoundError when ``directory`` does not exist (unless ``missing_ok``), and what a
     refresh raises.
     """
     s = Session(directory, cache=cache, read_only=read_only, live=live, threads=threads, memory_limit=memory_limit,
-                engine=engine, spark_master=spark_master, spark_opts=spark_opts)
+                engine=engine, spark_master=spark_master, spark_opts=spark_opts, window=window)
     if not missing_ok and not s.exists:
         raise FileNotFoundError(f"trace directory not found: {s.directory}")
     if refresh:

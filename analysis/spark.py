@@ -62,7 +62,13 @@ def session(master: str = DEFAULT_MASTER, conf: dict[str, str] | None = None):
     """A SparkSession for the analysis (``getOrCreate``: an active one is reused, ``master`` and
     ``conf`` then apply only where Spark lets them). Python workers run this interpreter
     (``spark.pyspark.python``); the UI and the console progress bar are off. Raises ImportError
-    (naming the ``spark`` extra) without pyspark, and what Spark raises when Java cannot start."""
+    (naming the ``spark`` extra) without pyspark, ValueError for a Spark Connect URL (``sc://``: the
+    engine runs Python tasks through the SparkContext, which Spark Connect does not offer), and what
+    Spark raises when Java cannot start."""
+    if master.startswith("sc://"):
+        raise ValueError(f"the Spark engine cannot run over Spark Connect ({master}): it runs Python tasks "
+                         "through the SparkContext, which Spark Connect does not offer; give the cluster's "
+                         "master URL (spark://HOST:7077, yarn, k8s://...) or local[N]")
     try:
         from pyspark.sql import SparkSession
     except ImportError as exc:  # pragma: no cover - the extra is installed in CI
@@ -165,7 +171,7 @@ class SparkTrace(_db.Trace):
     def __init__(self, directory: str | os.PathLike, cache: str | os.PathLike | None = None,
                  threads: int | None = None, memory_limit: str | None = None, *, spark=None,
                  master: str = DEFAULT_MASTER, work_dir: str | os.PathLike | None = None,
-                 task_threads: int = 1, task_memory_limit: str | None = None):
+                 task_threads: int = 1, task_memory_limit: str | None = None, window=None):
         directory = Path(directory).resolve()  # executors read the store at the listed paths
         self.spark = spark if spark is not None else session(master)
         self.work_dir = Path(work_dir).resolve() if work_dir is not None else None
@@ -180,7 +186,7 @@ class SparkTrace(_db.Trace):
         #: What the last cold build did: {"batches", "requests", "task_seconds" (summed over tasks),
         #: "wall_seconds" (of the tasks' job), "decode_tasks", "driver_global_seconds", "gather_seconds"}.
         self.spark_stats: dict[str, float] = {}
-        super().__init__(directory, cache=cache, threads=threads, memory_limit=memory_limit)
+        super().__init__(directory, cache=cache, threads=threads, memory_limit=memory_limit, window=window)
 
     def refresh(self, warn: bool = True) -> _db.RefreshResult:
         """:meth:`pdtrace.analysis.db.Trace.refresh`; :attr:`spark_stats` then also holds the driver's

@@ -65,6 +65,30 @@ def test_materialize_refuses_a_destination_inside_the_store_or_holding_other_fil
     assert (other / "notes.txt").read_text() == "x" and not (src / "m").exists()
 
 
+def test_a_second_materialize_of_the_same_destination_is_refused_while_one_runs(tmp_path):
+    import subprocess
+    import sys
+
+    src = _store(tmp_path / "src", n=2)
+    dest = tmp_path / "dest"
+    assert _run("materialize", src, dest).exit_code == 0
+    before = materialized.manifest(dest)
+    # another process holds DEST's lock (as a running `pdtrace materialize` does) until told to stop
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR); fcntl.flock(fd, fcntl.LOCK_EX); "
+        "print('held', flush=True); sys.stdin.read()"), str(dest / materialized.MARKER)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        r = _run("materialize", src, dest)
+        assert r.exit_code == 1 and f"another pdtrace materialize is writing {dest}" in r.output
+        assert materialized.manifest(dest) == before  # untouched
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+    assert _run("materialize", src, dest).exit_code == 0  # the lock went with its process
+
+
 def test_materialize_again_replaces_and_an_unfinished_one_has_no_manifest(tmp_path):
     src = _store(tmp_path / "src", n=2)
     dest = tmp_path / "dest"

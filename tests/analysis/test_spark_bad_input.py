@@ -125,3 +125,15 @@ def test_report_and_sql_with_engine_spark_print_duckdbs_and_a_warm_refresh_follo
             assert a.query("SELECT count(*) AS n FROM requests")[0]["n"] == 14
     finally:
         s.close()
+
+
+def test_a_spark_connect_url_is_refused_with_what_to_give_instead(tmp_path):
+    from click.testing import CliRunner
+
+    from pdtrace.cli.main import main
+
+    d = tmp_path / "s"
+    _requests(d, n=2)
+    r = CliRunner().invoke(main, ["report", "--engine", "spark", "--spark-master", "sc://localhost:15002", str(d)])
+    assert r.exit_code == 1
+    assert "cannot run over Spark Connect (sc://localhost:15002)" in r.output and "spark://HOST:7077" in r.output

@@ -1,0 +1,193 @@
+"""A time window over a store (issue 20: "the analysis prunes by the time window asked for"): the
+requests that arrived in it, with the answers the whole store gives them, read from the files that
+can hold them only (Hive partitions first, then footer statistics); rules in pdtrace.analysis.window."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from answers import answers, differences
+from pdtrace import analysis
+from pdtrace.analysis import cli as _cli, db
+from pdtrace.analysis.materialized import manifest, write as materialize
+from pdtrace.analysis.window import HOUR_NS, NS, Window, parse_duration, parse_instant, partition_hour
+from pdtrace.instrument import compact
+from pdtrace_case_builder import Case, ns
+
+H = 3_600_000.0  # one hour in ms
+SINCE, UNTIL = ns(H), ns(2 * H)  # T0 + 1 h .. T0 + 2 h (T0 = 2025-06-15 15:06:40 UTC)
+ISO_SINCE, ISO_UNTIL = "2025-06-15T16:06:40Z", "2025-06-15T17:06:40+00:00"
+IN_WINDOW = {f"h1-r{i}" for i in range(6)} | {"x-late"}
+
+
+def _store(d: Path) -> Path:
+    """Four hours of six pull requests each (one every 10 min, files per hour: ``h<hour>-*``), and two
+    requests across the window's edges in files of their own: ``x-early`` arrives 2 min before
+    ``since`` and ends 1 min after it (out), ``x-late`` arrives 1 s before ``until`` and its router root
+    ends 3 min after it (in, complete: its rows are read through the lookahead)."""
+    for h in range(4):
+        Case().pull_requests(6, gap_ms=H / 6, t0_ms=h * H, prefix=f"h{h}-").write(d, prefix=f"h{h}-")
+    c = Case()
+    for rid, t, end in (("x-early", H - 120_000, H + 60_000), ("x-late", 2 * H - 1000, 2 * H + 180_000)):
+        c.router_request(rid, t, end, "pull", first_token_ms=t + 40, last_token_ms=end - 2)
+        c.span("prefill", "prefill.queue", t + 1, t + 5, rid=rid, engine="p0")
+        c.span("prefill", "prefill.compute", t + 5, t + 20, rid=rid, engine="p0")
+        c.span("decode", "kv.transfer", t + 21, t + 30, rid=rid, engine="d0", attrs={"kv.bytes": 4096})
+        c.span("decode", "decode.first_step", t + 31, t + 39, rid=rid, engine="d0")
+    c.write(d, prefix="x-")
+    return d
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory):
+    """{'flat': the store as written, 'hive': the same rows compacted into hourly partitions, with a
+    file of garbage in a partition far outside the window}."""
+    root = tmp_path_factory.mktemp("window")
+    flat = _store(root / "flat")
+    hive = root / "hive"
+    res = compact.compact(flat, hive, min_age_s=0, part_age_s=0)
+    assert not res.skipped and res.rows > 0
+    junk = hive / "date=2025-06-15" / "hour=19" / "host=h"
+    junk.mkdir(parents=True)
+    (junk / "junk.parquet").write_bytes(b"not parquet at all")
+    return {"flat": flat, "hive": hive}
+
+
+_COMPARED = {
+    "requests": "SELECT * EXCLUDE (rkey) FROM requests",
+    "ttft_breakdown": "SELECT b.* EXCLUDE (rkey) FROM ttft_breakdown b",
+    "ttft_segments": "SELECT s.* EXCLUDE (rkey) FROM ttft_segments s",
+    "incomplete_requests": "SELECT * EXCLUDE (rkey) FROM incomplete_requests",
+}
+
+
+def _rows(s, sql: str, ids: set[str] | None = None) -> list[tuple]:
+    cur = s.execute(sql)
+    cols = [c[0] for c in cur.description]
+    rows = [dict(zip(cols, r)) for r in cur.fetchall()]
+    return sorted((tuple(sorted((k, str(v)) for k, v in r.items())) for r in rows
+                   if ids is None or r.get("request_id") in ids))
+
+
+@pytest.mark.parametrize("layout", ["flat", "hive"])
+def test_a_window_holds_the_requests_that_arrived_in_it_with_the_whole_stores_answers(stores, layout):
+    d = stores[layout]
+    with analysis.open(d, cache=None) as whole, \
+            analysis.open(d, cache=None, window=Window(SINCE, UNTIL)) as part:
+        got = {r["request_id"]: r for r in part.query("SELECT request_id, status, ttft_ms FROM requests")}
+        assert set(got) == IN_WINDOW
+        assert got["x-late"]["status"] == "complete" and got["x-late"]["ttft_ms"] == 40.0
+        for view, sql in _COMPARED.items():
+            if "request_id" not in [c[0] for c in whole.execute(sql + " LIMIT 0").description]:
+                continue
+            a, b = _rows(whole, sql, IN_WINDOW), _rows(part, sql)
+            assert a == b, view
+            assert view != "requests" or len(b) == len(IN_WINDOW)
+        n_segments = part.query("SELECT count(DISTINCT request_id) AS n FROM ttft_segments")[0]["n"]
+        assert n_segments == len(IN_WINDOW)
+
+
+def test_a_flat_store_is_pruned_by_footer_statistics(stores):
+    with analysis.open(stores["flat"], cache=None, window=Window(SINCE, UNTIL)) as s:
+        read = {Path(p).name.split("-")[0] for p in s.last_refresh.new}
+        pruned = {Path(p).name.split("-")[0] for p in s.last_refresh.pruned}
+    # hour 0's rows end 5 min or more before since - margin; hour 3's start after until + lookahead;
+    # hour 2's rows end within the lookahead: read, their requests dropped by arrival
+    assert read == {"h1", "h2", "x"} and pruned == {"h0", "h3"}
+
+
+def test_a_hive_store_is_pruned_by_partition_before_any_file_is_opened(stores):
+    hive = stores["hive"]
+    with analysis.open(hive, cache=None) as whole:
+        assert [Path(p).name for p, _ in whole.skipped] == ["junk.parquet"]
+    with analysis.open(hive, cache=None, window=Window(SINCE, UNTIL)) as s:
+        # the partition of hour 19 (and 18) is outside the window: its garbage is never opened, so never named
+        assert s.skipped == []
+        hours = sorted(partition_hour(p, hive) for p in s.last_refresh.new)
+        pruned = sorted(partition_hour(p, hive) for p in s.last_refresh.pruned)
+    base = partition_hour(hive / "date=2025-06-15" / "hour=15" / "f.parquet", hive)
+    assert [(h - base) // HOUR_NS for h in hours] == [1, 2]
+    # hour 15: its partition meets the margin, its footer does not; hours 18 and 19: by partition
+    assert [(h - base) // HOUR_NS for h in pruned] == [0, 3, 4]
+
+
+def test_an_open_bound_reads_everything_on_that_side(stores):
+    with analysis.open(stores["hive"], cache=None, window=Window(since_ns=SINCE)) as s:
+        ids = {r["request_id"] for r in s.query("SELECT request_id FROM requests")}
+    assert ids == IN_WINDOW | {f"h{h}-r{i}" for h in (2, 3) for i in range(6)}
+    with analysis.open(stores["flat"], cache=None, window=Window(until_ns=SINCE)) as s:
+        ids = {r["request_id"] for r in s.query("SELECT request_id FROM requests")}
+    assert ids == {f"h0-r{i}" for i in range(6)} | {"x-early"}
+
+
+def test_a_cache_file_is_rebuilt_when_its_window_changes(stores, tmp_path):
+    cache = tmp_path / "c.duckdb"
+    counts = []
+    for w in (Window(SINCE, UNTIL), None, Window(SINCE, UNTIL), Window(SINCE, UNTIL)):
+        with db.Trace(stores["flat"], cache=cache, window=w) as tr:
+            res = tr.refresh(warn=False)
+            counts.append((res.rebuilt, tr.con.execute("SELECT count(*) FROM requests").fetchone()[0]))
+    assert counts == [(True, 7), (True, 26), (True, 7), (False, 7)]
+
+
+def test_the_window_options_of_report_sql_and_materialize(stores, tmp_path):
+    run = CliRunner().invoke
+    d = str(stores["hive"])
+    out = run(_cli.sql, [d, "--since", ISO_SINCE, "--until", ISO_UNTIL, "--format", "csv",
+                         "SELECT count(*) AS n FROM requests"])
+    assert out.exit_code == 0, out.output
+    assert out.output.splitlines() == ["n", "7"]
+    out = run(_cli.report, [d, "--since", ISO_SINCE, "--until", ISO_UNTIL, "--format", "json"])
+    assert out.exit_code == 0, out.output
+    data = json.loads(out.output)
+    assert data["window"]["since"] == "2025-06-15T16:06:40.000000Z" and data["window"]["pruned_files"] == 3
+    assert sum(r["requests"] for r in data["by_mode"]) == 7
+    out = run(_cli.report, [d, "--since", ISO_SINCE, "--until", ISO_UNTIL])
+    assert out.output.startswith("Window: requests arriving in [2025-06-15T16:06:40.000000Z, "
+                                 "2025-06-15T17:06:40.000000Z) (lookahead 600 s); 3 store file(s) outside it not read")
+    dest = tmp_path / "m"
+    out = run(_cli.materialize, [d, str(dest), "--since", ISO_SINCE, "--until", ISO_UNTIL])
+    assert out.exit_code == 0, out.output
+    doc = manifest(dest)
+    assert doc["views"]["requests"]["rows"] == 7 and doc["pruned_files"] == 3
+    assert doc["window"]["until"] == "2025-06-15T17:06:40.000000Z"
+    # a materialization's requests are fixed when it is made
+    out = run(_cli.report, [str(dest), "--since", ISO_SINCE])
+    assert out.exit_code == 1 and "is a materialization" in out.output
+    for bad in (["--since", "yesterday"], ["--since", ISO_UNTIL, "--until", ISO_SINCE], ["--lookahead", "5m"],
+                ["--until", ISO_UNTIL, "--lookahead", "5 minutes"]):
+        out = run(_cli.report, [d, *bad])
+        assert out.exit_code == 2, (bad, out.output)
+
+
+def test_instants_and_durations_parse_as_documented():
+    now = 1_800_000_000 * NS
+    assert parse_instant("2h", now) == now - 2 * HOUR_NS
+    assert parse_instant("90s", now) == now - 90 * NS
+    assert parse_instant("1.5d", now) == now - 36 * HOUR_NS
+    assert parse_instant("2025-06-15T16:06:40") == SINCE  # no zone: UTC
+    assert parse_instant("2025-06-15T16:06:40Z") == SINCE
+    assert parse_instant("2025-06-15T18:06:40+02:00") == SINCE
+    assert parse_instant("2025-06-15") == ns(H) - (16 * 3600 + 6 * 60 + 40) * NS
+    assert parse_duration("10m") == 600 * NS
+    for bad in ("", "soon", "10 minutes", "-5m"):
+        with pytest.raises(ValueError):
+            parse_instant(bad, now)
+    with pytest.raises(ValueError, match="empty window"):
+        Window(UNTIL, SINCE)
+    assert Window.from_options(None, None) is None
+
+
+def test_spark_gives_the_windowed_answers_duckdb_gives(stores, spark):
+    from pdtrace.analysis.spark import SparkTrace
+
+    w = Window(SINCE, UNTIL)
+    with db.Trace(stores["hive"], window=w) as a, SparkTrace(stores["hive"], spark=spark, window=w) as b:
+        ra, rb = a.refresh(warn=False), b.refresh(warn=False)
+        assert b.spark_stats["batches"] >= 2
+        assert sorted(ra.new) == sorted(rb.new) and sorted(ra.pruned) == sorted(rb.pruned)
+        assert a.con.execute("SELECT count(*) FROM requests").fetchone()[0] == 7
+        assert differences(answers(a.con), answers(b.con)) == []
