@@ -64,16 +64,21 @@ class Materializer:
 
     con: duckdb.DuckDBPyConnection
 
+    #: How ``_records`` is (re)defined: ``VIEW`` in the database, or ``TEMP VIEW`` on a connection
+    #: that may not write it (a Spark task's read-only snapshot, :mod:`pdtrace.analysis.spark`).
+    _records_view = "VIEW"
+
     def _set_records(self, files: list[str]) -> None:
         """Point ``_records`` at ``files`` (read in place), hiding the copies listed in ``_dup_drop``."""
         con = self.con
+        kind = self._records_view
         if not files:
-            con.execute("CREATE OR REPLACE VIEW _records AS SELECT * FROM _records_empty")
+            con.execute(f"CREATE OR REPLACE {kind} _records AS SELECT * FROM _records_empty")
             return
         lit = sql_list(files)
         has_dups = con.execute("SELECT count(*) FROM _dup_drop").fetchone()[0] > 0
         anti = " WHERE NOT _hidden_copy(r.record_id, r._file)" if has_dups else ""
-        con.execute(f"CREATE OR REPLACE VIEW _records AS SELECT * FROM _read_store({lit}) r{anti}")
+        con.execute(f"CREATE OR REPLACE {kind} _records AS SELECT * FROM _read_store({lit}) r{anti}")
 
     def _absorb(self, new: list[str], gone: list[str], good: dict[str, tuple[int, int]], cold: bool) -> int:
         con = self.con

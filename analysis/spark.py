@@ -18,11 +18,12 @@ How a :class:`SparkTrace` refresh runs (a cold build; the driver is this process
    (:meth:`~pdtrace.analysis.materialize.Materializer._plan_batches`: at least one per Spark core, at
    most :attr:`~pdtrace.analysis.materialize.Materializer.batch_requests` requests each; a request and
    the ids its router linked to it stay together). The driver writes its database to a snapshot
-   file in the work directory; each task copies the snapshot, points ``_records`` at the store files
+   file in the work directory; each task opens the snapshot read-only (all tasks share it, the
+   tables the batch writes are temporary ones), points ``_records`` at the store files
    holding its batch's requests, computes the ``request`` materializations (critical path, TTFT
    segments, stalls, flags, ...) with DuckDB bounded by ``task_memory_limit`` and ``task_threads``,
-   and leaves its copy in the work directory (:func:`_run_batch`).
-4. **Gather.** The driver attaches each task's copy read-only and inserts its rows, so the driver
+   and writes those tables alone to a file of its own in the work directory (:func:`_run_batch`).
+4. **Gather.** The driver attaches each task's file read-only and inserts its rows, so the driver
    holds a complete analysis database: ``pdtrace report``, ``pdtrace sql`` and the dashboard read it
    through the same views (:func:`pdtrace.analysis.open` with ``engine="spark"``).
 
@@ -95,7 +96,10 @@ def _decode_slice(paths: list[str], threads: int, memory_limit: str | None) -> l
 
 
 class _BatchState(Materializer):
-    """A task's copy of the driver's database: the refresh steps over one batch (see :func:`_run_batch`)."""
+    """A task's read-only view of the driver's snapshot: the refresh steps over one batch (see
+    :func:`_run_batch`); what they write lives in the connection's temporary catalog."""
+
+    _records_view = "TEMP VIEW"
 
     def __init__(self, con: duckdb.DuckDBPyConnection) -> None:
         self.con = con
@@ -105,48 +109,47 @@ def _run_batch(snapshot: str, work: str, batch: int, paths: list[str], threads: 
                memory_limit: str | None) -> tuple[int, str, int, float]:
     """Spark task: compute the ``request`` materializations of batch ``batch``.
 
-    Copies the driver's ``snapshot`` (a DuckDB file) into the work directory, sets ``_scope_keys`` to
-    the keys of the batch (table ``_spark_batch``), points ``_records`` at the store files ``paths``
-    holding them, and runs the same step as a batched cold build
+    Opens the driver's ``snapshot`` (a DuckDB file) read-only -- every task shares it, nothing is
+    copied -- and shadows the tables a batch writes (the ``request`` and ``scratch`` materializations,
+    empty on a cold build, and ``_scope_keys``) with temporary tables of the same columns, which the
+    views then read instead (DuckDB resolves the temporary catalog first). It sets ``_scope_keys`` to
+    the keys of the batch (table ``_spark_batch``), points ``_records`` (a temporary view) at the store
+    files ``paths`` holding them, and runs the same step as a batched cold build
     (:meth:`~pdtrace.analysis.materialize.Materializer._materialize_scope`); then writes the batch's
-    ``request`` tables alone to ``work/batch-<batch>-<attempt>.duckdb`` and deletes the copy. Every
-    file of the task is named by its Spark task attempt, so a retried or speculative attempt never
-    shares one. Returns (batch, path of the output, requests, seconds). Raises what DuckDB raises (the
-    Spark job then fails with it).
+    ``request`` tables alone to ``work/batch-<batch>-<attempt>.duckdb``. Every file of the task is
+    named by its Spark task attempt, so a retried or speculative attempt never shares one. Returns
+    (batch, path of the output, requests, seconds). Raises what DuckDB raises (the Spark job then
+    fails with it).
     """
     from pyspark import TaskContext
 
     t0 = time.perf_counter()
     ctx = TaskContext.get()
     tag = f"{batch:06d}-{ctx.taskAttemptId() if ctx is not None else os.getpid()}"
-    copy = os.path.join(work, f".copy-{tag}.duckdb")
     out = os.path.join(work, f"batch-{tag}.duckdb")
     spill = os.path.join(work, f"spill-{tag}")
     try:
-        shutil.copyfile(snapshot, copy)
-        con = duckdb.connect(copy)
+        con = duckdb.connect(snapshot, read_only=True)
         try:
             con.execute(f"SET threads = {int(threads)}")
             if memory_limit:
                 con.execute("SET memory_limit = ?", [memory_limit])
             con.execute("SET preserve_insertion_order = false")
             con.execute("SET temp_directory = ?", [spill])
+            for table in [m.table for m in materializations("request", "scratch")] + ["_scope_keys"]:
+                con.execute(f"CREATE OR REPLACE TEMP TABLE {table} AS SELECT * FROM main.{table} LIMIT 0")
             st = _BatchState(con)
-            con.execute("DELETE FROM _scope_keys")
-            con.execute("INSERT INTO _scope_keys SELECT rkey FROM _spark_batch WHERE b = ?", [batch])
-            n = con.execute("SELECT count(*) FROM _scope_keys").fetchone()[0]
+            con.execute("INSERT INTO temp._scope_keys SELECT rkey FROM _spark_batch WHERE b = ?", [batch])
+            n = con.execute("SELECT count(*) FROM temp._scope_keys").fetchone()[0]
             st._set_records(sorted(paths))
             st._materialize_scope()
-            con.execute("ATTACH ? AS _out", [out])
+            con.execute("ATTACH ? AS _out (READ_WRITE)", [out])
             for m in materializations("request"):
-                con.execute(f"CREATE TABLE _out.{m.table} AS SELECT * FROM {m.table}")
+                con.execute(f"CREATE TABLE _out.{m.table} AS SELECT * FROM temp.{m.table}")
             con.execute("DETACH _out")
         finally:
             con.close()
     finally:
-        for p in (copy, copy + ".wal"):
-            if os.path.exists(p):
-                os.unlink(p)
         shutil.rmtree(spill, ignore_errors=True)
     return batch, out, n, time.perf_counter() - t0
 
