@@ -26,7 +26,6 @@ they answer while SRC is where it was. Spark, Trino or any Parquet reader reads 
 """
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import shutil
@@ -34,6 +33,8 @@ import time
 from pathlib import Path
 
 import duckdb
+
+from pdtrace.instrument.store import exclusive_lock
 
 from .template import fsync_path
 
@@ -146,16 +147,9 @@ def write(source: str | os.PathLike, dest: str | os.PathLike, engine: str = "duc
     if out.exists() and any(out.iterdir()) and not (out / MARKER).exists():
         raise FileExistsError(f"{out} holds files and is not a materialization: choose an empty directory")
     out.mkdir(parents=True, exist_ok=True)
-    lock = os.open(out / MARKER, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise MaterializeBusy(f"another pdtrace materialize is writing {out}") from None
+    with exclusive_lock(out / MARKER, MaterializeBusy(f"another pdtrace materialize is writing {out}")):
         return _write_locked(src, out, engine, master=master, threads=threads, memory_limit=memory_limit,
                              task_memory_limit=task_memory_limit, work_dir=work_dir, window=window)
-    finally:
-        os.close(lock)  # (releases the lock)
 
 
 class MaterializeBusy(RuntimeError):

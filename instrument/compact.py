@@ -58,7 +58,6 @@ compact-<batch>-<i>of<n>.parquet``. Rules, all of them:
 """
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import re
@@ -200,12 +199,7 @@ def compact(src: str | os.PathLike, dest: str | os.PathLike | None = None, *, ta
     in_place = dest_res == src.resolve()
     dest.mkdir(parents=True, exist_ok=True)
     res = CompactResult()
-    lock = os.open(dest / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise CompactBusy(f"another pdtrace compact is running on {dest}") from None
+    with store.exclusive_lock(dest / LOCK_NAME, CompactBusy(f"another pdtrace compact is running on {dest}")):
         for tmp in dest.rglob(".compact-*.tmp"):  # a crashed run's temporary outputs (we hold the lock)
             try:
                 tmp.unlink()
@@ -250,8 +244,6 @@ def compact(src: str | os.PathLike, dest: str | os.PathLike | None = None, *, ta
                 batch, total = [], 0
         if batch:
             _batch(src, dest, in_place, batch, target_bytes, res, err, after_rename, seen, pa, pc, pq)
-    finally:
-        os.close(lock)
     return res
 
 

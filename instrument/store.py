@@ -10,7 +10,9 @@ moment sees only whole files.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import os
 import re
 import socket
@@ -293,6 +295,23 @@ PART_FILE = re.compile(r"-\d+-\d{8}T\d{6}(?:r\d+)?-p\d{6,}\.parquet$")
 def is_part_file(path: str | os.PathLike) -> bool:
     """True when ``path`` names a part file (deleted by the sink after its merge); segments stay."""
     return PART_FILE.search(Path(path).name) is not None
+
+
+@contextlib.contextmanager
+def exclusive_lock(path: str | os.PathLike, busy: Exception):
+    """Hold an exclusive ``flock`` on ``path`` (created if missing) for the ``with`` block: one writer
+    at a time over a directory (``pdtrace compact``'s DEST, ``pdtrace materialize``'s DEST). The lock
+    goes with the process (a killed holder leaves none behind). Raises ``busy`` when another open
+    file holds it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise busy from None
+        yield
+    finally:
+        os.close(fd)  # (releases the lock)
 
 
 def store_files(directory: str | os.PathLike) -> list[Path]:
