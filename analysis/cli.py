@@ -165,12 +165,16 @@ def report(directory, compare_dir, fmt, cache, no_cache, engine, spark_master, t
         return
     with _open(compare_dir, None, no_cache, engine, spark_master, opts, window) as s2:
         data2 = _report.collect(s2.cursor())
+        head2 = _window_line(s2) if window is not None else None
+    if window is not None:
+        data2["window"] = {**window.describe(), "pruned_files": len(s2.last_refresh.pruned)}
     delta = _report.compare_delta(data, data2)
     if fmt == "json":
         click.echo(json.dumps({directory: data, compare_dir: data2,
                                "ttft_delta": {"a": directory, "b": compare_dir, **delta}}, default=str, indent=1))
     else:
-        click.echo(_report.render_compare(data, data2, directory, compare_dir, delta))
+        heads = f"{directory}: {head}\n{compare_dir}: {head2}\n\n" if window is not None else ""
+        click.echo(heads + _report.render_compare(data, data2, directory, compare_dir, delta))
 
 
 _HELP = """Enter SQL ending with ';'. Commands: .views (public views), .schema VIEW (its columns and units), .quit"""

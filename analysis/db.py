@@ -281,7 +281,7 @@ class Trace(Materializer):
         con = self.con
         if not self._empty:  # (a new database's tables are empty: ~60 statements saved on a cold open)
             for table in ("_dup_copies", "_dup_drop", "_file_keys", "_scope_keys", "_changed_keys",
-                          "_changed_windows", "_read_files"):
+                          "_changed_windows", "_read_files", "_window_out"):
                 con.execute(f"DELETE FROM {table}")
             con.execute("DELETE FROM _files WHERE ok OR NOT starts_with(coalesce(reason, ''), 'corrupt data:')")
             for m in materializations():

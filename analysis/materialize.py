@@ -150,24 +150,38 @@ class Materializer:
     window = None
 
     def _apply_window(self) -> None:
-        """With a :attr:`window`: delete from every ``request`` materialization (each has an ``rkey``
-        column) the requests whose arrival (``_req_base.arrival_ns``) is before ``since`` or at or after
-        ``until``. A request that began before ``since`` keeps its arrival when part of its records lie
-        in files the window left out: the arrival comes from a span that lasts from it (``router.request``,
-        P's or D's API-server span) or, without one, from the earliest record (``first_ns``), and such
-        spans end in the window's files. A request with no arrival stays. Idempotent: a warm refresh
-        recomputes the requests it touches, then this removes them again."""
+        """Fill ``_window_out`` with the request keys outside :attr:`window` (none without one): the
+        request-level views and the summaries leave those out, while their rows stay in the ``_mat_``
+        tables (another request's root cause or culprit may lie in one).
+
+        A request is in the window when its arrival (``_req_base.arrival_ns``) is in ``[since, until)``;
+        one with no arrival, when its earliest record starts in it; an id the router linked to a
+        request (``router.linked_request_id``, no ``_req_base`` row of its own) goes with that
+        request. A request that began before ``since`` keeps its true arrival when some of its
+        records lie in files the window left out: the arrival comes from a span that lasts from it
+        (``router.request``, P's or D's API-server span) or else from its earliest record, and such
+        spans end within the files read. Recomputed whole by every refresh that absorbs a change."""
+        con = self.con
+        con.execute("DELETE FROM _window_out")
         w = self.window
         if w is None:
             return
-        con = self.con
         lo = -(1 << 63) if w.since_ns is None else w.since_ns
         hi = (1 << 63) - 1 if w.until_ns is None else w.until_ns
-        con.execute("""CREATE OR REPLACE TEMP TABLE _window_out AS
-                       SELECT rkey FROM _mat_req_base WHERE arrival_ns < ? OR arrival_ns >= ?""", [lo, hi])
-        for m in materializations("request"):
-            con.execute(f"DELETE FROM {m.table} WHERE rkey IN (SELECT rkey FROM _window_out)")
-        con.execute("DROP TABLE _window_out")
+        con.execute("""
+            INSERT INTO _window_out
+            WITH nul AS (  -- requests without an arrival: their earliest record
+                SELECT r.rkey, min(r.start_ns) AS first_ns FROM _records r
+                WHERE r.rkey IN (SELECT rkey FROM _mat_req_base WHERE arrival_ns IS NULL) GROUP BY r.rkey
+            ), keep AS (
+                SELECT rkey FROM _mat_req_base WHERE arrival_ns >= $lo AND arrival_ns < $hi
+                UNION SELECT rkey FROM nul WHERE first_ns >= $lo AND first_ns < $hi
+            ), keep_linked AS (
+                SELECT rkey FROM keep
+                UNION SELECT l.rkey FROM _req_links l WHERE l.by_rkey IN (SELECT rkey FROM keep)
+            )
+            SELECT DISTINCT k.rkey FROM _file_keys k
+            WHERE k.rkey IS NOT NULL AND k.rkey NOT IN (SELECT rkey FROM keep_linked)""", {"lo": lo, "hi": hi})
 
     def _materialize_requests(self, files: list[str], n_scope: int, cold: bool) -> None:
         """Recompute the ``request``/``scratch`` materializations of the ``n_scope`` keys in

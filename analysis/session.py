@@ -124,10 +124,12 @@ class Session:
                 if not self.exists:
                     return False
                 if _materialized.is_started(self.directory):
+                    looked, skipped = _materialized.open_readonly(self.directory)  # (refuses an incomplete one)
                     if self.window is not None:
+                        looked.close()
                         raise RuntimeError(f"{self.directory} is a materialization: its requests are fixed when it "
                                            "is made (pdtrace materialize --since/--until), not chosen when read")
-                    self._looked, self.skipped = _materialized.open_readonly(self.directory)
+                    self._looked, self.skipped = looked, skipped
                     self._materialized = True
                     self.version += 1
                     return True

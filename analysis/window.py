@@ -4,12 +4,22 @@
 :func:`pdtrace.analysis.open` and :class:`pdtrace.analysis.db.Trace` take a :class:`Window`. Rules:
 
 * **Which requests**: those whose arrival (``requests.arrival_ns``: the router's, else P's API
-  server's, on the corrected clock) is in ``[since, until)``. Every request-level view
-  (``requests``, ``ttft_segments``, ``ttft_breakdown``, ``incomplete_requests``, ``request_events``,
-  ``request_stalls``, ...: every materialized table with an ``rkey`` column) holds those only
-  (:meth:`pdtrace.analysis.materialize.Materializer._apply_window`). The stage and engine views
-  (``spans``, ``events``, ``transfers``, ``block_holds``, ``decode_stalls``, ``processes``,
-  ``clock_offsets``) hold every row of the files read, margins included.
+  server's, on the corrected clock) is in ``[since, until)`` (rules for a request without one and
+  for linked ids: :meth:`pdtrace.analysis.materialize.Materializer._apply_window`). The
+  request-level views hold those only: ``requests``, ``ttft_segments``, ``ttft_breakdown``,
+  ``ttft_hidden``, ``incomplete_requests``, ``request_events``, ``request_stalls``, ``in_flight``,
+  ``coarse_breakdown``, ``transfers``, ``block_holds`` and the summaries built on them (each is
+  ``_<view>_all`` less the keys in table ``_window_out``). Every request of the files read is still
+  analysed, so a cause that lies in an earlier request outside the window (a slot held by an
+  orphan, a run of requests blocked behind another) is found as on the whole store. The raw and
+  engine-level views hold every row of the files read, margins included: ``spans``, ``events``,
+  ``in_flight_spans``, ``decode_stalls``, ``engine_stalls``, ``decode_stall_causes``,
+  ``thread_cpu``, ``processes``, ``clock_offsets``; when adding up hour-by-hour materializations,
+  select their rows by their own time column.
+* **Same answers?** A request's values are the whole store's when what they depend on lies in the
+  files read. Clock offsets, step baselines (decode stalls) and each process's last flush (open
+  requests) come from the files read only, so they can differ from the whole store's at the
+  edges of the window.
 * **Which files** (:meth:`Window.select`): a request arriving in the window has rows whose
   ``end_ns`` lies in ``[since - margin, until + lookahead)``: no row ends before its arrival (less
   the clock error between hosts), and ``lookahead`` is the longest a request is followed after it
@@ -17,20 +27,20 @@
   taken from
 
   1. its Hive partition (``DIR/.../date=YYYY-MM-DD/hour=HH/...``, :mod:`pdtrace.instrument.layout`):
-     a sink writes a row in the hour it writes the file, at most a flush interval after the row
-     ended, and ``pdtrace compact`` in the hour of its ``end_ns``, so the rows of partition hour H end
-     in ``[H - margin, H + 1 h + margin)``. Partitions outside the interval are never opened, and
-     their files never checked or named;
+     a sink writes a file in the hour H it writes it, after its rows ended, so they end before
+     H + 1 h; how long before is not bounded (a span written when its request finishes, records
+     held by tail retention). ``pdtrace compact``'s outputs (``compact-*.parquet``) hold rows that
+     end within hour H exactly (compaction's rule 1). So a partition whose hour ends before
+     ``since - margin`` is never opened, its files never checked or named; a compaction output
+     whose hour starts at or after ``until + lookahead`` neither;
   2. then the Parquet footer's statistics of ``end_ns`` (min and max over the row groups, one
-     statement for every remaining file): files of a flat store, and the files of a partition that
-     overlaps the interval only in part. A file whose footer has no such statistics, or cannot be
+     statement for every remaining file): files of a flat store, and the files the partition
+     left in. A file whose footer has no such statistics, or cannot be
      read, is kept (the store's file check then names it if it is bad).
 
-  ``margin`` (default :data:`MARGIN_NS`, 5 min) must cover the store's write delay
-  (``PDTRACE_FLUSH_INTERVAL_S``) and the hosts' clock error. A request still running ``lookahead``
+  ``margin`` (default :data:`MARGIN_NS`, 5 min) must cover the hosts' clock error. A request still running ``lookahead``
   after ``until`` is analysed as the files read show it (open, or incomplete with its cause): widen
   ``--lookahead`` to follow longer requests.
-* Each process's last flush, clock offsets and step baselines come from the files read.
 
 Times: ``--since`` / ``--until`` take an ISO 8601 instant (``2026-12-06T10:00``, ``...Z``,
 ``...+01:00``; without a zone: UTC) or a duration before now (``90s``, ``30m``, ``2h``, ``1d``).
@@ -45,12 +55,14 @@ from pathlib import Path
 
 import duckdb
 
+from pdtrace.instrument import compact as _compact
+
 NS = 1_000_000_000
 HOUR_NS = 3600 * NS
 
-#: Default margin before ``since`` and around a partition's hour (ns): a row is written at most a
-#: flush interval after it ended (``PDTRACE_FLUSH_INTERVAL_S``, default 1 s) and hosts' clocks
-#: differ by far less than this once NTP runs; 5 min also covers a flush interval raised to minutes.
+#: Default margin before ``since`` (ns): a row of a request that arrived at ``since`` on the
+#: corrected clock ends at or after ``since`` less the error of its host's clock, which NTP keeps
+#: far below this.
 MARGIN_NS = 300 * NS
 
 #: Default lookahead (ns): how long after ``until`` the rows of a request that arrived before it are
@@ -140,10 +152,10 @@ class Window:
                      now_ns: int | None = None) -> "Window | None":
         """The window of the CLI's ``--since``, ``--until`` and ``--lookahead`` texts (module
         docstring), None when neither bound is given. Raises ValueError for a text that does not
-        parse, an empty window, or a lookahead without a bound."""
+        parse, an empty window, or a lookahead without ``until``."""
+        if lookahead is not None and until is None:
+            raise ValueError("--lookahead needs --until (it is how long after it requests are followed)")
         if since is None and until is None:
-            if lookahead is not None:
-                raise ValueError("--lookahead needs --since or --until")
             return None
         now = time.time_ns() if now_ns is None else now_ns
         return cls(since_ns=None if since is None else parse_instant(since, now),
@@ -168,13 +180,19 @@ class Window:
     def select(self, paths: list[Path], directory: str | Path,
                con: duckdb.DuckDBPyConnection | None = None) -> list[Path]:
         """The files of ``paths`` (store files below ``directory``) to read for this window, in order:
-        those of a Hive partition outside the window are dropped without opening them, then those whose
-        footer statistics put every ``end_ns`` outside it (read through ``con``, one statement; without
-        ``con`` or when the statement fails, by partition only). Never raises for a bad file: it is kept."""
+        those of a Hive partition outside the window (module docstring, rule 1) are dropped without
+        opening them, then those whose footer statistics put every ``end_ns`` outside it (read through
+        ``con``, one statement; without ``con`` or when the statement fails, by partition only). Never
+        raises for a bad file: it is kept."""
         kept: list[Path] = []
         for p in paths:
             h = partition_hour(p, directory)
-            if h is None or self.meets(h - self.margin_ns, h + HOUR_NS + self.margin_ns):
+            if h is None:
+                kept.append(p)
+            elif _compact.OUTPUT_FILE.match(p.name):  # rows end within the hour
+                if self.meets(h, h + HOUR_NS - 1):
+                    kept.append(p)
+            elif self.lo_ns is None or h + HOUR_NS > self.lo_ns:  # rows end before the hour's end, unbounded below
                 kept.append(p)
         if con is None or not kept:
             return kept

@@ -8,7 +8,8 @@ does): once whole, once for a window of ``--minutes`` in the middle of the store
 Prints for each: wall seconds, requests, files read and left out; and checks that the window's
 requests get the whole store's answers: the digest of ``benchmarks/spark_scale.py`` (``DIGEST_SQL``:
 an order-free hash of every request's id, TTFT, TPOT and breakdown) over the requests arriving in
-the window, from both builds, must be equal. The store's time range comes from its files' footer
+the window, and their incomplete causes, from both builds, must be equal, and the window build must
+show no other request (exit status 1 otherwise). The store's time range comes from its files' footer
 statistics of ``end_ns``.
 
 The store comes from ``benchmarks/analysis_gen.py`` (flat: pruning by footer statistics). Figures:
@@ -83,13 +84,19 @@ def main() -> None:
               f"{whole['read']} files read", flush=True)
         dw = _digest(part["trace"].con, w.since_ns, w.until_ns)
         dh = _digest(whole["trace"].con, w.since_ns, w.until_ns)
-        print(f"window's requests: {dw[0]:,} in the window build, {dh[0]:,} in the whole build; "
-              f"digests {'equal' if dw == dh else 'DIFFER'}")
+        causes = ("SELECT cause, count(*) FROM incomplete_requests WHERE arrival_ns >= ? AND arrival_ns < ? "
+                  "GROUP BY ALL ORDER BY ALL")
+        cw = part["trace"].con.execute(causes, [w.since_ns, w.until_ns]).fetchall()
+        ch = whole["trace"].con.execute(causes, [w.since_ns, w.until_ns]).fetchall()
+        same = dw == dh and cw == ch and part["requests"] == dw[0]
+        print(f"window's requests: {dw[0]:,} in the window build (of {part['requests']:,} it shows), {dh[0]:,} in "
+              f"the whole build; digests {'equal' if dw == dh else 'DIFFER'}; incomplete causes "
+              f"{'equal' if cw == ch else 'DIFFER'} ({sum(n for _, n in cw):,} incomplete)")
         print(f"speed-up of the window over the whole store: {whole['wall_s'] / part['wall_s']:.2f}x "
               f"for {part['requests'] / max(1, whole['requests']):.1%} of its requests")
         part["trace"].close()
         whole["trace"].close()
-        if dw != dh:
+        if not same:
             sys.exit(1)
     finally:
         shutil.rmtree(work, ignore_errors=True)

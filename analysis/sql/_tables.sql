@@ -31,3 +31,8 @@ CREATE TABLE IF NOT EXISTS _changed_windows (window_idx BIGINT);
 -- on a cold build), listed while they are refreshed: a `file` step may read an
 -- earlier one's table for these files instead of _file_rows.
 CREATE TABLE IF NOT EXISTS _read_files (_file VARCHAR);
+-- Request keys outside the analysis's time window (pdtrace.analysis.window; empty
+-- without one, refilled by every refresh): the request-level views and the
+-- summaries leave them out. Their rows stay in the _mat_ tables, where another
+-- request's root cause or culprit may be found.
+CREATE TABLE IF NOT EXISTS _window_out (rkey UBIGINT);

@@ -42,7 +42,7 @@
 --                      (vllm-project/vllm#21570: P's timeout freed the blocks,
 --                      D read them, wrong output); D side, P WROTE into freed blocks
 
-CREATE OR REPLACE VIEW block_holds AS
+CREATE OR REPLACE VIEW _block_holds_all AS
 WITH r AS MATERIALIZED (
     -- the rows every step below reads, in one pass (spans and events, corrected times), with the
     -- attributes the steps read taken out of the maps (each for the rows that use it only: the
@@ -183,6 +183,9 @@ SELECT c.run_id, c.request_id, c.prompt_index, c.side, c.engine_id, c.tp_rank,
        c.src AS source,
        c.rkey
 FROM c LEFT JOIN tr ON tr.rkey = c.rkey LEFT JOIN hit ON hit.rkey = c.rkey AND hit.role = c.side;
+-- block_holds: the rows of _block_holds_all of the requests in the analysis's time window (all without one;
+-- table _window_out, pdtrace.analysis.window)
+CREATE OR REPLACE VIEW block_holds AS SELECT * FROM _block_holds_all WHERE rkey NOT IN (SELECT rkey FROM _window_out);
 
 COMMENT ON VIEW block_holds IS 'KV blocks held for handoffs: P from KV ready to release (and what released them, or never), D from reservation to use or to a release without use (abort, expiry, never); flags for missed prefix hits, holds nobody read and transfers after release.';
 COMMENT ON COLUMN block_holds.run_id IS 'deployment run id';

@@ -23,7 +23,7 @@
 -- and D's prefill is its first decode step. The router hop is not in these
 -- numbers (engine clocks only).
 
-CREATE OR REPLACE VIEW coarse_breakdown AS
+CREATE OR REPLACE VIEW _coarse_breakdown_all AS
 SELECT run_id, request_id, prompt_index, role, engine_id,
        start_ns AS arrival_ns,
        attr_float['gen_ai.latency.time_to_first_token'] * 1e3 AS engine_ttft_ms,
@@ -40,6 +40,9 @@ SELECT run_id, request_id, prompt_index, role, engine_id,
        record_id, rkey
 FROM spans
 WHERE stage = 'llm_request';
+-- coarse_breakdown: the rows of _coarse_breakdown_all of the requests in the analysis's time window (all without one;
+-- table _window_out, pdtrace.analysis.window)
+CREATE OR REPLACE VIEW coarse_breakdown AS SELECT * FROM _coarse_breakdown_all WHERE rkey NOT IN (SELECT rkey FROM _window_out);
 
 COMMENT ON VIEW coarse_breakdown IS 'Coarse per-engine breakdown from stock vLLM llm_request spans (pdtrace collect): queue / prefill / decode / other per request and engine; no handoff stages.';
 COMMENT ON COLUMN coarse_breakdown.run_id IS 'deployment run id';

@@ -88,7 +88,7 @@ LEFT JOIN stages st ON st.stage = s.stage
 LEFT JOIN _process_trace_end e ON e.domain = s.domain AND e.host IS NOT DISTINCT FROM s.host
      AND e.pid IS NOT DISTINCT FROM s.pid AND e.run_id IS NOT DISTINCT FROM s.run_id;
 
-CREATE OR REPLACE VIEW in_flight AS
+CREATE OR REPLACE VIEW _in_flight_all AS
 WITH ranked AS (
     SELECT f.*, row_number() OVER (PARTITION BY f.rkey
                                    ORDER BY (f.category IS NOT NULL) DESC, f.since_ns DESC, f.stage) AS rn,
@@ -113,6 +113,9 @@ FROM ranked r
 LEFT JOIN _req_base q ON q.rkey = r.rkey
 LEFT JOIN m ON m.rkey = r.rkey
 WHERE r.rn = 1;
+-- in_flight: the rows of _in_flight_all of the requests in the analysis's time window (all without one;
+-- table _window_out, pdtrace.analysis.window)
+CREATE OR REPLACE VIEW in_flight AS SELECT * FROM _in_flight_all WHERE rkey NOT IN (SELECT rkey FROM _window_out);
 
 COMMENT ON VIEW in_flight_spans IS 'Every open span not over as of its process''s last flush (one row per span; view in_flight picks one per request).';
 COMMENT ON COLUMN in_flight_spans.run_id IS 'deployment run id';

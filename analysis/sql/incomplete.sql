@@ -447,7 +447,7 @@ SELECT rkey, first_value(request_id) OVER (PARTITION BY run_id, prefill_engine, 
        count(*) OVER (PARTITION BY run_id, prefill_engine, decode_engine, run_no) AS run_length
 FROM runs WHERE member;
 
-CREATE OR REPLACE VIEW incomplete_requests AS
+CREATE OR REPLACE VIEW _incomplete_requests_all AS
 WITH r AS (
     SELECT i.*,
            tr.root_engine_id AS thread_engine_id, tr.exited_ns, tr.thread AS exited_thread,
@@ -504,6 +504,9 @@ SELECT run_id, request_id, prompt_index, mode, cause, symptom,
        waited_after_last_notification_ms, linked_request_id,
        events, stages_seen, arrival_ns, ttft_source, rkey
 FROM r;
+-- incomplete_requests: the rows of _incomplete_requests_all of the requests in the analysis's time window (all without one;
+-- table _window_out, pdtrace.analysis.window)
+CREATE OR REPLACE VIEW incomplete_requests AS SELECT * FROM _incomplete_requests_all WHERE rkey NOT IN (SELECT rkey FROM _window_out);
 
 COMMENT ON VIEW incomplete_requests IS 'Requests that got no first token, with a root cause and the evidence; they give no TTFT sample.';
 COMMENT ON COLUMN incomplete_requests.run_id IS 'deployment run id';

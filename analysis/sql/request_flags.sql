@@ -44,7 +44,7 @@
 
 CREATE OR REPLACE VIEW _calc_request_flags AS
 WITH bh AS MATERIALIZED (
-    SELECT rkey, side, release_cause, missed_prefix_hit, transfer_after_release FROM block_holds
+    SELECT rkey, side, release_cause, missed_prefix_hit, transfer_after_release FROM _block_holds_all  -- (every request: not windowed)
     WHERE rkey IN (SELECT rkey FROM _scope_keys)
 ), xf AS MATERIALIZED (
     -- the two transfer rules' values (the copy keeps no attribute map)

@@ -22,7 +22,7 @@
 -- the delivered first token, the formula beside request_base.wasted_compute_ns.
 -- flags: the notable facts of the request (module request_flags: one line per flag, its rule there).
 
-CREATE OR REPLACE VIEW requests AS
+CREATE OR REPLACE VIEW _requests_all AS
 SELECT q.run_id, q.request_id, q.prompt_index, q.mode,
        q.prompt_tokens, q.cached_tokens, q.uncached_tokens, q.output_tokens,
        q.arrival_ns, q.first_token_ns, q.last_token_ns,
@@ -42,6 +42,9 @@ SELECT q.run_id, q.request_id, q.prompt_index, q.mode,
 FROM _req_base q LEFT JOIN incomplete_requests i ON i.rkey = q.rkey
 LEFT JOIN _mat_req_decode_steps ds ON ds.request_id = q.request_id
 LEFT JOIN _request_flags fl ON fl.rkey = q.rkey;
+-- requests: the rows of _requests_all of the requests in the analysis's time window (all without one;
+-- table _window_out, pdtrace.analysis.window)
+CREATE OR REPLACE VIEW requests AS SELECT * FROM _requests_all WHERE rkey NOT IN (SELECT rkey FROM _window_out);
 
 COMMENT ON VIEW requests IS 'One row per request: mode, tokens, TTFT/TPOT, complete or incomplete with a cause.';
 COMMENT ON COLUMN requests.run_id IS 'deployment run id';

@@ -418,7 +418,7 @@ CREATE TABLE IF NOT EXISTS _mat_stall_victims AS SELECT * FROM _calc_stall_victi
 -- hang -- from its last emitted token or step to the trace end (the latest last
 -- flush of the router and of its decode engine's processes) -- is open_stall,
 -- reported apart from TPOT and stall.
-CREATE OR REPLACE VIEW request_stalls AS
+CREATE OR REPLACE VIEW _request_stalls_all AS
 WITH per AS (SELECT * FROM _mat_stall_victims),
 te AS (
     SELECT run_id, role, engine_id, max(trace_end_ns) AS trace_end_ns FROM _process_trace_end GROUP BY ALL
@@ -453,6 +453,9 @@ SELECT q.run_id, q.request_id, q.prompt_index, q.mode, q.output_tokens, q.arriva
        CASE WHEN q.hung THEN greatest(q.trace_end_ns - q.last_emit_ns, 0) / 1e6 END AS open_stall_ms,
        q.rkey
 FROM t q LEFT JOIN per p ON p.request_id = q.request_id;
+-- request_stalls: the rows of _request_stalls_all of the requests in the analysis's time window (all without one;
+-- table _window_out, pdtrace.analysis.window)
+CREATE OR REPLACE VIEW request_stalls AS SELECT * FROM _request_stalls_all WHERE rkey NOT IN (SELECT rkey FROM _window_out);
 
 CREATE OR REPLACE VIEW decode_step_requests AS
 SELECT e.span_id AS step_span_id, e.engine_id, b.start_ns, e.request_id,

@@ -29,7 +29,8 @@ SELECT q.rkey, q.mode, q.arrival_ns, q.prompt_tokens, q.uncached_tokens,
        _tpot_ms(q.output_tokens, q.first_token_ns, q.last_token_ns, NULL, NULL) AS tpot_ms,  -- finished requests
        _bucket_lo(q.prompt_tokens) AS prompt_bucket, _bucket_lo(q.uncached_tokens) AS uncached_bucket,
        q.arrival_ns // _rate_window_ns() AS window_idx
-FROM _req_base q LEFT JOIN _mat_ttft_breakdown b ON b.rkey = q.rkey;
+FROM _req_base q LEFT JOIN _mat_ttft_breakdown b ON b.rkey = q.rkey
+WHERE q.rkey NOT IN (SELECT rkey FROM _window_out);  -- the requests in the time window (all without one)
 
 CREATE OR REPLACE MACRO _summary(k1, k2) AS TABLE
 SELECT k1 AS key1, k2 AS key2,

@@ -35,7 +35,7 @@ CREATE OR REPLACE MACRO _transport_fallback(ai, a_s) AS
 CREATE OR REPLACE MACRO _descriptor_bound(post_ns, dur_ns) AS
     coalesce(post_ns > _descriptor_bound_share() * dur_ns, false);
 
-CREATE OR REPLACE VIEW transfers AS
+CREATE OR REPLACE VIEW _transfers_all AS
 WITH hs AS (
     -- the handshakes: (request, attempt, engine, rank) that paid first contact, with their peers
     -- ('' = peer not recorded); raw rows, only keys are read
@@ -74,6 +74,9 @@ SELECT run_id, request_id, prompt_index, op, engine_id, tp_rank, src_engine, dst
        _transport_fallback(attr_int, attr_str) AS transport_fallback,
        rkey, span_id
 FROM x;
+-- transfers: the rows of _transfers_all of the requests in the analysis's time window (all without one;
+-- table _window_out, pdtrace.analysis.window)
+CREATE OR REPLACE VIEW transfers AS SELECT * FROM _transfers_all WHERE rkey NOT IN (SELECT rkey FROM _window_out);
 
 COMMENT ON VIEW transfers IS 'Per NIXL transfer: bytes, descriptors, post and transfer time, bandwidth, descriptor-bound flag, idle time on the engine pair before it.';
 COMMENT ON COLUMN transfers.run_id IS 'deployment run id';

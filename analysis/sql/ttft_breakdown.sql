@@ -23,9 +23,12 @@ GROUP BY c.rkey, c.stage
 HAVING sum((c.e0 - c.s0) + c.clip_ns - coalesce(t.oe - t.s0, 0)) > 0;
 
 CREATE TABLE IF NOT EXISTS _mat_ttft_hidden AS SELECT * FROM _calc_ttft_hidden LIMIT 0;
-CREATE OR REPLACE VIEW ttft_hidden AS
+CREATE OR REPLACE VIEW _ttft_hidden_all AS
 SELECT q.run_id, q.request_id, q.prompt_index, h.stage::VARCHAR AS stage, h.hidden_ns, h.hidden_ns / 1e6 AS hidden_ms, h.rkey
 FROM _mat_ttft_hidden h JOIN _req_base q ON q.rkey = h.rkey;
+-- ttft_hidden: the rows of _ttft_hidden_all of the requests in the analysis's time window (all without one;
+-- table _window_out, pdtrace.analysis.window)
+CREATE OR REPLACE VIEW ttft_hidden AS SELECT * FROM _ttft_hidden_all WHERE rkey NOT IN (SELECT rkey FROM _window_out);
 
 COMMENT ON VIEW ttft_hidden IS 'Per request and stage: time a charged stage ran off the critical path (hidden behind the last-arriving input).';
 COMMENT ON COLUMN ttft_hidden.run_id IS 'deployment run id';
@@ -92,7 +95,10 @@ JOIN seg ON seg.rkey = q.rkey
 LEFT JOIN hid ON hid.rkey = q.rkey;  -- seg holds only the refreshed requests
 
 CREATE TABLE IF NOT EXISTS _mat_ttft_breakdown AS SELECT * FROM _calc_ttft_breakdown LIMIT 0;
-CREATE OR REPLACE VIEW ttft_breakdown AS SELECT * FROM _mat_ttft_breakdown;
+CREATE OR REPLACE VIEW _ttft_breakdown_all AS SELECT * FROM _mat_ttft_breakdown;
+-- ttft_breakdown: the rows of _ttft_breakdown_all of the requests in the analysis's time window (all without one;
+-- table _window_out, pdtrace.analysis.window)
+CREATE OR REPLACE VIEW ttft_breakdown AS SELECT * FROM _ttft_breakdown_all WHERE rkey NOT IN (SELECT rkey FROM _window_out);
 
 COMMENT ON VIEW ttft_breakdown IS 'Per complete request: TTFT by category (queue + compute + transfer + coordination = ttft, to the ns), hidden time, dominant stage.';
 COMMENT ON COLUMN ttft_breakdown.run_id IS 'deployment run id';

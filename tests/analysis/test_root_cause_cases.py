@@ -254,14 +254,9 @@ def test_vllm_46283_aborted_load_holds_decode_blocks_later_request_waits(analyse
     assert o1["time_to_failure_ms"] == 1990
 
 
-def test_sglang_31800_receiver_stuck_transferring_holds_slot(analyse):
-    """sgl-project/sglang#31800: a Mooncake receiver whose transfer started but never got its done
-    signal stays Transferring forever: no timeout, no abort, its req_to_token_pool slot never freed;
-    once the pool is exhausted new requests are not admitted. s1 (pull): D allocated and posted its
-    READ (handoff.prep) and then nothing, the router timed the client out at 60000; s2 queues on d0 at
-    1000 and never gets a slot. Right answer: s1 load_not_reported (root itself: no event anywhere,
-    inferred from the missing completion), D kept waiting from the router's timeout to its trace end
-    (90000): orphan_wait 30000 ms; s2 slot_held_by_orphan with root s1."""
+def case_sglang_31800() -> Case:
+    """The store of :func:`test_sglang_31800_receiver_stuck_transferring_holds_slot` (also read by
+    test_window.py: s2's root cause s1 arrived earlier)."""
     c = Case()
     root = c.router_request("s1", 0, 60002, "pull")
     c.span("router", "router.dispatch", 0, 1, rid="s1", parent=root, attrs={"router.leg": "prefill"})
@@ -282,7 +277,18 @@ def test_sglang_31800_receiver_stuck_transferring_holds_slot(analyse):
     _flushes(c, "decode", "d0", at=(30000, 90000))
     _flushes(c, "prefill", "p0", at=(30000, 90000))
     _flushes(c, "router", None, at=(30000, 90000))
-    tr = analyse(c)
+    return c
+
+
+def test_sglang_31800_receiver_stuck_transferring_holds_slot(analyse):
+    """sgl-project/sglang#31800: a Mooncake receiver whose transfer started but never got its done
+    signal stays Transferring forever: no timeout, no abort, its req_to_token_pool slot never freed;
+    once the pool is exhausted new requests are not admitted. s1 (pull): D allocated and posted its
+    READ (handoff.prep) and then nothing, the router timed the client out at 60000; s2 queues on d0 at
+    1000 and never gets a slot. Right answer: s1 load_not_reported (root itself: no event anywhere,
+    inferred from the missing completion), D kept waiting from the router's timeout to its trace end
+    (90000): orphan_wait 30000 ms; s2 slot_held_by_orphan with root s1."""
+    tr = analyse(case_sglang_31800())
     s1 = _inc(tr, "s1")
     assert (s1["cause"], s1["root_request_id"]) == ("load_not_reported", "s1")
     assert (s1["orphan_wait_ms"], s1["orphan_side"]) == (30000, "decode")
