@@ -154,34 +154,50 @@ class Materializer:
         request-level views and the summaries leave those out, while their rows stay in the ``_mat_``
         tables (another request's root cause or culprit may lie in one).
 
-        A request is in the window when its arrival (``_req_base.arrival_ns``) is in ``[since, until)``;
-        one with no arrival, when its earliest record starts in it; an id the router linked to a
-        request (``router.linked_request_id``, no ``_req_base`` row of its own) goes with that
-        request. A request that began before ``since`` keeps its true arrival when some of its
-        records lie in files the window left out: the arrival comes from a span that lasts from it
-        (``router.request``, P's or D's API-server span) or else from its earliest record, and such
-        spans end within the files read. Recomputed whole by every refresh that absorbs a change."""
+        A key is in the window when
+
+        * its request's arrival (``_req_base.arrival_ns``, corrected clock) is in ``[since, until)``;
+        * it is an id the router linked to such a request (``router.linked_request_id``: no
+          ``_req_base`` row of its own);
+        * it has no arrival (no ``_req_base`` row: only open records so far, or engine-only
+          processes such as ``pdtrace collect``'s role ``engine``; or a NULL arrival) and is not a
+          linked id, and its earliest record starts in ``[since, until)`` (its writer's clock).
+
+        The arrival of a request that began before ``since`` comes from the rows read: the router's
+        root span, which lasts from the arrival to the end, or else P's API server or the earliest
+        record. Without a router root, a request whose first records all ended more than the margin
+        before ``since`` can show a later arrival and fall in the window (a request whose TTFT is
+        longer than the margin, 5 min by default). Recomputed whole by every refresh that absorbs a
+        change."""
         con = self.con
         con.execute("DELETE FROM _window_out")
         w = self.window
         if w is None:
             return
-        lo = -(1 << 63) if w.since_ns is None else w.since_ns
-        hi = (1 << 63) - 1 if w.until_ns is None else w.until_ns
+        bounds = {"lo": -(1 << 63) if w.since_ns is None else w.since_ns,
+                  "hi": (1 << 63) - 1 if w.until_ns is None else w.until_ns}
         con.execute("""
-            INSERT INTO _window_out
-            WITH nul AS (  -- requests without an arrival: their earliest record
-                SELECT r.rkey, min(r.start_ns) AS first_ns FROM _records r
-                WHERE r.rkey IN (SELECT rkey FROM _mat_req_base WHERE arrival_ns IS NULL) GROUP BY r.rkey
-            ), keep AS (
-                SELECT rkey FROM _mat_req_base WHERE arrival_ns >= $lo AND arrival_ns < $hi
-                UNION SELECT rkey FROM nul WHERE first_ns >= $lo AND first_ns < $hi
-            ), keep_linked AS (
-                SELECT rkey FROM keep
-                UNION SELECT l.rkey FROM _req_links l WHERE l.by_rkey IN (SELECT rkey FROM keep)
-            )
-            SELECT DISTINCT k.rkey FROM _file_keys k
-            WHERE k.rkey IS NOT NULL AND k.rkey NOT IN (SELECT rkey FROM keep_linked)""", {"lo": lo, "hi": hi})
+            CREATE OR REPLACE TEMP TABLE _window_keep AS
+            SELECT rkey FROM _mat_req_base WHERE arrival_ns >= $lo AND arrival_ns < $hi
+            UNION
+            SELECT l.rkey FROM _req_links l JOIN _mat_req_base q ON q.rkey = l.by_rkey
+            WHERE q.arrival_ns >= $lo AND q.arrival_ns < $hi""", bounds)
+        # keys no arrival places: by their earliest record (a scan of the records, only when there are some)
+        con.execute("""
+            CREATE OR REPLACE TEMP TABLE _window_unplaced AS
+            SELECT DISTINCT rkey FROM _file_keys WHERE rkey IS NOT NULL
+            EXCEPT SELECT rkey FROM _mat_req_base WHERE arrival_ns IS NOT NULL
+            EXCEPT SELECT rkey FROM _req_links""")
+        if con.execute("SELECT count(*) FROM _window_unplaced").fetchone()[0]:
+            con.execute("""
+                INSERT INTO _window_keep
+                SELECT rkey FROM _records WHERE rkey IN (SELECT rkey FROM _window_unplaced)
+                GROUP BY rkey HAVING min(start_ns) >= $lo AND min(start_ns) < $hi""", bounds)
+        con.execute("""
+            INSERT INTO _window_out SELECT DISTINCT rkey FROM _file_keys
+            WHERE rkey IS NOT NULL AND rkey NOT IN (SELECT rkey FROM _window_keep)""")
+        con.execute("DROP TABLE _window_keep")
+        con.execute("DROP TABLE _window_unplaced")
 
     def _materialize_requests(self, files: list[str], n_scope: int, cold: bool) -> None:
         """Recompute the ``request``/``scratch`` materializations of the ``n_scope`` keys in

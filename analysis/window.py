@@ -13,9 +13,11 @@
   analysed, so a cause that lies in an earlier request outside the window (a slot held by an
   orphan, a run of requests blocked behind another) is found as on the whole store. The raw and
   engine-level views hold every row of the files read, margins included: ``spans``, ``events``,
-  ``in_flight_spans``, ``decode_stalls``, ``engine_stalls``, ``decode_stall_causes``,
-  ``thread_cpu``, ``processes``, ``clock_offsets``; when adding up hour-by-hour materializations,
-  select their rows by their own time column.
+  ``in_flight_spans``, ``collected_spans``, ``decode_stalls``, ``engine_stalls``,
+  ``decode_stall_causes``, ``decode_step_requests``, ``thread_cpu``, ``thread_cpu_windows``,
+  ``processes``, ``clock_offsets``, ``clock_domains``; when adding up hour-by-hour
+  materializations, select their rows by their own time column. Rows of the request-level views
+  with no request key (a ``coarse_breakdown`` span joined to no request) stay with their file.
 * **Same answers?** A request's values are the whole store's when what they depend on lies in the
   files read. Clock offsets, step baselines (decode stalls) and each process's last flush (open
   requests) come from the files read only, so they can differ from the whole store's at the

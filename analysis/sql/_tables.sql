@@ -33,6 +33,7 @@ CREATE TABLE IF NOT EXISTS _changed_windows (window_idx BIGINT);
 CREATE TABLE IF NOT EXISTS _read_files (_file VARCHAR);
 -- Request keys outside the analysis's time window (pdtrace.analysis.window; empty
 -- without one, refilled by every refresh): the request-level views and the
--- summaries leave them out. Their rows stay in the _mat_ tables, where another
--- request's root cause or culprit may be found.
+-- summaries leave them out (rows without a request key, such as an unjoined
+-- coarse llm_request span, stay). Their rows stay in the _mat_ tables, where
+-- another request's root cause or culprit may be found.
 CREATE TABLE IF NOT EXISTS _window_out (rkey UBIGINT);

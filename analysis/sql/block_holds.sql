@@ -185,7 +185,7 @@ SELECT c.run_id, c.request_id, c.prompt_index, c.side, c.engine_id, c.tp_rank,
 FROM c LEFT JOIN tr ON tr.rkey = c.rkey LEFT JOIN hit ON hit.rkey = c.rkey AND hit.role = c.side;
 -- block_holds: the rows of _block_holds_all of the requests in the analysis's time window (all without one;
 -- table _window_out, pdtrace.analysis.window)
-CREATE OR REPLACE VIEW block_holds AS SELECT * FROM _block_holds_all WHERE rkey NOT IN (SELECT rkey FROM _window_out);
+CREATE OR REPLACE VIEW block_holds AS SELECT * FROM _block_holds_all WHERE rkey IS NULL OR rkey NOT IN (SELECT rkey FROM _window_out);
 
 COMMENT ON VIEW block_holds IS 'KV blocks held for handoffs: P from KV ready to release (and what released them, or never), D from reservation to use or to a release without use (abort, expiry, never); flags for missed prefix hits, holds nobody read and transfers after release.';
 COMMENT ON COLUMN block_holds.run_id IS 'deployment run id';

@@ -42,7 +42,7 @@ FROM spans
 WHERE stage = 'llm_request';
 -- coarse_breakdown: the rows of _coarse_breakdown_all of the requests in the analysis's time window (all without one;
 -- table _window_out, pdtrace.analysis.window)
-CREATE OR REPLACE VIEW coarse_breakdown AS SELECT * FROM _coarse_breakdown_all WHERE rkey NOT IN (SELECT rkey FROM _window_out);
+CREATE OR REPLACE VIEW coarse_breakdown AS SELECT * FROM _coarse_breakdown_all WHERE rkey IS NULL OR rkey NOT IN (SELECT rkey FROM _window_out);
 
 COMMENT ON VIEW coarse_breakdown IS 'Coarse per-engine breakdown from stock vLLM llm_request spans (pdtrace collect): queue / prefill / decode / other per request and engine; no handoff stages.';
 COMMENT ON COLUMN coarse_breakdown.run_id IS 'deployment run id';

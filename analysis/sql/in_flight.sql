@@ -115,7 +115,7 @@ LEFT JOIN m ON m.rkey = r.rkey
 WHERE r.rn = 1;
 -- in_flight: the rows of _in_flight_all of the requests in the analysis's time window (all without one;
 -- table _window_out, pdtrace.analysis.window)
-CREATE OR REPLACE VIEW in_flight AS SELECT * FROM _in_flight_all WHERE rkey NOT IN (SELECT rkey FROM _window_out);
+CREATE OR REPLACE VIEW in_flight AS SELECT * FROM _in_flight_all WHERE rkey IS NULL OR rkey NOT IN (SELECT rkey FROM _window_out);
 
 COMMENT ON VIEW in_flight_spans IS 'Every open span not over as of its process''s last flush (one row per span; view in_flight picks one per request).';
 COMMENT ON COLUMN in_flight_spans.run_id IS 'deployment run id';

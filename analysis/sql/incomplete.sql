@@ -506,7 +506,7 @@ SELECT run_id, request_id, prompt_index, mode, cause, symptom,
 FROM r;
 -- incomplete_requests: the rows of _incomplete_requests_all of the requests in the analysis's time window (all without one;
 -- table _window_out, pdtrace.analysis.window)
-CREATE OR REPLACE VIEW incomplete_requests AS SELECT * FROM _incomplete_requests_all WHERE rkey NOT IN (SELECT rkey FROM _window_out);
+CREATE OR REPLACE VIEW incomplete_requests AS SELECT * FROM _incomplete_requests_all WHERE rkey IS NULL OR rkey NOT IN (SELECT rkey FROM _window_out);
 
 COMMENT ON VIEW incomplete_requests IS 'Requests that got no first token, with a root cause and the evidence; they give no TTFT sample.';
 COMMENT ON COLUMN incomplete_requests.run_id IS 'deployment run id';

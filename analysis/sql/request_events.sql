@@ -53,7 +53,7 @@ CREATE TABLE IF NOT EXISTS _mat_request_events AS SELECT * FROM _calc_request_ev
 CREATE OR REPLACE VIEW _request_events_all AS SELECT * FROM _mat_request_events;
 -- request_events: the rows of _request_events_all of the requests in the analysis's time window (all without one;
 -- table _window_out, pdtrace.analysis.window)
-CREATE OR REPLACE VIEW request_events AS SELECT * FROM _request_events_all WHERE rkey NOT IN (SELECT rkey FROM _window_out);
+CREATE OR REPLACE VIEW request_events AS SELECT * FROM _request_events_all WHERE rkey IS NULL OR rkey NOT IN (SELECT rkey FROM _window_out);
 
 COMMENT ON VIEW request_events IS 'One row per request and incident (failure/lifecycle event kind, reason, engine, attempt), per-rank duplicates collapsed and the ranks counted.';
 COMMENT ON COLUMN request_events.run_id IS 'deployment run id';

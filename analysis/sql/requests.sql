@@ -39,12 +39,12 @@ SELECT q.run_id, q.request_id, q.prompt_index, q.mode,
             ELSE q.output_tokens END AS emitted_tokens,
        q.wasted_compute_ns / 1e6 AS wasted_compute_ms,
        coalesce(fl.flags, []::VARCHAR[]) AS flags
-FROM _req_base q LEFT JOIN incomplete_requests i ON i.rkey = q.rkey
+FROM _req_base q LEFT JOIN _incomplete_requests_all i ON i.rkey = q.rkey
 LEFT JOIN _mat_req_decode_steps ds ON ds.request_id = q.request_id
 LEFT JOIN _request_flags fl ON fl.rkey = q.rkey;
 -- requests: the rows of _requests_all of the requests in the analysis's time window (all without one;
 -- table _window_out, pdtrace.analysis.window)
-CREATE OR REPLACE VIEW requests AS SELECT * FROM _requests_all WHERE rkey NOT IN (SELECT rkey FROM _window_out);
+CREATE OR REPLACE VIEW requests AS SELECT * FROM _requests_all WHERE rkey IS NULL OR rkey NOT IN (SELECT rkey FROM _window_out);
 
 COMMENT ON VIEW requests IS 'One row per request: mode, tokens, TTFT/TPOT, complete or incomplete with a cause.';
 COMMENT ON COLUMN requests.run_id IS 'deployment run id';

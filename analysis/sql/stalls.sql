@@ -455,7 +455,7 @@ SELECT q.run_id, q.request_id, q.prompt_index, q.mode, q.output_tokens, q.arriva
 FROM t q LEFT JOIN per p ON p.request_id = q.request_id;
 -- request_stalls: the rows of _request_stalls_all of the requests in the analysis's time window (all without one;
 -- table _window_out, pdtrace.analysis.window)
-CREATE OR REPLACE VIEW request_stalls AS SELECT * FROM _request_stalls_all WHERE rkey NOT IN (SELECT rkey FROM _window_out);
+CREATE OR REPLACE VIEW request_stalls AS SELECT * FROM _request_stalls_all WHERE rkey IS NULL OR rkey NOT IN (SELECT rkey FROM _window_out);
 
 CREATE OR REPLACE VIEW decode_step_requests AS
 SELECT e.span_id AS step_span_id, e.engine_id, b.start_ns, e.request_id,

@@ -76,7 +76,7 @@ SELECT run_id, request_id, prompt_index, op, engine_id, tp_rank, src_engine, dst
 FROM x;
 -- transfers: the rows of _transfers_all of the requests in the analysis's time window (all without one;
 -- table _window_out, pdtrace.analysis.window)
-CREATE OR REPLACE VIEW transfers AS SELECT * FROM _transfers_all WHERE rkey NOT IN (SELECT rkey FROM _window_out);
+CREATE OR REPLACE VIEW transfers AS SELECT * FROM _transfers_all WHERE rkey IS NULL OR rkey NOT IN (SELECT rkey FROM _window_out);
 
 COMMENT ON VIEW transfers IS 'Per NIXL transfer: bytes, descriptors, post and transfer time, bandwidth, descriptor-bound flag, idle time on the engine pair before it.';
 COMMENT ON COLUMN transfers.run_id IS 'deployment run id';

@@ -28,7 +28,7 @@ SELECT q.run_id, q.request_id, q.prompt_index, h.stage::VARCHAR AS stage, h.hidd
 FROM _mat_ttft_hidden h JOIN _req_base q ON q.rkey = h.rkey;
 -- ttft_hidden: the rows of _ttft_hidden_all of the requests in the analysis's time window (all without one;
 -- table _window_out, pdtrace.analysis.window)
-CREATE OR REPLACE VIEW ttft_hidden AS SELECT * FROM _ttft_hidden_all WHERE rkey NOT IN (SELECT rkey FROM _window_out);
+CREATE OR REPLACE VIEW ttft_hidden AS SELECT * FROM _ttft_hidden_all WHERE rkey IS NULL OR rkey NOT IN (SELECT rkey FROM _window_out);
 
 COMMENT ON VIEW ttft_hidden IS 'Per request and stage: time a charged stage ran off the critical path (hidden behind the last-arriving input).';
 COMMENT ON COLUMN ttft_hidden.run_id IS 'deployment run id';
@@ -98,7 +98,7 @@ CREATE TABLE IF NOT EXISTS _mat_ttft_breakdown AS SELECT * FROM _calc_ttft_break
 CREATE OR REPLACE VIEW _ttft_breakdown_all AS SELECT * FROM _mat_ttft_breakdown;
 -- ttft_breakdown: the rows of _ttft_breakdown_all of the requests in the analysis's time window (all without one;
 -- table _window_out, pdtrace.analysis.window)
-CREATE OR REPLACE VIEW ttft_breakdown AS SELECT * FROM _ttft_breakdown_all WHERE rkey NOT IN (SELECT rkey FROM _window_out);
+CREATE OR REPLACE VIEW ttft_breakdown AS SELECT * FROM _ttft_breakdown_all WHERE rkey IS NULL OR rkey NOT IN (SELECT rkey FROM _window_out);
 
 COMMENT ON VIEW ttft_breakdown IS 'Per complete request: TTFT by category (queue + compute + transfer + coordination = ttft, to the ns), hidden time, dominant stage.';
 COMMENT ON COLUMN ttft_breakdown.run_id IS 'deployment run id';

@@ -409,7 +409,7 @@ SELECT m.* REPLACE (m.stage::VARCHAR AS stage, m.stage_group::VARCHAR AS stage_g
 FROM _mat_ttft_segments m LEFT JOIN _segment_culprits cu ON cu.rkey = m.rkey AND cu.span_id = m.span_id;
 -- ttft_segments: the rows of _ttft_segments_all of the requests in the analysis's time window (all without one;
 -- table _window_out, pdtrace.analysis.window)
-CREATE OR REPLACE VIEW ttft_segments AS SELECT * FROM _ttft_segments_all WHERE rkey NOT IN (SELECT rkey FROM _window_out);
+CREATE OR REPLACE VIEW ttft_segments AS SELECT * FROM _ttft_segments_all WHERE rkey IS NULL OR rkey NOT IN (SELECT rkey FROM _window_out);
 
 COMMENT ON VIEW ttft_segments IS 'Exclusive critical-path segments tiling each complete request''s [arrival, first token written] (DESIGN.md §2-3): the router''s window, or without a router record the engines'' (requests.ttft_source = engine; the router''s hop between the legs is stage router.unseen).';
 COMMENT ON COLUMN ttft_segments.run_id IS 'deployment run id';

@@ -17,6 +17,7 @@ from pdtrace.analysis.materialized import manifest, write as materialize
 from pdtrace.analysis.window import HOUR_NS, NS, Window, parse_duration, parse_instant, partition_hour
 from pdtrace.instrument import compact
 from pdtrace_case_builder import Case, ns
+from test_in_flight import _case as _in_flight_case, _open as _open_record
 from test_incomplete import _case_k
 from test_root_cause_cases import case_sglang_31800
 
@@ -148,19 +149,66 @@ def test_an_id_the_router_linked_goes_with_its_request(tmp_path):
 
 
 def test_a_request_without_an_arrival_is_placed_by_its_earliest_record(tmp_path):
-    # 'late' arrives 1 min after until: its router.dispatch is in a file read, its root (ended an
-    # hour later) in a file the window leaves out, so no arrival is known
+    # 'mid' (1 min after since) and 'late' (1 min after until): each has its router.dispatch in a file
+    # read and its root (ended two hours later) in a file the window leaves out, so no arrival is known
     d = tmp_path / "s"
     Case().pull_requests(1, t0_ms=1000).write(d, prefix="a-")
-    e = Case()
-    e.span("router", "router.dispatch", H + 60_000, H + 60_001, rid="late", attrs={"router.leg": "prefill"})
-    e.write(d, prefix="b-")
-    f = Case()
-    f.router_request("late", H + 60_000, 2 * H + 60_000, "pull")
-    f.write(d, prefix="c-")
+    for rid, t, prefix in (("mid", 60_000, "m"), ("late", H + 60_000, "l")):
+        e = Case()
+        e.span("router", "router.dispatch", t, t + 1, rid=rid, attrs={"router.leg": "prefill"})
+        e.write(d, prefix=f"{prefix}1-")
+        f = Case()
+        f.router_request(rid, t, 2 * H + t, "pull")
+        f.write(d, prefix=f"{prefix}2-")
     with analysis.open(d, cache=None, window=Window(ns(0), ns(H))) as s:
-        assert [r["request_id"] for r in s.query("SELECT request_id FROM requests")] == ["r0"]
-        assert [Path(p).name for p in s.last_refresh.pruned] == ["c-router-router.parquet"]
+        got = {r["request_id"]: r["arrival_ns"] for r in s.query("SELECT request_id, arrival_ns FROM requests")}
+        assert got == {"r0": ns(1000), "mid": None}
+        assert sorted(Path(p).name for p in s.last_refresh.pruned) == ["l2-router-router.parquet",
+                                                                       "m2-router-router.parquet"]
+
+
+def test_requests_known_only_by_open_records_or_coarse_spans_are_placed_too(tmp_path):
+    # a request that just arrived has only open records (no span, no arrival); a `pdtrace collect`
+    # store's engines (role 'engine') give no requests row at all: both are placed by their records
+    d = tmp_path / "live"
+    c = _in_flight_case()
+    _open_record(c, "router", "router.request", 2500, [3000], "fresh", span_id=91, attrs={"request.mode": "pull"})
+    _open_record(c, "prefill", "prefill.queue", 2501, [3000], "fresh", engine="p0", span_id=92)
+    c.write(d)
+    with analysis.open(d, cache=None, window=Window(ns(-H), ns(H))) as s:
+        assert sorted(r["request_id"] for r in s.query("SELECT request_id FROM in_flight")) == ["fresh", "h1", "h5"]
+    with analysis.open(d, cache=None, window=Window(ns(2400), ns(H))) as s:
+        assert [r["request_id"] for r in s.query("SELECT request_id FROM in_flight")] == ["fresh"]
+    d = tmp_path / "coarse"
+    c = Case()
+    for i in range(4):
+        c.span("engine", "llm_request", i * 600_000, i * 600_000 + 500, rid=f"c{i}", engine="e0",
+               attrs={"gen_ai.latency.time_to_first_token": 0.1, "gen_ai.latency.time_in_queue": 0.01})
+    c.span("engine", "llm_request", 650_000, 650_500, rid=None, engine="e0",
+           attrs={"gen_ai.latency.time_to_first_token": 0.1})  # joined to no request: kept with its file
+    c.write(d)
+    with analysis.open(d, cache=None, window=Window(ns(500_000), ns(H))) as s:
+        rows = s.query("SELECT request_id FROM coarse_breakdown")
+    assert sorted(str(r["request_id"]) for r in rows) == ["None", "c1", "c2", "c3"]
+
+
+def test_adjacent_windows_hold_each_incident_and_cause_once(tmp_path):
+    # incomplete requests with a cross-request root cause (s1, s2), incidents under a linked id (X1/X2)
+    d = tmp_path / "s"
+    case_sglang_31800().write(d, prefix="a-")
+    _case_k().write(d, prefix="b-")
+    views = ("requests", "incomplete_requests", "request_events")
+    with analysis.open(d, cache=None) as whole:
+        want = {v: whole.query(f"SELECT count(*) AS n FROM {v}")[0]["n"] for v in views}
+    got = dict.fromkeys(views, 0)
+    for lo, hi in ((0, 500), (500, 20_000), (20_000, H)):
+        with analysis.open(d, cache=None, window=Window(ns(lo), ns(hi))) as s:
+            for v in views:
+                got[v] += s.query(f"SELECT count(*) AS n FROM {v}")[0]["n"]
+            if lo == 500:  # s2's root cause, s1, arrived in the window before
+                s2 = s.query("SELECT cause, root_request_id FROM incomplete_requests WHERE request_id = 's2'")
+                assert s2 == [{"cause": "slot_held_by_orphan", "root_request_id": "s1"}]
+    assert got == want and min(want.values()) >= 3
 
 
 def test_adjacent_windows_add_up_to_the_whole_store(stores):
