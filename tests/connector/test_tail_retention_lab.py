@@ -79,9 +79,12 @@ def test_every_slow_request_complete_others_head_sampled_nothing_else(tail_run):
         assert x in bd and bd[x]["ttft_ms"] == pytest.approx(req[x]["ttft_ms"], abs=1e-6)
     # the sink's accounting: every process's records are written or dropped by the decision, none lost:
     # on each traced process's last stats row (written by the sink after its last decision; read from the
-    # files: the processes view does not read recorder.tail_dropped), recorded = written + tail_dropped
+    # files: the processes view does not read recorder.tail_dropped), recorded = written + tail_dropped.
+    # The last row is the one with the most records settled (written + tail_dropped: both only grow); by
+    # written alone, a row written before the last tail drop ties with the one after it
     files = [str(f) for f in store.store_files(tail_run["dir"])]
-    last = duckdb.sql(f"SELECT role, pid, arg_max(attr_int, attr_int['recorder.written']) FROM read_parquet({files!r}, "
+    last = duckdb.sql(f"SELECT role, pid, arg_max(attr_int, attr_int['recorder.written'] "
+                      f"+ coalesce(attr_int['recorder.tail_dropped'], 0)) FROM read_parquet({files!r}, "
                       "union_by_name=true) WHERE record = 'stats' GROUP BY role, pid").fetchall()
     assert {r for r, _, _ in last} >= {"router", "prefill", "decode"}, last
     td = 0
