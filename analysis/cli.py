@@ -72,12 +72,12 @@ def _window(since, until, lookahead):
         raise click.UsageError(str(exc)) from exc
 
 
-def _window_line(s) -> str:
-    """The report's first line for a windowed session: the window and the files it left out."""
-    w = s.window.describe()
-    pruned = len(s.last_refresh.pruned) if s.last_refresh is not None else 0
-    return (f"Window: requests arriving in [{w['since']}, {w['until']}) (lookahead {w['lookahead_s']:g} s); "
-            f"{pruned} store file(s) outside it not read")
+def _window_info(s) -> tuple[dict, str]:
+    """For a windowed session: the report's ``window`` entry (the window and ``pruned_files``) and its
+    first line."""
+    w = {**s.window.describe(), "pruned_files": len(s.last_refresh.pruned) if s.last_refresh is not None else 0}
+    return w, (f"Window: requests arriving in [{w['since']}, {w['until']}) (lookahead {w['lookahead_s']:g} s); "
+               f"{w['pruned_files']} store file(s) outside it not read")
 
 
 def _result(con, query: str):
@@ -154,20 +154,18 @@ def report(directory, compare_dir, fmt, cache, no_cache, engine, spark_master, t
     window = _window(since, until, lookahead)
     with _open(directory, cache, no_cache, engine, spark_master, opts, window) as s:
         data = _report.collect(s.cursor())
-        head = _window_line(s) if window is not None else None
-    if window is not None:
-        data["window"] = {**window.describe(), "pruned_files": len(s.last_refresh.pruned)}
+        if window is not None:
+            data["window"], head = _window_info(s)
     if compare_dir is None:
         if fmt == "json":
             click.echo(json.dumps(data, default=str, indent=1))
         else:
-            click.echo((head + "\n\n" if head else "") + _report.render(data, directory))
+            click.echo((head + "\n\n" if window is not None else "") + _report.render(data, directory))
         return
     with _open(compare_dir, None, no_cache, engine, spark_master, opts, window) as s2:
         data2 = _report.collect(s2.cursor())
-        head2 = _window_line(s2) if window is not None else None
-    if window is not None:
-        data2["window"] = {**window.describe(), "pruned_files": len(s2.last_refresh.pruned)}
+        if window is not None:
+            data2["window"], head2 = _window_info(s2)
     delta = _report.compare_delta(data, data2)
     if fmt == "json":
         click.echo(json.dumps({directory: data, compare_dir: data2,

@@ -148,12 +148,12 @@ class Trace(Materializer):
         return out
 
     #: The store files the last :meth:`scan` left out for the :attr:`window` (paths).
-    pruned: list[str] = []
+    pruned: tuple[str, ...] | list[str] = ()
 
     @property
     def _window_key(self) -> str:
         """What ``_meta`` key ``window`` holds for this trace's :attr:`window` ('' for none)."""
-        return self.window.key() if getattr(self, "window", None) is not None else ""
+        return self.window.key() if self.window is not None else ""
 
     def _decode_errors(self, paths: list[str]) -> dict[str, tuple[str, str]]:
         """The full decode check of the new files ``paths`` (:func:`pdtrace.analysis.files.decode_errors`;

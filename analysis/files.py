@@ -170,28 +170,34 @@ def release_rows(con: duckdb.DuckDBPyConnection) -> None:
 _GLOB_CHARS = re.compile(r"[*?\[\]{}]")
 
 
+def by_halves(names: list[str], read, failed) -> None:
+    """Run ``read(batch)`` (one DuckDB statement over a list of files) on ``names``; when it raises
+    ``duckdb.Error``, on each half again, so k unreadable files of n cost about 2·k·log2(n) statements;
+    a single file whose statement fails is passed to ``failed(name)``."""
+    try:
+        read(names)
+    except duckdb.Error:
+        if len(names) == 1:
+            failed(names[0])
+            return
+        by_halves(names[:len(names) // 2], read, failed)
+        by_halves(names[len(names) // 2:], read, failed)
+
+
 def footers(con: duckdb.DuckDBPyConnection, paths: list[Path]) -> dict[str, dict[bytes, bytes] | None]:
     """{path: the footer's pdtrace keys (``VERSION_KEY``, ``ARTIFACT_KEY`` of :mod:`pdtrace.instrument.schema`)
     and values, ``{}`` for a file with neither; ``None`` for a file DuckDB could not read as Parquet
     (vanished, empty, truncated or foreign bytes, a path the connection may not read, a glob
     character in its path): the caller checks that one with pyarrow}. Read by DuckDB
-    (``parquet_kv_metadata``) in one statement for the whole list; when it fails, the list is split in
-    halves and each half read again, so k unreadable files of n cost about 2·k·log2(n) statements.
+    (``parquet_kv_metadata``) in one statement for the whole list, split in halves when it fails
+    (:func:`by_halves`).
     Cheaper than pyarrow's ``read_metadata`` per file, and a report then never imports pyarrow
     (BENCHMARKS.md "Small-store cold report")."""
     out: dict[str, dict[bytes, bytes] | None] = {}
 
     def read(batch: list[str]) -> None:
-        try:
-            rows = con.execute("SELECT file_name, key, value FROM parquet_kv_metadata(?) WHERE key IN (?, ?)",
-                               [batch, _schema.VERSION_KEY, _schema.ARTIFACT_KEY]).fetchall()
-        except duckdb.Error:
-            if len(batch) == 1:
-                out[batch[0]] = None
-                return
-            read(batch[:len(batch) // 2])
-            read(batch[len(batch) // 2:])
-            return
+        rows = con.execute("SELECT file_name, key, value FROM parquet_kv_metadata(?) WHERE key IN (?, ?)",
+                           [batch, _schema.VERSION_KEY, _schema.ARTIFACT_KEY]).fetchall()
         got: dict[str, dict[bytes, bytes]] = {n: {} for n in batch}
         for name, key, value in rows:
             if name not in got:  # DuckDB named a file otherwise than asked: trust nothing of this batch
@@ -206,7 +212,7 @@ def footers(con: duckdb.DuckDBPyConnection, paths: list[Path]) -> dict[str, dict
             out[n] = None
     plain = [n for n in names if n not in out]
     if plain:
-        read(plain)
+        by_halves(plain, read, lambda name: out.__setitem__(name, None))
     return out
 
 

@@ -59,6 +59,8 @@ import duckdb
 
 from pdtrace.instrument import compact as _compact
 
+from . import files as _files
+
 NS = 1_000_000_000
 HOUR_NS = 3600 * NS
 
@@ -102,7 +104,8 @@ def parse_instant(text: str, now_ns: int | None = None) -> int:
     return (delta.days * 86400 + delta.seconds) * NS + delta.microseconds * 1000
 
 
-def _iso(ns: int | None) -> str:
+def iso(ns: int | None) -> str:
+    """``ns`` (since the epoch) as ISO 8601 UTC with microseconds (``...Z``); ``'-'`` for None."""
     if ns is None:
         return "-"
     return _dt.datetime.fromtimestamp(ns / NS, _dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
@@ -145,7 +148,7 @@ class Window:
 
     def __post_init__(self):
         if self.since_ns is not None and self.until_ns is not None and self.since_ns >= self.until_ns:
-            raise ValueError(f"empty window: since {_iso(self.since_ns)} is not before until {_iso(self.until_ns)}")
+            raise ValueError(f"empty window: since {iso(self.since_ns)} is not before until {iso(self.until_ns)}")
         if self.lookahead_ns < 0 or self.margin_ns < 0:
             raise ValueError("the window's lookahead and margin must not be negative")
 
@@ -203,28 +206,21 @@ class Window:
 
     def _end_ranges(self, con: duckdb.DuckDBPyConnection, names: list[str]) -> dict[str, tuple[int, int]]:
         """{file: (min end_ns, max end_ns)} from the footers' row-group statistics, for the files whose
-        every row group has both; files the statement cannot read (or whose statistics lack) are absent.
-        A statement that fails is tried again on halves of the list, down to single files."""
+        every row group has both; files DuckDB cannot read (or whose statistics lack) are absent. One
+        statement, split in halves when it fails (:func:`pdtrace.analysis.files.by_halves`)."""
         out: dict[str, tuple[int, int]] = {}
 
         def read(batch: list[str]) -> None:
-            try:
-                rows = con.execute("""
-                    SELECT file_name, min(TRY_CAST(stats_min AS BIGINT)), max(TRY_CAST(stats_max AS BIGINT)),
-                           count(*) = count(TRY_CAST(stats_min AS BIGINT)) AND count(*) = count(TRY_CAST(stats_max AS BIGINT))
-                    FROM parquet_metadata(?) WHERE path_in_schema = 'end_ns' GROUP BY file_name""",
-                                   [batch]).fetchall()
-            except duckdb.Error:
-                if len(batch) > 1:
-                    read(batch[:len(batch) // 2])
-                    read(batch[len(batch) // 2:])
-                return
+            rows = con.execute("""
+                SELECT file_name, min(TRY_CAST(stats_min AS BIGINT)), max(TRY_CAST(stats_max AS BIGINT)),
+                       count(*) = count(TRY_CAST(stats_min AS BIGINT)) AND count(*) = count(TRY_CAST(stats_max AS BIGINT))
+                FROM parquet_metadata(?) WHERE path_in_schema = 'end_ns' GROUP BY file_name""", [batch]).fetchall()
             asked = set(batch)
             for name, lo, hi, complete in rows:
                 if name in asked and complete and lo is not None and hi is not None:
                     out[name] = (int(lo), int(hi))
 
-        read(names)
+        _files.by_halves(names, read, lambda name: None)
         return out
 
     # -- description ----------------------------------------------------------------
@@ -235,5 +231,5 @@ class Window:
     def describe(self) -> dict:
         """The window as the report prints it: since / until (ISO 8601 UTC, '-' unbounded), lookahead
         and margin (s)."""
-        return {"since": _iso(self.since_ns), "until": _iso(self.until_ns),
+        return {"since": iso(self.since_ns), "until": iso(self.until_ns),
                 "lookahead_s": self.lookahead_ns / NS, "margin_s": self.margin_ns / NS}

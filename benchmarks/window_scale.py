@@ -42,8 +42,8 @@ def _build(store: str, work: str, memory_limit: str, window) -> dict:
     from pdtrace.analysis import db
 
     t0, c0 = time.perf_counter(), time.process_time()
-    tr = db.Trace(store, cache=tempfile.mktemp(suffix=".duckdb", dir=work), memory_limit=memory_limit,
-                  window=window)
+    name = "whole.duckdb" if window is None else "window.duckdb"
+    tr = db.Trace(store, cache=os.path.join(work, name), memory_limit=memory_limit, window=window)
     res = tr.refresh(warn=False)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     n = tr.con.execute("SELECT count(*) FROM requests").fetchone()[0]
@@ -62,7 +62,7 @@ def main() -> None:
 
     import duckdb
 
-    from pdtrace.analysis.window import NS, Window, _iso, parse_duration
+    from pdtrace.analysis.window import NS, Window, iso, parse_duration
     from pdtrace.instrument import store as _store
 
     files = [str(p) for p in _store.store_files(a.store)]
@@ -72,8 +72,8 @@ def main() -> None:
     mid = (lo + hi) // 2
     half = int(a.minutes * 60 * NS) // 2
     w = Window(mid - half, mid + half, lookahead_ns=parse_duration(a.lookahead))
-    print(f"store {a.store}: {len(files)} files, rows ending {_iso(lo)} .. {_iso(hi)}; window "
-          f"[{_iso(w.since_ns)}, {_iso(w.until_ns)}) ({a.minutes:g} min, lookahead {a.lookahead})", flush=True)
+    print(f"store {a.store}: {len(files)} files, rows ending {iso(lo)} .. {iso(hi)}; window "
+          f"[{iso(w.since_ns)}, {iso(w.until_ns)}) ({a.minutes:g} min, lookahead {a.lookahead})", flush=True)
     work = tempfile.mkdtemp(prefix="pdtrace-window-", dir=a.tmp)
     try:
         part = _build(a.store, work, a.memory_limit, w)
