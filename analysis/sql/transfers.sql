@@ -66,7 +66,10 @@ SELECT run_id, request_id, prompt_index, op, engine_id, tp_rank, src_engine, dst
        round(100.0 * attr_int['kv.post_ns'] / nullif(dur_ns, 0), 1) AS post_share_pct,
        _descriptor_bound(attr_int['kv.post_ns'], dur_ns) AS descriptor_bound,
        attr_int['kv.bytes'] / nullif(dur_ns, 0) AS bandwidth_gbps,
-       (start_ns - lag(end_ns) OVER (PARTITION BY src_engine, dst_engine, tp_rank ORDER BY start_ns)) / 1e6 AS idle_before_ms,
+       -- (transfers starting at the same instant are ordered by end, request key and span id: a total order, so
+       -- the answer does not depend on the plan; e.g. two requests' READs posted in one engine step)
+       (start_ns - lag(end_ns) OVER (PARTITION BY src_engine, dst_engine, tp_rank
+                                     ORDER BY start_ns, end_ns, rkey, span_id)) / 1e6 AS idle_before_ms,
        coalesce(attr_int['kv.first_contact'] = 1, false)
            OR (hs_match AND row_number() OVER (PARTITION BY rkey, attempt, engine_id, tp_rank, hs_match
                                                ORDER BY start_ns, span_id) = 1) AS first_contact,
@@ -102,7 +105,7 @@ COMMENT ON COLUMN transfers.xfer_ms IS 'xfer_ns in ms';
 COMMENT ON COLUMN transfers.post_share_pct IS 'post_ns / dur_ns (percent, 1 decimal)';
 COMMENT ON COLUMN transfers.descriptor_bound IS 'true when posting takes more than analysis_settings.descriptor_bound_share of the transfer';
 COMMENT ON COLUMN transfers.bandwidth_gbps IS 'bytes / dur (GB/s = bytes per ns)';
-COMMENT ON COLUMN transfers.idle_before_ms IS 'time since the previous transfer on the same engine pair and rank ended (ms; NULL for the first)';
+COMMENT ON COLUMN transfers.idle_before_ms IS 'time since the previous transfer on the same engine pair and rank ended, transfers ordered by start, end, request key and span id (ms; negative: they overlap; NULL for the first)';
 COMMENT ON COLUMN transfers.first_contact IS 'true if the transfer paid the first-contact handshake on its engine pair: its own kv.first_contact = 1, or the first transfer of the request and attempt on the engine and rank that recorded handoff.handshake / handoff.agent_load (or handoff.prep with kv.first_contact = 1) with the same peer';
 COMMENT ON COLUMN transfers.transport IS 'transport the NIXL backend used (attr kv.transport, e.g. rc_mlx5, cuda_ipc, tcp; NULL: not recorded)';
 COMMENT ON COLUMN transfers.transport_fallback IS 'true if the backend fell back to a slower transport: kv.transport_fallback = 1, or transport is tcp / sockets / cuda_copy / posix / sysv / self';

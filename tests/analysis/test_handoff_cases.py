@@ -18,6 +18,20 @@ def test_b_descriptor_bound_transfer(analyse):
     assert round(t["b1"]["bandwidth_gbps"], 3) == round((2 << 30) / 120e6, 3)
 
 
+def test_transfers_starting_together_have_one_previous(analyse):
+    """Two requests' READs posted at the same instant on one engine pair and rank (one engine step posts
+    both): idle_before_ms orders them by start, end, request key and span id, a total order, so the answer
+    does not depend on the plan. (CI of 8e7c9b0: the windowed Spark and DuckDB answers differed on such a
+    tie, the one taking the other as its previous transfer, -9 ms, or the one 10 minutes before, 599,991.)"""
+    c = Case()
+    for rid, base, dur in (("early", 0, 10), ("long", 5000, 9), ("short", 5000, 4)):
+        c.span("decode", "kv.transfer", base, base + dur, rid=rid, engine="d0", rank=0,
+               attrs={"kv.bytes": 4096, "kv.op": "READ", "peer.engine_id": "p0"})
+    tr = analyse(c)
+    t = {r["request_id"]: r["idle_before_ms"] for r in tr.query("SELECT * FROM transfers")}
+    assert t == {"early": None, "short": 5000 - 10, "long": -4}  # short ends first: it comes first
+
+
 # F. The same prompt three times (pull, 32 blocks). f1 reads 32 blocks.
 #   f2 reads 32/32 again although D holds them (prefix hit missed). f3 reads
 #   nothing, but P never gets a release and holds its blocks 120 s (lease expiry).
