@@ -21,6 +21,15 @@ runs), and reuses a run directory that already holds a finished run
    (N < 2048) or more prompt tokens; D is unchanged.
    ``--control`` adds ``control-push``, a second unchanged push run, to show
    the run-to-run noise of the same figures.
+4. ``--serial`` adds ``serial-push``: push with the router dispatching D only
+   after P answered (``LabOptions.push_dispatch``), engines unchanged. It
+   checks the explanation of push minus pull rather than the step-length
+   model: if P's prompt compute is slower per token in push because D runs
+   during P's prefill (push dispatches both legs at once, and D steps on its
+   waiting request meanwhile; on the lab's 2 cores they share the machine),
+   then without that overlap P's ms per prompt token, ``prefill.queue`` and
+   ``prefill.compute`` return to pull's (predicted: each stage's push mean
+   moves to its pull mean, ``predict_serial``).
 
 Then prints
 
@@ -66,18 +75,19 @@ from inject_attribution import heavy_lock  # this folder is sys.path[0] when run
 #: prompt tokens to get through at that rate; first order, ignoring the nonlinearity of queueing).
 PREDICTED = {"handoff.step_wait": "step_ms", "prefill.queue": "ms_per_token", "prefill.compute": "ms_per_token"}
 
-def run(name: str, base: Path, a, mode: str, engine_args: dict | None = None) -> Path:
-    """One lab run into ``base/name`` (skipped when it already finished there)."""
+def run(name: str, base: Path, a, mode: str, engine_args: dict | None = None, dispatch: str = "concurrent") -> Path:
+    """One lab run into ``base/name`` (skipped when it already finished there); ``dispatch``: the router's
+    push dispatch (``LabOptions.push_dispatch``)."""
     out = base / name
     if (out / "run.json").is_file():
         print(f"[{name}] reusing {out}", flush=True)
         return out
     with (heavy_lock(a.lock) if a.lock else contextlib.nullcontext()):
         t = time.time()
-        print(f"[{name}] lab --mode {mode} {engine_args or ''} ...", flush=True)
+        print(f"[{name}] lab --mode {mode} {engine_args or ''} {dispatch} ...", flush=True)
         run_lab(LabOptions(mode=mode, connector="traced", workload=a.workload, max_requests=a.requests,
                            length_scale=a.length_scale, rate_scale=a.rate_scale, out=out, progress=False,
-                           report=False, engine_args=engine_args or {}))
+                           report=False, engine_args=engine_args or {}, push_dispatch=dispatch))
         print(f"[{name}] done in {time.time() - t:.0f} s", flush=True)
     return out
 
@@ -131,6 +141,37 @@ def predict(before: dict, after: dict, step_before: dict, step_after: dict) -> d
     return out
 
 
+def predict_serial(pull: dict, push: dict, serial: dict, steps: dict) -> dict:
+    """``--serial``'s check (module docstring): P's ms per prompt token in the three runs, and per P-side
+    stage (``prefill.queue``, ``prefill.compute``; scope 'all') its push mean, its pull mean (the
+    prediction for serial push) and its serial-push mean; also the TTFT means. ms per request."""
+    a, b = {r["stage"]: r for r in _all(report.compare_delta(pull, push))}, \
+        {r["stage"]: r for r in _all(report.compare_delta(push, serial))}
+    out = {"ms_per_token": {k: steps[k]["ms_per_token"] for k in ("base-pull", "base-push", "serial-push")},
+           "step_ms": {k: steps[k]["step_ms"] for k in ("base-pull", "base-push", "serial-push")}, "stages": []}
+    for s in ("prefill.queue", "prefill.compute"):
+        pull_ms = a[s]["mean_a_ms"] if s in a else 0.0
+        push_ms = a[s]["mean_b_ms"] if s in a else b[s]["mean_a_ms"] if s in b else 0.0
+        serial_ms = b[s]["mean_b_ms"] if s in b else 0.0
+        out["stages"].append({"stage": s, "pull_ms": pull_ms, "push_ms": push_ms, "serial_ms": serial_ms,
+                              "predicted_delta_ms": pull_ms - push_ms, "observed_delta_ms": serial_ms - push_ms})
+    any_a, any_b = next(iter(a.values())), next(iter(b.values()))
+    out["ttft_ms"] = {"pull": any_a["ttft_mean_a_ms"], "push": any_a["ttft_mean_b_ms"],
+                      "serial": any_b["ttft_mean_b_ms"]}
+    return out
+
+
+def print_serial(p: dict) -> None:
+    m, st = p["ms_per_token"], p["step_ms"]
+    print("Serial push (D dispatched after P answered) vs push and pull: P's ms per prompt token "
+          f"pull {m['base-pull']:.4f}, push {m['base-push']:.4f}, serial push {m['serial-push']:.4f}; P's step "
+          f"{st['base-pull']:.1f} / {st['base-push']:.1f} / {st['serial-push']:.1f} ms; TTFT mean "
+          f"{p['ttft_ms']['pull']:.1f} / {p['ttft_ms']['push']:.1f} / {p['ttft_ms']['serial']:.1f} ms")
+    print(report.table([{k: s[k] for k in ("stage", "pull_ms", "push_ms", "serial_ms", "predicted_delta_ms",
+                                           "observed_delta_ms")} for s in p["stages"]]))
+    print()
+
+
 def print_prediction(p: dict, label: str) -> None:
     b, a = p["p_steps_before"], p["p_steps_after"]
     print(f"Predicted vs observed, {label} (all prompts, ms per request): P's steps {b['steps']} -> {a['steps']}, "
@@ -156,6 +197,7 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=int, action="append", default=None,
                     help="P's --max-num-batched-tokens in an intervention run (repeat for several; default 512)")
     ap.add_argument("--control", action="store_true", help="also a second unchanged push run (noise)")
+    ap.add_argument("--serial", action="store_true", help="also a push run with D dispatched after P answered")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--lock", default="/tmp/pdtrace-heavy.lock", help="flock file held during each lab run ('' none)")
     a = ap.parse_args(argv)
@@ -167,6 +209,8 @@ def main(argv=None) -> int:
                                       {"prefill": ["--max-num-batched-tokens", str(n)]})
     if a.control:
         dirs["control-push"] = run("control-push", base, a, "push")
+    if a.serial:
+        dirs["serial-push"] = run("serial-push", base, a, "push", dispatch="serial")
     got = {k: collect(d) for k, d in dirs.items()}
     data = {k: v[0] for k, v in got.items()}
     step = {k: v[1] for k, v in got.items()}
@@ -185,6 +229,13 @@ def main(argv=None) -> int:
                                                             step[name])}
     for name, r in res["interventions"].items():
         print_prediction(r["prediction"], f"{name} ({r['label']})")
+    if a.serial:
+        d = report.compare_delta(data["base-push"], data["serial-push"])
+        print("Intervention serial-push: D dispatched after P answered")
+        print("\n".join(report.render_delta(d, "push", "serial-push")))
+        res["serial"] = {"delta": d, "prediction": predict_serial(data["base-pull"], data["base-push"],
+                                                                  data["serial-push"], step)}
+        print_serial(res["serial"]["prediction"])
     (base / "compare_intervention.json").write_text(json.dumps(res, indent=1, default=str))
     return 0
 

@@ -86,6 +86,7 @@ class LabOptions:
     report: bool = True                     # print `pdtrace report` of the run directory at the end
     router: str = "pdtrace"                 # pdtrace (traced) | vllm-router (vLLM's, untraced; .vllm_router)
     inject: str | None = None               # PDTRACE_LAB_INJECT for engines and router (lab only; see .inject)
+    push_dispatch: str = "concurrent"       # push: both legs at once | "serial" (D after P answered; .router)
 
 
 def default_out(mode: str) -> Path:
@@ -188,7 +189,7 @@ def run_lab(o: LabOptions, echo=print) -> dict:
     cfg = LabConfig(model=model_dir, mode=o.mode, run_dir=out, profile=o.profile,
                     max_model_len=o.max_model_len, trace_dir=(out.resolve() if o.trace else None),
                     router_timeout_s=o.request_timeout_s, role_env=dict(o.role_env), router_kind=o.router,
-                    role_args={k: list(v) for k, v in o.engine_args.items()})
+                    role_args={k: list(v) for k, v in o.engine_args.items()}, push_dispatch=o.push_dispatch)
     if o.trace and not instrument_config.self_cpu_given():
         # pdtrace's own CPU per engine thread, for the footprint line (two clock reads per hook)
         cfg.extra_env["PDTRACE_SELF_CPU"] = "1"
@@ -205,7 +206,7 @@ def run_lab(o: LabOptions, echo=print) -> dict:
                      "connector_module": cfg.connector_module, "model": str(model_dir), "model_info": info,
                      "workload": wl.summary(), "vllm_build": f"{lab_env.VLLM_DIST}=={lab_env.VLLM_VERSION}",
                      "nixl_progress_thread": cfg.prog_thread, "router": o.router, "engine_args": cfg.role_args,
-                     "inject": o.inject or None}
+                     "push_dispatch": cfg.push_dispatch, "inject": o.inject or None}
     if o.router == "vllm-router":
         import importlib.metadata
 

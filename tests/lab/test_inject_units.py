@@ -7,7 +7,7 @@ import types
 import labkit
 import pytest
 
-from pdtrace.connector.lab import inject
+from pdtrace.connector.lab import inject, paired
 
 
 @pytest.fixture
@@ -100,6 +100,29 @@ def test_paired_neighbour_delta_recovers_a_step():
         r["exposed"] = {"kv.ready": 0.0}
     res = mod.evaluate(rows, {"kv.ready": 25.0}, "push")
     assert res[0]["path"] == "off" and res[0]["ok"]
+
+
+def test_ttft_delta_is_matched_on_the_other_stages_injections():
+    """Two stages injected independently (a factorial design): each request's TTFT carries both delays.
+    Unmatched, a treated request's nearest controls may carry the other stage's 40 ms where it does not
+    (or the reverse), so one pair is off by 40 ms; matched on the other stage, every pair is exact."""
+    mod = labkit.benchmark("inject_attribution")
+    pattern = [(0, 0), (1, 1), (0, 1), (1, 0), (1, 1), (0, 0), (1, 0), (0, 1)] * 6   # (kv.ready, handoff.prep)
+    rows = []
+    for i, (a, b) in enumerate(pattern):
+        inj = {**({"kv.ready": 25.0} if a else {}), **({"handoff.prep": 40.0} if b else {})}
+        rows.append({"request_id": f"r{i}", "injected": inj, "rule": set(inj), "hidden": {},
+                     "ttft_ms": 100.0 + 25.0 * a + 40.0 * b,
+                     "exposed": {"kv.ready": 25.0 * a, "handoff.prep": 40.0 * b}})
+    diffs, _ = paired.neighbour_differences([bool(a) for a, _ in pattern], [r["ttft_ms"] for r in rows])
+    assert any(abs(d - 25.0) >= 20.0 for d in diffs)  # unmatched: the other stage's delay leaks into pairs
+    for stage, inj in (("kv.ready", 25.0), ("handoff.prep", 40.0)):
+        m, lo, hi, n = mod.paired_delta(rows, stage, lambda r: r["ttft_ms"],
+                                        match=mod.same_other_injections(rows, stage))
+        assert n == 24 and (m, lo, hi) == (inj, inj, inj)
+    res = {r["stage"]: r for r in mod.evaluate(rows, {"kv.ready": 25.0, "handoff.prep": 40.0}, "pull")}
+    assert res["kv.ready"]["ttft_ms"] == 25.0 and res["handoff.prep"]["ttft_ms"] == 40.0
+    assert res["kv.ready"]["ttft_ci"] == (25.0, 25.0) and res["kv.ready"]["ttft_ok"]
 
 
 def test_prefill_frontend_sleeps_inside_the_middleware_on_prefill_only(spec, monkeypatch):
