@@ -24,6 +24,21 @@ Design (single host; the cross-host part is at the end).
   records here ends only with its root (an engine's end does not start its grace). It is decided
   :attr:`TailRetention.grace_ns` after its end (2 flush intervals of the slowest current client + 0.25 s:
   the other processes' records of the request, flushed every interval, arrive meanwhile).
+* **Overdue.** With a TTFT threshold, a request whose router records are here (so its first token will
+  be too) and that is not yet being decided (its root not here) is decided early, *kept* (reason
+  ``overdue``), once it is known to be over the threshold: its first token came at least
+  ``PDTRACE_TAIL_TTFT_MS`` after its earliest record, or it has none
+  ``PDTRACE_TAIL_TTFT_MS`` + the grace after its first record reached this sink (the grace: a first
+  token within the threshold would have been flushed here by then; a router later than that -- stalled
+  -- makes a request with a quick first token kept, never a slow one dropped). Checked at its first
+  record + threshold + grace (again later if the grace has grown meanwhile). Its held records (its
+  ``open`` rows among them) are written then and its later ones as they come, so a request stuck
+  before its first token is in the ``in_flight`` view during the incident, not only when it ends. A
+  host without the request's router records (an engine host of a multi-host deployment, or any host
+  without pdtrace's router) cannot tell a stuck request from one whose first token is written
+  elsewhere, and does not decide it early: it is shown when decided (at its end, by another host's
+  verdict, or idle for the hold time: kept, ``unended``); so is every in-flight request without a TTFT
+  threshold.
 * **Hold time.** A request that has received no record for ``PDTRACE_TAIL_HOLD_S`` (idle), or has been
   held ``PDTRACE_TAIL_MAX_HOLD_S`` since its first record (however busy), is decided then: by the rule
   if it ended, else **kept** (``unended``: a request that never ends is a failure to show). A long
@@ -97,7 +112,9 @@ Design (single host; the cross-host part is at the end).
 * **What is lost, and not seen.** Held records live only in the sink's memory: a sink that is killed
   (SIGKILL, OOM) loses every held record (up to the hold time's worth, at most the bound) and counts them
   nowhere (the recorder counted them as sent; pending on its stats). A request's ``open`` rows are held
-  with it, so an in-flight request is not in the ``in_flight`` view until it is decided (kept).
+  with it, so an in-flight request is not in the ``in_flight`` view until it is decided (kept): on the
+  router's host, at its first record + TTFT threshold + grace when it has no first token by then or its
+  first token came late (``overdue``); otherwise at its end, another host's verdict or the hold time.
 
 Accounting per process: ``recorded = dropped + written + tail_dropped + pending`` (held records are
 pending; ``recorder.tail_dropped`` on its stats rows).
@@ -130,10 +147,13 @@ grace; a later keep from an engine host keeps the engine side only). Tail retent
 pdtrace's router (traced): without one, no sink writes an authoritative verdict; each engine host then
 decides alone after the hold time (P and D on different hosts: neither has the engine-clock TTFT, and
 they agree only on failures seen on both, marks and the head sample). Built and tested on one host with
-a second host's list written into the directory (no second host here). Not built: rotation of the lists
-(a line is the id plus 5 bytes, per request and host: ids of vLLM's form are 40-100+ characters), and
-lists in per-host directories that are not shared (they would need copying between hosts within the
-hold time).
+a second host's list written into the directory (no second host here). A list is rotated every
+:data:`KEEP_LIST_BYTES` (a line is the id plus 5 bytes, per request and host: ids of vLLM's form are
+40-100+ characters) and a segment is deleted by its host's sink (this one or a later one) once
+unmodified for keep_ns + :data:`LIVE_S` (no live reader needs it then; a host that never runs a sink
+again leaves its lists); the next segment is created when the current one is half full, so that readers whose
+directory listing is cached (NFS) see it before lines go to it. Not built: lists in per-host directories
+that are not shared (they would need copying between hosts within the hold time).
 """
 from __future__ import annotations
 
@@ -183,6 +203,12 @@ HEARTBEAT_S = 2.0
 #: A list not modified for this long (s, the file's mtime against this host's wall clock) is not a live
 #: sink's: its host does not count as one to wait for.
 LIVE_S = 15.0
+#: A sink's verdict list is rotated (a new segment, ``keep_list_path``) once its segment holds this many
+#: bytes; a segment it no longer writes is deleted once unmodified for keep_ns + LIVE_S (every live reader
+#: has read it: they read every MARK_POLL_S, and a verdict older than keep_ns is forgotten anyway), and so is
+#: a list of an earlier sink of this host (a dead process: one sink per host at a time) unmodified that long.
+#: At ~60 bytes a verdict, 16 MiB is ~280,000 verdicts: a few minutes of a busy host.
+KEEP_LIST_BYTES = 16 << 20
 #: Seconds between prunings of the marked windows and the stall baselines of gone clients.
 PRUNE_S = 10.0
 #: The marks file in the trace directory (one JSON object a line: start_ns, end_ns wall, by).
@@ -231,9 +257,10 @@ def marks_path(trace_dir: str) -> str:
     return os.path.join(trace_dir, MARKS_FILE)
 
 
-def keep_list_path(trace_dir: str, host: str, pid: int) -> str:
-    """The keep-list this sink appends kept request ids to."""
-    return os.path.join(trace_dir, "tail-keep", f"{host}-{pid}.ids")
+def keep_list_path(trace_dir: str, host: str, pid: int, seq: int = 0) -> str:
+    """Segment ``seq`` of the verdict list the sink of ``host`` (process ``pid``) appends to: ``<host>-<pid>.ids``,
+    then ``<host>-<pid>.<seq>.ids`` after each rotation (:data:`KEEP_LIST_BYTES`)."""
+    return os.path.join(trace_dir, "tail-keep", f"{host}-{pid}.ids" if seq == 0 else f"{host}-{pid}.{seq}.ids")
 
 
 def summary_path(trace_dir: str, host: str) -> str:
@@ -290,7 +317,7 @@ def _role(sink) -> str | None:
 class _Group:
     """One request's held records and what is known about it so far (monotonic ns)."""
 
-    __slots__ = ("rid", "recs", "steps", "nbytes", "created", "last", "ended", "routed", "root_start",
+    __slots__ = ("rid", "recs", "steps", "nbytes", "created", "last", "ended", "closing", "routed", "root_start",
                  "first_tok", "last_tok", "eng_first", "p_start", "out_tokens", "failed", "t_min", "t_max")
 
     def __init__(self, rid: str, now: int) -> None:
@@ -300,11 +327,16 @@ class _Group:
         self.nbytes = GROUP_BYTES
         self.created = self.last = now  # first and latest record received (sink's monotonic ns)
         self.ended = False
+        self.closing = False  # it has ended for the rule: its decision is due after the grace (TailRetention.ending)
         self.routed = False  # a router.* record of it is here: only its router.request ends it
         self.root_start = self.first_tok = self.last_tok = self.eng_first = self.p_start = None
         self.out_tokens = 0
         self.failed = False
         self.t_min = self.t_max = None
+
+    def first_token(self) -> int | None:
+        """The first token's time known here (monotonic ns): the router's, else D's API server's; None."""
+        return self.first_tok if self.first_tok is not None else self.eng_first
 
 
 class TailRetention:
@@ -331,6 +363,7 @@ class TailRetention:
         self.groups: dict[str, _Group] = {}  # undecided, least recently fed first
         self.ending: list = []  # heap of (due ns, rid) of ended groups
         self._capq: deque = deque()  # (created + max hold, rid, created), oldest first: the absolute cap
+        self._dueq: list = []  # heap of (created + TTFT threshold + grace, rid, created): the overdue check
         self.decided: OrderedDict[str, tuple[bool, int]] = OrderedDict()  # id -> (kept, last used ns)
         self.decided_bytes = 0
         self._cap_bytes = max(DECISIONS_MIN_CAP, self.bound // 4)
@@ -338,7 +371,8 @@ class TailRetention:
         self.peak = 0
         self.held_records = 0
         self.counts = {"kept": 0, "dropped": 0, "evicted": 0, "steps_kept": 0, "steps_dropped": 0,
-                       "records_dropped": 0, "marks": 0, "bad_marks": 0, "decisions_forgotten": 0}
+                       "records_dropped": 0, "marks": 0, "bad_marks": 0, "decisions_forgotten": 0,
+                       "lists_pruned": 0}
         self.reasons: dict[str, int] = {}
         self._base: dict = {}  # (sink, step name) -> (deque of durations, sorted list)
         self._marks: dict[tuple[int, int], tuple[int, int]] = {}  # wall-ns key -> monotonic ns window
@@ -346,6 +380,9 @@ class TailRetention:
         self._marks_ino = None
         self._next_poll = self._next_prune = self._next_beat = 0
         self._keep_fd = -1
+        self._keep_seq = 0
+        self._keep_bytes = 0  # bytes in the current segment
+        self._next_created = False  # the next segment exists already (created at half of KEEP_LIST_BYTES)
         self._keep_path = keep_list_path(trace_dir, self.host, os.getpid())
         self._remote: OrderedDict[str, tuple[bool, bool, int]] = OrderedDict()  # id -> (kept, R, read ns)
         self._remote_bytes = 0
@@ -466,6 +503,10 @@ class TailRetention:
             g.failed = True
         if not g.routed and name.startswith("router."):
             g.routed = True
+            if g.root_start is None:
+                g.closing = False  # an engine's end no longer ends it: only its root does (module doc)
+            if self.ttft_ns is not None:  # its first token will be here: the overdue check (module doc)
+                heapq.heappush(self._dueq, (g.created + self.ttft_ns + self.grace_ns, g.rid, g.created))
         if rtype == R_EVENT:
             if t0 is None:
                 pass
@@ -506,6 +547,7 @@ class TailRetention:
         if root or not g.ended:
             g.ended = True
             if root or not (g.routed or self._has_role("router")):
+                g.closing = True
                 heapq.heappush(self.ending, (now + self.grace_ns, g.rid))
 
     def _admit_step(self, sink, r: tuple, out: list) -> None:
@@ -578,6 +620,19 @@ class TailRetention:
             return g.eng_first - g.p_start
         return None
 
+    def overdue(self, g: _Group, now: int) -> bool | None:
+        """Whether a request in flight whose router records are here is known to be over the TTFT
+        threshold (module doc, "Overdue"): True, False (its first token came within it), None (no first
+        token yet, not over threshold + grace yet). TTFT: from its earliest record (>= the router's
+        receive time: an under-estimate) to its first token (the router's, else D's API server's). Without
+        a first token, the age counts from the first record's arrival here (``created``, after the request
+        began: an under-estimate too), not from its time, so that records stamped before they reach the
+        sink (a late client, a back-dated replay) do not make a request look old."""
+        ft = g.first_token()
+        if ft is not None:
+            return ft - (g.t_min if g.t_min is not None else g.created) >= self.ttft_ns
+        return True if now - g.created >= self.ttft_ns + self.grace_ns else None
+
     def verdict(self, g: _Group, now: int, early: bool = False) -> tuple[bool, str]:
         """(keep, reason) for a group: the rule of the module doc. ``early``: decided before it ended
         (memory bound, or at a sync/exit): kept only if already over a threshold (or failed, marked,
@@ -595,8 +650,8 @@ class TailRetention:
             if early and ttft is None and g.t_min is not None:
                 # not ended: the router's root (its start) not here yet; from the request's earliest record
                 # (>= the router's receive time: an under-estimate) to its first token, or to now without one
-                t = (g.first_tok if g.first_tok is not None else g.eng_first if g.eng_first is not None
-                     else now) - g.t_min
+                ft = g.first_token()
+                t = (ft if ft is not None else now) - g.t_min
                 if t >= self.ttft_ns:
                     return True, "ttft"
         if self.tpot_ns is not None and g.out_tokens > 1:
@@ -611,14 +666,14 @@ class TailRetention:
             return True, "remote"
         if rv is not None and rv[1] and g.root_start is None:
             return False, "remote_drop"
-        if not g.ended and not early:
+        if not g.closing and not early:  # (a routed request ends only with its root)
             return True, "unended"
         return False, "fast"
 
     def tick(self, now: int | None = None) -> None:
-        """Decide what is due: ended groups past their grace, groups idle for the hold time or held for
-        the absolute cap; re-read the marks file and keep-lists every :data:`MARK_POLL_S`; forget old
-        decisions and verdicts. Called by the sink's loop (which catches what it raises)."""
+        """Decide what is due: ended groups past their grace, requests in flight over the TTFT threshold
+        (``overdue``), groups idle for the hold time or held for the absolute cap; re-read the marks file
+        and keep-lists every :data:`MARK_POLL_S`; forget old decisions and verdicts. Called by the sink's loop (which catches what it raises)."""
         now = time.monotonic_ns() if now is None else now
         if now >= self._next_poll:
             self._poll_safe()
@@ -634,6 +689,17 @@ class TailRetention:
                 self._waiting.add(rid)  # another host may hold its router: wait for its verdict (hold)
                 continue
             self._decide(g, *self.verdict(g, now))
+        dueq = self._dueq
+        while dueq and dueq[0][0] <= now:  # in flight and over the TTFT threshold: kept now, shown
+            _, rid, created = heapq.heappop(dueq)
+            g = groups.get(rid)
+            if g is None or g.created != created or g.closing:
+                continue
+            late = self.overdue(g, now)
+            if late:
+                self._decide(g, True, "overdue")
+            elif late is None:  # not over threshold + grace yet (the grace grew: a slower client came): again then
+                heapq.heappush(dueq, (max(now + 1, created + self.ttft_ns + self.grace_ns), rid, created))
         while groups:  # least recently fed first: idle for the hold time
             g = next(iter(groups.values()))
             if now - g.last < self.hold_ns:
@@ -649,6 +715,7 @@ class TailRetention:
         if now >= self._next_prune:
             self._next_prune = now + int(PRUNE_S * 1e9)
             self._prune_marks(now)
+            self._prune_lists()
 
     def _forget_old(self, now: int) -> None:
         """Forget decisions and other sinks' verdicts unused for :attr:`keep_ns` (and the oldest beyond
@@ -688,6 +755,8 @@ class TailRetention:
             due = min(due, self.ending[0][0])
         if self._capq:
             due = min(due, self._capq[0][0])
+        if self._dueq:
+            due = min(due, self._dueq[0][0])
         return max(0.0, (due - now) / 1e9)
 
     def decide_all(self) -> None:
@@ -695,12 +764,13 @@ class TailRetention:
         now = time.monotonic_ns()
         self._poll_safe(force=True)
         for g in list(self.groups.values()):
-            keep, why = self.verdict(g, now, early=not g.ended)
-            if not keep and not g.ended:
+            keep, why = self.verdict(g, now, early=not g.closing)
+            if not keep and not g.closing:
                 keep, why = True, "unended"  # in flight at a sync or exit: may be hung, shown
             self._decide(g, keep, why)
         self.ending.clear()
         self._capq.clear()
+        self._dueq.clear()
 
     def _shed(self, now: int) -> None:
         """Over the memory bound: decide the least recently fed groups early until under SHED_TO of it."""
@@ -791,6 +861,9 @@ class TailRetention:
         now = time.monotonic_ns()
         self._next_poll = now + int(MARK_POLL_S * 1e9)
         self._read_marks()
+        if now >= self._next_beat and self._keep_fd == -3:  # the list could not be opened: again
+            self._next_beat = now + int(HEARTBEAT_S * 1e9)
+            self._open_list()
         if now >= self._next_beat and self._keep_fd >= 0:
             self._next_beat = now + int(HEARTBEAT_S * 1e9)
             try:
@@ -841,6 +914,10 @@ class TailRetention:
             return
         now = time.monotonic_ns()
         got = []
+        listed = set(names)
+        for gone in [n for n in (*self._remote_pos, *self._live) if n not in listed]:  # deleted (pruned)
+            self._remote_pos.pop(gone, None)
+            self._live.pop(gone, None)
         for n in names:
             if not n.endswith(".ids") or n[:-4].rpartition("-")[0] == self.host:
                 continue
@@ -889,19 +966,86 @@ class TailRetention:
                 self._decide(g, *self.verdict(g, now))
 
     def _open_list(self) -> None:
-        """Create (or reopen) this sink's verdict list; not writable: the local decisions stand alone."""
+        """Create (or reopen: a sink of a reused pid appends) this sink's verdict-list segment. Not writable:
+        ``_keep_fd`` -3, the local decisions stand alone and every verdict made meanwhile is not written (a
+        warning, once per failure spell); a heartbeat (every :data:`HEARTBEAT_S`, :meth:`poll_files`) tries
+        again."""
         try:
             os.makedirs(os.path.dirname(self._keep_path), exist_ok=True)
-            self._keep_fd = os.open(self._keep_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            fd = os.open(self._keep_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        except OSError as exc:
+            if self._keep_fd != -3:
+                log.warning("pdtrace: tail retention: cannot open the verdict list %s (%s); verdicts of this "
+                            "host are not shared until it opens (retried every %.0f s)", self._keep_path, exc,
+                            HEARTBEAT_S)
+            self._keep_fd = -3
+            return
+        self._keep_fd = fd
+        try:
+            self._keep_bytes = os.fstat(fd).st_size
         except OSError:
-            self._keep_fd = -2
+            self._keep_bytes = 0
+        self._next_created = False
 
     def _keep_line(self, rid: str, keep: bool, authoritative: bool) -> None:
         if self._keep_fd >= 0 and "\n" not in rid and "\t" not in rid:
             try:
-                os.write(self._keep_fd, rid.encode("utf-8", "surrogatepass")
-                         + (b"\t1" if keep else b"\t0") + (b"\tR\n" if authoritative else b"\tE\n"))
+                line = (rid.encode("utf-8", "surrogatepass") + (b"\t1" if keep else b"\t0")
+                        + (b"\tR\n" if authoritative else b"\tE\n"))
+                os.write(self._keep_fd, line)
             except (OSError, UnicodeError):
+                return
+            self._keep_bytes += len(line)
+            if self._keep_bytes >= KEEP_LIST_BYTES:
+                self._rotate_list()
+            elif not self._next_created and self._keep_bytes >= KEEP_LIST_BYTES // 2:
+                self._precreate_next()
+
+    def _rotate_list(self) -> None:
+        """Continue the verdict list in the next segment (:data:`KEEP_LIST_BYTES`); the old one stays for
+        the readers until :meth:`_prune_lists` deletes it. Never raises: a segment that cannot be opened
+        leaves the list closed (``_keep_fd`` -3) until a heartbeat's retry (:meth:`poll_files`)."""
+        fd, self._keep_fd = self._keep_fd, -1
+        try:
+            os.close(fd)
+        except OSError:  # a deferred write error (NFS): the lines are written or lost, the fd is gone
+            pass
+        self._keep_seq += 1
+        self._keep_path = keep_list_path(self.dir, self.host, os.getpid(), self._keep_seq)
+        self._open_list()
+
+    def _precreate_next(self) -> None:
+        """Create the next segment empty (half of :data:`KEEP_LIST_BYTES` reached): readers whose directory
+        listing is cached see it before verdicts go to it. Errors are ignored (it is created at rotation)."""
+        self._next_created = True
+        try:
+            os.close(os.open(keep_list_path(self.dir, self.host, os.getpid(), self._keep_seq + 1),
+                             os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644))
+        except OSError:
+            pass
+
+    def _prune_lists(self) -> None:
+        """Delete this host's verdict-list segments nobody needs (:data:`KEEP_LIST_BYTES`): this sink's
+        segments before the current one (not the current one nor the pre-created next), and earlier sinks'
+        lists, unmodified for keep_ns + LIVE_S. Lists of a host that never runs a sink again (e.g. a
+        container's host name) stay: delete them with the trace directory."""
+        d = os.path.join(self.dir, "tail-keep")
+        try:
+            names = os.listdir(d)
+        except OSError:
+            return
+        cut = time.time() - self.keep_ns / 1e9 - LIVE_S
+        mine = (os.path.basename(self._keep_path),  # the current segment and the next (pre-created)
+                os.path.basename(keep_list_path(self.dir, self.host, os.getpid(), self._keep_seq + 1)))
+        for n in names:
+            if not n.endswith(".ids") or n in mine or n[:-4].rpartition("-")[0] != self.host:
+                continue
+            p = os.path.join(d, n)
+            try:
+                if os.stat(p).st_mtime < cut:
+                    os.unlink(p)
+                    self.counts["lists_pruned"] += 1
+            except OSError:
                 pass
 
     # ---------------------------------------------------------------- report
@@ -929,6 +1073,10 @@ class TailRetention:
             pass
 
     def close(self) -> None:
-        if self._keep_fd >= 0:
-            os.close(self._keep_fd)
-        self._keep_fd = -1
+        """Close this sink's verdict list (never raises: a deferred write error at close is ignored)."""
+        fd, self._keep_fd = self._keep_fd, -1
+        if fd >= 0:
+            try:
+                os.close(fd)
+            except OSError:
+                pass

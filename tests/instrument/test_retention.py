@@ -280,7 +280,9 @@ def test_sigusr1_to_the_sink_marks_a_window(tmp_path):
     (m,) = [json.loads(x) for x in (d / retention.MARKS_FILE).read_text().splitlines()]
     assert m["by"] == "signal" and m["end_ns"] - m["start_ns"] == int(90e9)
     summ = json.loads(next(d.glob("tail-retention-*.json")).read_text())
-    assert summ["reasons"].get("marked") == 30 - summ["reasons"].get("failed", 0) - summ["reasons"].get("ttft", 0)
+    # (a slow request whose first token and root came in two flushes may be kept in flight, as overdue)
+    r = summ["reasons"]
+    assert r.get("marked") == 30 - r.get("failed", 0) - r.get("ttft", 0) - r.get("overdue", 0), r
 
 
 def _host():
@@ -533,14 +535,15 @@ def test_grace_from_the_slowest_client_and_routed_requests_wait_for_their_root(t
     slow_client = _role_sink("decode", flush=2.0)
     now = time.monotonic_ns()
     ms = 1_000_000
-    ret.admit(s, [_ev("router.first_token", "r", now + 400 * ms)])  # a late first token: slow
+    # a quick first token (a late one would be kept in flight as overdue: test_overdue_...)
+    ret.admit(s, [_ev("router.first_token", "r", now + 50 * ms)])
     ret.admit(slow_client, [_span("decode.frontend", "r", now, now + 500 * ms, **{"frontend.part": "out"})])
     assert ret.grace_ns == int(4.25e9)
     ret.tick(time.monotonic_ns() + ret.grace_ns + 1)
     assert "r" in ret.groups  # D's end: its router root still to come
     ret.admit(s, [_span("router.request", "r", now - 10 * ms, now + 600 * ms)])
     ret.tick(time.monotonic_ns() + ret.grace_ns + 1)
-    assert ret.decided["r"] == (True, ret.decided["r"][1]) and ret.reasons == {"ttft": 1}
+    assert ret.decided["r"] == (False, ret.decided["r"][1]) and ret.reasons == {"fast": 1}
     ret.forget(slow_client)
     assert ret.grace_ns == int(0.65e9)
 
@@ -751,3 +754,237 @@ def test_stall_baseline_keeps_long_steps_only(tmp_path, n):
     assert ret._stalled(s, "decode.step", 25 * ms) and not ret._stalled(s, "decode.step", 19 * ms)
     fixed, s2 = _ret(tmp_path, tail_step_ms=15.0)
     assert fixed._stalled(s2, "decode.step", 15 * ms) and not fixed._stalled(s2, "decode.step", 14 * ms)
+
+
+def test_overdue_requests_are_kept_while_in_flight(tmp_path):
+    """Issue 18 leftover: held records made an in-flight request invisible until decided. With a TTFT
+    threshold (100 ms; grace 0.65 s), a request still without a first token at its first record +
+    threshold + grace is kept then (``overdue``), and so is one whose first token came late; one whose
+    first token came within the threshold stays held; an ended one waits for its grace as before. A
+    kept request's later records are written as they come."""
+    ret, s = _ret(tmp_path)
+    ms = 1_000_000
+    now = time.monotonic_ns()
+    ret.admit(s, [_span("router.dispatch", "stuck", now, now + ms),
+                  _span("router.dispatch", "late", now, now + ms), _ev("router.first_token", "late", now + 300 * ms),
+                  _span("router.dispatch", "quick", now, now + ms), _ev("router.first_token", "quick", now + 50 * ms)])
+    due = time.monotonic_ns() + 100 * ms + ret.grace_ns
+    ret.tick(due - 300 * ms)
+    # the sink's loop wakes for it (not at the 30 s hold time)
+    assert set(ret.groups) == {"stuck", "late", "quick"} and ret.next_due_s() <= (100 * ms + ret.grace_ns) / 1e9
+    ret.tick(due + ms)
+    assert set(ret.groups) == {"quick"} and ret.reasons == {"overdue": 2}
+    assert ret.decided["stuck"][0] and ret.decided["late"][0]
+    assert ret.admit(s, [_span("decode.queue", "stuck", now, now + 2 * ms)])  # written at once
+    # no threshold: nothing is decided in flight
+    ret2, s2 = _ret(tmp_path / "b", tail_ttft_ms=0.0)
+    (tmp_path / "b").mkdir(exist_ok=True)
+    ret2.admit(s2, [_span("router.dispatch", "stuck", now, now + ms)])
+    ret2.tick(time.monotonic_ns() + 10 * ret2.grace_ns)
+    assert set(ret2.groups) == {"stuck"} and not ret2._dueq
+
+
+STUCK_PLAYER = """
+import sys
+from pdtrace.instrument import tracer
+tracer.activate()
+tracer.set_resource(role="router")
+t = tracer.now()
+root = tracer.start("router.request", "stuck-1")   # never ends: no first token, the request is stuck
+tracer.record("router.dispatch", "stuck-1", t, t + 1_000_000, parent=root, attrs={"router.leg": "prefill"})
+q = tracer.new_id()  # a quick request: its first token at 1 ms, its root ended
+tracer.event("router.first_token", "quick-1", q, time_ns=t + 1_000_000)
+tracer.record("router.request", "quick-1", t, t + 3_000_000, span_id=q)
+tracer.force_flush(30)
+print("flushed", flush=True)
+sys.stdin.readline()
+tracer.shutdown(30)
+"""
+
+
+def test_a_stuck_request_shows_in_in_flight_while_the_sink_holds_tail_retention(tmp_path):
+    """A real traced router process and its host's sink (PDTRACE_RETAIN=tail, TTFT threshold 100 ms): a
+    request whose root never ends, without a first token, is in the store's ``in_flight`` view within a
+    few flushes, while its process runs; a quick request of the same process, ended, is dropped at its
+    end + grace as before."""
+    from pdtrace import analysis
+
+    d = tmp_path / "trace"
+    p = subprocess.Popen([sys.executable, "-c", textwrap.dedent(STUCK_PLAYER)],
+                         env=_env(d, PDTRACE_OPEN_AFTER_S="0", PDTRACE_TAIL_HEAD="0"),
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "flushed"
+        seen, deadline = [], time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if store.store_files(d):
+                with analysis.open(d, cache=False) as tr:
+                    seen = tr.query("SELECT request_id, stage, role FROM in_flight")
+                if seen:
+                    break
+            time.sleep(0.3)
+        assert p.poll() is None  # still running: this is the live view
+        assert [(r["request_id"], r["stage"], r["role"]) for r in seen] == [("stuck-1", "router.request", "router")]
+        assert not [r for r in _rows(d) if r[0] == "quick-1"]
+    finally:
+        p.communicate("\n", timeout=120)
+    assert p.returncode == 0
+
+
+def test_verdict_lists_rotate_and_old_segments_are_deleted(tmp_path, monkeypatch):
+    """Issue 18 leftover: a sink's verdict list grew without bound (a line per kept request, forever). With
+    a 200-byte segment: the list continues in <host>-<pid>.1.ids, .2.ids ...; a reader on another host reads
+    every verdict across the segments, once; a segment this sink no longer writes, and a list of an earlier
+    sink of this host, are deleted once unmodified for keep_ns + LIVE_S, and the reader forgets them; the
+    current segment and other hosts' lists stay."""
+    monkeypatch.setattr(retention, "KEEP_LIST_BYTES", 200)
+    ret, s = _ret(tmp_path, tail_head=1.0)  # every request kept: one line each
+    other = retention.TailRetention(config.Config(trace_dir=str(tmp_path), retain="tail", flush_interval_s=0.2),
+                                    str(tmp_path), host="otherhost")
+    kd = tmp_path / "tail-keep"
+    earlier = kd / "h-1.ids"  # an earlier sink of this host
+    earlier.write_text("old\t1\tR\n")
+    foreign = kd / "farhost-9.ids"
+    foreign.write_text("far\t1\tR\n")
+    now = time.monotonic_ns()
+    ids = [f"request-{i:04d}-" + "x" * 30 for i in range(20)]  # 43 + 5 bytes a line: rotated after 5
+    for rid in ids:
+        ret.admit(s, [_ev("router.first_token", rid, now + 1), _span("router.request", rid, now, now + 2)])
+    ret.tick(time.monotonic_ns() + ret.grace_ns + 1)
+    assert ret.reasons == {"head": 20}
+    segs = sorted(p.name for p in kd.iterdir() if p.name.startswith(f"h-{os.getpid()}"))
+    assert len(segs) == 4 + 1 and all(p.stat().st_size <= 200 + 48 for p in kd.iterdir())  # 4 full, 1 new empty
+    other.remote_keeps()
+    assert [rid for rid in ids if other._remote.get(rid, (False,))[0]] == ids  # every verdict, across segments
+    n_remote = len(other._remote)
+    other.remote_keeps()
+    assert len(other._remote) == n_remote  # read once
+    # the old segments and the earlier sink's list are deleted once unmodified for keep_ns + LIVE_S
+    old_t = time.time() - ret.keep_ns / 1e9 - retention.LIVE_S - 5
+    for p in list(kd.iterdir()):
+        os.utime(p, (old_t, old_t))
+    ret._prune_lists()
+    left = sorted(p.name for p in kd.iterdir())
+    assert left == sorted([os.path.basename(ret._keep_path), "farhost-9.ids", "otherhost-" + str(os.getpid()) + ".ids"])
+    assert ret.counts["lists_pruned"] == 4 + 1
+    other.remote_keeps()
+    assert "farhost-9.ids" in other._remote_pos and set(other._remote_pos) <= set(left)  # the deleted forgotten
+    assert set(other._live) <= set(left)
+    ret.close()
+    other.close()
+
+
+def test_overdue_only_where_the_first_token_will_be_seen(tmp_path):
+    """Review of the overdue rule. (1) An engine host without the request's router records (P here, D and
+    the router elsewhere) cannot tell a stuck request from one whose first token is written on another
+    host: nothing is decided early (before, every such request was kept and its keep line made every host
+    keep it). (2) On a host with the router and P only, P's answer does not end a routed request (only its
+    root does), so a request stuck after it (in the transfer, in D's queue) is still kept in flight."""
+    ms = 1_000_000
+    ret, _ = _ret(tmp_path)
+    sp, sd = _role_sink("prefill"), _role_sink("decode")
+    now = time.monotonic_ns()
+    ret.admit(sd, [_span("decode.queue", "other-d", now, now + ms)])  # a D client on this host
+    ret.admit(sp, [_span("prefill.frontend", "elsewhere", now, now + 2 * ms, **{"frontend.part": "whole"})])
+    ret.tick(time.monotonic_ns() + 100 * ms + 10 * ret.grace_ns)
+    assert "elsewhere" in ret.groups and not ret.reasons and not ret._dueq
+    ret2, sr = _ret(tmp_path / "b")
+    sp2 = _role_sink("prefill")
+    ret2.admit(sr, [_span("router.dispatch", "stuck", now, now + ms)])
+    ret2.admit(sp2, [_span("prefill.frontend", "stuck", now, now + 2 * ms, **{"frontend.part": "whole"})])
+    g = ret2.groups["stuck"]
+    assert g.ended and not g.closing  # P answered; only the root ends a routed request
+    ret2.tick(time.monotonic_ns() + 100 * ms + ret2.grace_ns + ms)
+    assert ret2.reasons == {"overdue": 1}
+
+
+def test_a_failed_rotation_never_writes_into_another_file(tmp_path, monkeypatch):
+    """Review of the list rotation: closing the full segment fails (a deferred NFS write error) and the next
+    segment cannot be opened. No error reaches the decision (a record both written and returned), the old
+    fd number is not written to again (it may belong to another file by then), and a heartbeat opens the
+    segment later."""
+    monkeypatch.setattr(retention, "KEEP_LIST_BYTES", 100)
+    ret, s = _ret(tmp_path, tail_head=1.0)
+    real_close, real_open = os.close, os.open
+    fail = {"close": True, "open": True}
+
+    def bad_close(fd):
+        real_close(fd)
+        if fail["close"] and fd == bad_close.keep_fd:
+            # the freed fd number now belongs to another file (the lowest free number is reused)
+            bad_close.victim = real_open(str(tmp_path / "victim"), os.O_WRONLY | os.O_CREAT, 0o644)
+            assert bad_close.victim == fd
+            raise OSError(5, "Input/output error")
+
+    def bad_open(path, *a, **k):
+        if fail["open"] and path.endswith(".1.ids"):
+            raise OSError(24, "Too many open files")
+        return real_open(path, *a, **k)
+
+    bad_close.keep_fd = ret._keep_fd
+    monkeypatch.setattr(retention.os, "close", bad_close)
+    monkeypatch.setattr(retention.os, "open", bad_open)
+    now = time.monotonic_ns()
+    for i in range(4):
+        rid = f"r{i}-" + "y" * 40
+        out = ret.admit(s, [_ev("router.first_token", rid, now + 1), _span("router.request", rid, now, now + 2)])
+        assert out == []  # held, not returned
+    ret.tick(time.monotonic_ns() + ret.grace_ns + 1)
+    assert ret.reasons == {"head": 4} and ret._keep_fd == -3 and ret.held_records == 0
+    assert os.path.getsize(tmp_path / "victim") == 0
+    ret._keep_line("late", True, True)  # a verdict while the list is closed: not written anywhere
+    assert os.path.getsize(tmp_path / "victim") == 0
+    ret.poll_files(force=True)  # the heartbeat's retry fails: no retry again before HEARTBEAT_S
+    beat = ret._next_beat
+    fail["open"] = False
+    ret.poll_files(force=True)
+    assert ret._keep_fd == -3 and ret._next_beat == beat
+    ret._next_beat = 0  # HEARTBEAT_S later
+    ret.poll_files(force=True)
+    assert ret._keep_fd >= 0 and ret._keep_path.endswith(".1.ids")
+    real_close(bad_close.victim)
+    ret.close()
+
+
+def test_a_reused_pid_counts_its_segment_and_an_empty_deleted_list_is_forgotten(tmp_path, monkeypatch):
+    """A sink whose pid an earlier sink had (containers) appends to that segment: the bytes already in it
+    count towards the rotation. A reader forgets a deleted list it never read a line of (empty: known only
+    by its liveness)."""
+    monkeypatch.setattr(retention, "KEEP_LIST_BYTES", 200)
+    kd = tmp_path / "tail-keep"
+    kd.mkdir()
+    (kd / f"h-{os.getpid()}.ids").write_text("x" * 150 + "\t1\tR\n")
+    ret, s = _ret(tmp_path, tail_head=1.0)
+    assert ret._keep_bytes == 155
+    now = time.monotonic_ns()
+    rid = "r-" + "z" * 50  # 57 bytes: over 200 with the 155 already there
+    ret.admit(s, [_ev("router.first_token", rid, now + 1), _span("router.request", rid, now, now + 2)])
+    ret.tick(time.monotonic_ns() + ret.grace_ns + 1)
+    assert ret._keep_path.endswith(".1.ids")
+    empty = kd / "gonehost-7.ids"
+    empty.write_text("")
+    reader = retention.TailRetention(config.Config(trace_dir=str(tmp_path), retain="tail", flush_interval_s=0.2),
+                                     str(tmp_path), host="readerhost")
+    reader.remote_keeps()
+    assert "gonehost-7.ids" in reader._live
+    empty.unlink()
+    reader.remote_keeps()
+    assert "gonehost-7.ids" not in reader._live and "gonehost-7.ids" not in reader._remote_pos
+    ret.close()
+    reader.close()
+
+
+def test_a_routed_request_ended_by_an_engine_is_kept_unended_at_a_sync(tmp_path):
+    """Router and P on this host: P's answer does not end a routed request (only its root does). At a sync
+    or exit while it still decodes elsewhere (its first token quick: not overdue), it is kept as unended,
+    not dropped as fast with no TTFT known (its later root would follow that decision)."""
+    ms = 1_000_000
+    ret, sr = _ret(tmp_path)
+    sp = _role_sink("prefill")
+    now = time.monotonic_ns()
+    ret.admit(sr, [_span("router.dispatch", "dec", now, now + ms), _ev("router.first_token", "dec", now + 20 * ms)])
+    ret.admit(sp, [_span("prefill.frontend", "dec", now, now + 10 * ms, **{"frontend.part": "whole"})])
+    ret.tick(time.monotonic_ns() + 100 * ms + ret.grace_ns + ms)
+    assert "dec" in ret.groups  # quick first token: not overdue
+    ret.decide_all()
+    assert ret.decided["dec"][0] and ret.reasons == {"unended": 1}
