@@ -162,6 +162,9 @@ def predict_serial(pull: dict, push: dict, serial: dict, steps: dict) -> dict:
 
 
 def print_serial(p: dict) -> None:
+    """Print :func:`predict_serial`'s result: P's ms per prompt token and mean step (ms) in the three runs,
+    the TTFT means, and a table of the P-side stages (ms per request: pull, push, serial push, predicted
+    and observed change)."""
     m, st = p["ms_per_token"], p["step_ms"]
     print("Serial push (D dispatched after P answered) vs push and pull: P's ms per prompt token "
           f"pull {m['base-pull']:.4f}, push {m['base-push']:.4f}, serial push {m['serial-push']:.4f}; P's step "
@@ -173,6 +176,8 @@ def print_serial(p: dict) -> None:
 
 
 def print_prediction(p: dict, label: str) -> None:
+    """Print :func:`predict`'s result ``p`` under ``label``: the prediction against the observation (
+    ms per request; P's steps, step length in ms and prompt tokens per step before and after)."""
     b, a = p["p_steps_before"], p["p_steps_after"]
     print(f"Predicted vs observed, {label} (all prompts, ms per request): P's steps {b['steps']} -> {a['steps']}, "
           f"step {b['step_ms']:.1f} -> {a['step_ms']:.1f} ms, prompt tokens per step {b['tokens_per_step']:.0f} -> "

@@ -205,8 +205,10 @@ HEARTBEAT_S = 2.0
 LIVE_S = 15.0
 #: A sink's verdict list is rotated (a new segment, ``keep_list_path``) once its segment holds this many
 #: bytes; a segment it no longer writes is deleted once unmodified for keep_ns + LIVE_S (every live reader
-#: has read it: they read every MARK_POLL_S, and a verdict older than keep_ns is forgotten anyway), and so is
-#: a list of an earlier sink of this host (a dead process: one sink per host at a time) unmodified that long.
+#: has read it: they read every MARK_POLL_S, and a verdict older than keep_ns is forgotten anyway), and so are
+#: the segments of another sink process of this host name once none of them has been modified that long (it
+#: is gone: a live sink touches its current segment every HEARTBEAT_S; two live sinks can share a host name,
+#: e.g. two users' sinks on one host, or containers with one host name, and neither deletes the other's).
 #: At ~60 bytes a verdict, 16 MiB is ~280,000 verdicts: a few minutes of a busy host.
 KEEP_LIST_BYTES = 16 << 20
 #: Seconds between prunings of the marked windows and the stall baselines of gone clients.
@@ -1026,9 +1028,11 @@ class TailRetention:
 
     def _prune_lists(self) -> None:
         """Delete this host's verdict-list segments nobody needs (:data:`KEEP_LIST_BYTES`): this sink's
-        segments before the current one (not the current one nor the pre-created next), and earlier sinks'
-        lists, unmodified for keep_ns + LIVE_S. Lists of a host that never runs a sink again (e.g. a
-        container's host name) stay: delete them with the trace directory."""
+        segments before the current one (not the current one nor the pre-created next) unmodified for
+        keep_ns + LIVE_S, and every segment of another sink process of this host name once none of its
+        segments has been modified for that long (one still modified is a live sink's: it keeps all of
+        its segments, its pre-created next one among them). Lists of a host that never runs a sink again
+        (e.g. a container's host name) stay: delete them with the trace directory."""
         d = os.path.join(self.dir, "tail-keep")
         try:
             names = os.listdir(d)
@@ -1037,26 +1041,40 @@ class TailRetention:
         cut = time.time() - self.keep_ns / 1e9 - LIVE_S
         mine = (os.path.basename(self._keep_path),  # the current segment and the next (pre-created)
                 os.path.basename(keep_list_path(self.dir, self.host, os.getpid(), self._keep_seq + 1)))
+        by_pid: dict[str, list[tuple[str, float]]] = {}  # "<pid>" -> [(path, mtime)] (keep_list_path's names)
         for n in names:
-            if not n.endswith(".ids") or n in mine or n[:-4].rpartition("-")[0] != self.host:
+            host, _, rest = n[:-4].rpartition("-")
+            if not n.endswith(".ids") or n in mine or host != self.host:
                 continue
             p = os.path.join(d, n)
             try:
-                if os.stat(p).st_mtime < cut:
-                    os.unlink(p)
-                    self.counts["lists_pruned"] += 1
+                by_pid.setdefault(rest.partition(".")[0], []).append((p, os.stat(p).st_mtime))
             except OSError:
                 pass
+        own = str(os.getpid())
+        for pid, segs in by_pid.items():
+            if pid != own and any(m >= cut for _, m in segs):
+                continue  # a live sink of this host name
+            for p, m in segs:
+                if m < cut:
+                    try:
+                        os.unlink(p)
+                        self.counts["lists_pruned"] += 1
+                    except OSError:
+                        pass
 
     # ---------------------------------------------------------------- report
     def summary(self) -> dict:
         """Bound, held and peak bytes (estimate), records held, counts and reasons; the decisions table and
         the other sinks' verdicts (entries, estimated bytes: outside the bound, capped at max(16 MiB,
-        bound / 4) each)."""
+        bound / 4) each); the pending checks outside the bound (entries: a tuple of the due time, the id and its start): the absolute
+        cap's queue (one per request held, until it is decided and the cap passes) and the overdue
+        check's (one per routed request, until its first record + TTFT threshold + grace)."""
         return {"bound_bytes": self.bound, "held_bytes": self.held, "peak_bytes": self.peak,
                 "held_records": self.held_records, "held_requests": len(self.groups), **self.counts,
                 "decisions": len(self.decided), "decisions_bytes": self.decided_bytes,
                 "remote_verdicts": len(self._remote), "remote_bytes": self._remote_bytes,
+                "cap_checks": len(self._capq), "overdue_checks": len(self._dueq),
                 "reasons": dict(self.reasons), "ttft_ms": (self.ttft_ns or 0) / 1e6,
                 "tpot_ms": (self.tpot_ns or 0) / 1e6, "head": self.head, "hold_s": self.hold_ns / 1e9,
                 "max_hold_s": self.max_hold_ns / 1e9}

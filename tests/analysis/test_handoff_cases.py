@@ -21,7 +21,7 @@ def test_b_descriptor_bound_transfer(analyse):
 def test_transfers_starting_together_have_one_previous(analyse):
     """Two requests' READs posted at the same instant on one engine pair and rank (one engine step posts
     both): idle_before_ms orders them by start, end, request key and span id, a total order, so the answer
-    does not depend on the plan. (CI of 8e7c9b0: the windowed Spark and DuckDB answers differed on such a
+    does not depend on the plan. (A CI run: the windowed Spark and DuckDB answers differed on such a
     tie, the one taking the other as its previous transfer, -9 ms, or the one 10 minutes before, 599,991.)"""
     c = Case()
     for rid, base, dur in (("early", 0, 10), ("long", 5000, 9), ("short", 5000, 4)):

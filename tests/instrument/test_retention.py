@@ -772,8 +772,10 @@ def test_overdue_requests_are_kept_while_in_flight(tmp_path):
     ret.tick(due - 300 * ms)
     # the sink's loop wakes for it (not at the 30 s hold time)
     assert set(ret.groups) == {"stuck", "late", "quick"} and ret.next_due_s() <= (100 * ms + ret.grace_ns) / 1e9
+    assert ret.summary()["overdue_checks"] == 3  # one pending check per routed request, reported
     ret.tick(due + ms)
     assert set(ret.groups) == {"quick"} and ret.reasons == {"overdue": 2}
+    assert ret.summary()["overdue_checks"] == 0  # checked: "quick" waits for its root, not for a check
     assert ret.decided["stuck"][0] and ret.decided["late"][0]
     assert ret.admit(s, [_span("decode.queue", "stuck", now, now + 2 * ms)])  # written at once
     # no threshold: nothing is decided in flight
@@ -844,6 +846,11 @@ def test_verdict_lists_rotate_and_old_segments_are_deleted(tmp_path, monkeypatch
     kd = tmp_path / "tail-keep"
     earlier = kd / "h-1.ids"  # an earlier sink of this host
     earlier.write_text("old\t1\tR\n")
+    # a live sink of the same host name (another user's, a container's): its current segment is touched
+    # by its heartbeat, its pre-created next one is not; neither is deleted
+    live_cur, live_next = kd / "h-7.2.ids", kd / "h-7.3.ids"
+    live_cur.write_text("live\t1\tR\n")
+    live_next.write_text("")
     foreign = kd / "farhost-9.ids"
     foreign.write_text("far\t1\tR\n")
     now = time.monotonic_ns()
@@ -862,11 +869,16 @@ def test_verdict_lists_rotate_and_old_segments_are_deleted(tmp_path, monkeypatch
     # the old segments and the earlier sink's list are deleted once unmodified for keep_ns + LIVE_S
     old_t = time.time() - ret.keep_ns / 1e9 - retention.LIVE_S - 5
     for p in list(kd.iterdir()):
-        os.utime(p, (old_t, old_t))
+        if p != live_cur:
+            os.utime(p, (old_t, old_t))
     ret._prune_lists()
     left = sorted(p.name for p in kd.iterdir())
-    assert left == sorted([os.path.basename(ret._keep_path), "farhost-9.ids", "otherhost-" + str(os.getpid()) + ".ids"])
+    assert left == sorted([os.path.basename(ret._keep_path), "farhost-9.ids", "otherhost-" + str(os.getpid()) + ".ids",
+                           "h-7.2.ids", "h-7.3.ids"])
     assert ret.counts["lists_pruned"] == 4 + 1
+    os.utime(live_cur, (old_t, old_t))  # that sink is gone: its heartbeat stopped
+    ret._prune_lists()
+    assert not live_cur.exists() and not live_next.exists() and ret.counts["lists_pruned"] == 4 + 1 + 2
     other.remote_keeps()
     assert "farhost-9.ids" in other._remote_pos and set(other._remote_pos) <= set(left)  # the deleted forgotten
     assert set(other._live) <= set(left)
@@ -934,14 +946,27 @@ def test_a_failed_rotation_never_writes_into_another_file(tmp_path, monkeypatch)
     assert os.path.getsize(tmp_path / "victim") == 0
     ret._keep_line("late", True, True)  # a verdict while the list is closed: not written anywhere
     assert os.path.getsize(tmp_path / "victim") == 0
-    ret.poll_files(force=True)  # the heartbeat's retry fails: no retry again before HEARTBEAT_S
+    tries = []
+    counting_open = retention.os.open
+
+    def spy_open(path, *a, **k):
+        if path.endswith(".1.ids"):
+            tries.append(path)
+        return counting_open(path, *a, **k)
+
+    monkeypatch.setattr(retention.os, "open", spy_open)
+    ret._next_beat = 0  # the heartbeat is due: it retries, the retry fails
+    before = time.monotonic_ns()
+    ret.poll_files(force=True)
+    assert len(tries) == 1 and ret._keep_fd == -3
     beat = ret._next_beat
+    assert beat >= before + int(retention.HEARTBEAT_S * 1e9)  # no retry again before HEARTBEAT_S
     fail["open"] = False
     ret.poll_files(force=True)
-    assert ret._keep_fd == -3 and ret._next_beat == beat
+    assert len(tries) == 1 and ret._keep_fd == -3 and ret._next_beat == beat
     ret._next_beat = 0  # HEARTBEAT_S later
     ret.poll_files(force=True)
-    assert ret._keep_fd >= 0 and ret._keep_path.endswith(".1.ids")
+    assert len(tries) == 2 and ret._keep_fd >= 0 and ret._keep_path.endswith(".1.ids")
     real_close(bad_close.victim)
     ret.close()
 
