@@ -88,10 +88,12 @@ def _env(d, **kw):
     return env
 
 
-def _play(tmp_path, d, plan, roles=("decode", "router"), wait_s=0.0, between=None, **kw):
+def _play(tmp_path, d, plan, roles=("decode", "router"), wait_s=0.0, between=None, live_keep=None, **kw):
     """Run the players of ``roles`` on ``plan`` (``between()`` called after the first has flushed); after
-    their flush wait ``wait_s`` s (decisions by the sink's clock) with them alive, then stop them and
-    sync. Returns their final counters by role."""
+    their flush wait ``wait_s`` s (decisions by the sink's clock) with them alive -- with ``live_keep`` (a
+    set of request ids), until every one of them is in the store, at most 30 s more (a loaded machine
+    slows the sink, not the rule) -- then read the store (``live``), stop them and sync. Returns (their
+    final counters by role, ``live``: the store's rows then, None without ``wait_s``)."""
     pf = tmp_path / "plan.json"
     pf.write_text(json.dumps(plan))
     procs = {}
@@ -104,6 +106,10 @@ def _play(tmp_path, d, plan, roles=("decode", "router"), wait_s=0.0, between=Non
             between()
     time.sleep(wait_s)
     live = _rows(d) if wait_s else None
+    deadline = time.monotonic() + 30.0
+    while live_keep is not None and not {r[0] for r in live} >= live_keep and time.monotonic() < deadline:
+        time.sleep(0.25)
+        live = _rows(d)
     out = {}
     for role, p in procs.items():
         o, err = p.communicate("\n", timeout=120)
@@ -162,8 +168,8 @@ def test_slow_and_failed_requests_kept_whole_others_at_the_head_rate(tmp_path):
     steps = [[i * 3.0, 10.0, [reqs[2 * i][0], reqs[2 * i + 1][0]]] for i in range(40)]
     steps += [[150.0, 200.0, fast_out[:2]], [400.0, 10.0, fast_out[2:4]]]
     plan["steps"] = steps
-    out, live = _play(tmp_path, d, plan, wait_s=3.0)
     keep, drop = _expected(plan)
+    out, live = _play(tmp_path, d, plan, wait_s=3.0, live_keep=keep)
     assert len(keep) >= 20 and len(drop) >= 60  # both sides well populated
     for rows in (live, _rows(d)):  # decided while the players ran, and the same after the sync
         by_req = {}
@@ -312,8 +318,8 @@ def test_engine_clock_ttft_from_ds_first_chunk_not_ps_token(tmp_path):
     the earliest token of any kind: 3 ms, every request fast, the slow ones dropped)."""
     d = tmp_path / "t"
     plan = _fe_plan()
-    out, live = _play(tmp_path, d, plan, roles=("idle:decode", "prefill", "decode"), wait_s=2.5)
     keep, drop = _expected(plan)
+    out, live = _play(tmp_path, d, plan, roles=("idle:decode", "prefill", "decode"), wait_s=2.5, live_keep=keep)
     slow = {r[0] for r in plan["reqs"] if r[1] >= THRESHOLD_MS}
     assert len(slow) == 12 and slow <= keep
     for rows in (live, _rows(d)):  # decided at D's end + grace while they ran (no router on this host)
@@ -355,8 +361,8 @@ def test_stale_lists_of_this_host_and_dead_hosts_are_not_waited_on(tmp_path):
     old.write_text("tr0002\t1\tR\n")
     os.utime(old, (time.time() - 3600, time.time() - 3600))
     plan = _fe_plan(n=40)
-    _, live = _play(tmp_path, d, plan, roles=("idle:decode", "prefill", "decode"), wait_s=2.5)
     keep, _ = _expected(plan)  # tr0001 and tr0002 by the rule: their old verdicts were not read
+    _, live = _play(tmp_path, d, plan, roles=("idle:decode", "prefill", "decode"), wait_s=2.5, live_keep=keep)
     assert {rid for rid, *_ in live if rid} == keep
     assert {rid for rid, *_ in _rows(d) if rid} == keep
     # a router play in a fresh directory with the same stale lists: no R-drop lines written
