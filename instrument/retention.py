@@ -150,8 +150,10 @@ they agree only on failures seen on both, marks and the head sample). Built and 
 a second host's list written into the directory (no second host here). A list is rotated every
 :data:`KEEP_LIST_BYTES` (a line is the id plus 5 bytes, per request and host: ids of vLLM's form are
 40-100+ characters) and a segment is deleted by its host's sink (this one or a later one) once
-unmodified for keep_ns + :data:`LIVE_S` (no live reader needs it then; a host that never runs a sink
-again leaves its lists); the next segment is created when the current one is half full, so that readers whose
+unmodified for keep_ns + :data:`LIVE_S` (no live reader needs it then), and by any sink once every
+segment of that sink process has been unmodified for :data:`FOREIGN_LIST_S` too (a host that never runs
+a sink again: a pod's or container's host name); a sink whose current segment was deleted continues in
+the next one. The next segment is created when the current one is half full, so that readers whose
 directory listing is cached (NFS) see it before lines go to it. Not built: lists in per-host directories
 that are not shared (they would need copying between hosts within the hold time).
 """
@@ -211,6 +213,12 @@ LIVE_S = 15.0
 #: e.g. two users' sinks on one host, or containers with one host name, and neither deletes the other's).
 #: At ~60 bytes a verdict, 16 MiB is ~280,000 verdicts: a few minutes of a busy host.
 KEEP_LIST_BYTES = 16 << 20
+#: Seconds after which any sink deletes the segments of another host's sink process none of whose segments
+#: has been modified for that long (nor for keep_ns + LIVE_S): it is gone (a live sink touches its current
+#: segment every HEARTBEAT_S), e.g. a pod's host name that never returns. An hour leaves room for clocks
+#: that disagree (mtimes are the file server's, compared with this host's clock) and a sink stalled for
+#: minutes, which continues in a new segment when it finds its current one deleted (:meth:`poll_files`).
+FOREIGN_LIST_S = 3600.0
 #: Seconds between prunings of the marked windows and the stall baselines of gone clients.
 PRUNE_S = 10.0
 #: The marks file in the trace directory (one JSON object a line: start_ns, end_ns wall, by).
@@ -374,7 +382,7 @@ class TailRetention:
         self.held_records = 0
         self.counts = {"kept": 0, "dropped": 0, "evicted": 0, "steps_kept": 0, "steps_dropped": 0,
                        "records_dropped": 0, "marks": 0, "bad_marks": 0, "decisions_forgotten": 0,
-                       "lists_pruned": 0}
+                       "lists_pruned": 0, "lists_reopened": 0}
         self.reasons: dict[str, int] = {}
         self._base: dict = {}  # (sink, step name) -> (deque of durations, sorted list)
         self._marks: dict[tuple[int, int], tuple[int, int]] = {}  # wall-ns key -> monotonic ns window
@@ -870,8 +878,14 @@ class TailRetention:
             self._next_beat = now + int(HEARTBEAT_S * 1e9)
             try:
                 os.utime(self._keep_fd)
+                gone = os.stat(self._keep_path).st_ino != os.fstat(self._keep_fd).st_ino
+            except FileNotFoundError:
+                gone = True
             except OSError:
-                pass
+                gone = False
+            if gone:  # deleted under this sink (pruned while it stalled): readers would never see its lines
+                self.counts["lists_reopened"] += 1
+                self._rotate_list()
         self.remote_keeps()
 
     def _read_marks(self) -> None:
@@ -1027,41 +1041,47 @@ class TailRetention:
             pass
 
     def _prune_lists(self) -> None:
-        """Delete this host's verdict-list segments nobody needs (:data:`KEEP_LIST_BYTES`): this sink's
-        segments before the current one (not the current one nor the pre-created next) unmodified for
-        keep_ns + LIVE_S, and every segment of another sink process of this host name once none of its
-        segments has been modified for that long (one still modified is a live sink's: it keeps all of
-        its segments, its pre-created next one among them). Lists of a host that never runs a sink again
-        (e.g. a container's host name) stay: delete them with the trace directory."""
+        """Delete verdict-list segments nobody needs (:data:`KEEP_LIST_BYTES`): this sink's segments before
+        the current one (not the current one nor the pre-created next) unmodified for keep_ns + LIVE_S;
+        every segment of another sink process of this host name once none of its segments has been
+        modified for that long (one still modified is a live sink's: it keeps all of its segments, its
+        pre-created next one among them); and every segment of another host's sink process once none of
+        them has been modified for :data:`FOREIGN_LIST_S` either (a host that never returns)."""
         d = os.path.join(self.dir, "tail-keep")
         try:
             names = os.listdir(d)
         except OSError:
             return
-        cut = time.time() - self.keep_ns / 1e9 - LIVE_S
+        now = time.time()
+        cut = now - self.keep_ns / 1e9 - LIVE_S
+        foreign_cut = min(cut, now - FOREIGN_LIST_S)
         mine = (os.path.basename(self._keep_path),  # the current segment and the next (pre-created)
                 os.path.basename(keep_list_path(self.dir, self.host, os.getpid(), self._keep_seq + 1)))
-        by_pid: dict[str, list[tuple[str, float]]] = {}  # "<pid>" -> [(path, mtime)] (keep_list_path's names)
+        # (host, "<pid>") -> [(path, mtime)]: the segments of one sink process (keep_list_path's names)
+        by_sink: dict[tuple[str, str], list[tuple[str, float]]] = {}
         for n in names:
             host, _, rest = n[:-4].rpartition("-")
-            if not n.endswith(".ids") or n in mine or host != self.host:
+            if not n.endswith(".ids") or n in mine or not host:
                 continue
             p = os.path.join(d, n)
             try:
-                by_pid.setdefault(rest.partition(".")[0], []).append((p, os.stat(p).st_mtime))
+                by_sink.setdefault((host, rest.partition(".")[0]), []).append((p, os.stat(p).st_mtime))
             except OSError:
                 pass
-        own = str(os.getpid())
-        for pid, segs in by_pid.items():
-            if pid != own and any(m >= cut for _, m in segs):
-                continue  # a live sink of this host name
-            for p, m in segs:
-                if m < cut:
-                    try:
-                        os.unlink(p)
-                        self.counts["lists_pruned"] += 1
-                    except OSError:
-                        pass
+        own = (self.host, str(os.getpid()))
+        for key, segs in by_sink.items():
+            if key == own:
+                old = [p for p, m in segs if m < cut]
+            elif key[0] == self.host:
+                old = [p for p, _ in segs] if all(m < cut for _, m in segs) else []  # else a live sink
+            else:
+                old = [p for p, _ in segs] if all(m < foreign_cut for _, m in segs) else []
+            for p in old:
+                try:
+                    os.unlink(p)
+                    self.counts["lists_pruned"] += 1
+                except OSError:
+                    pass
 
     # ---------------------------------------------------------------- report
     def summary(self) -> dict:

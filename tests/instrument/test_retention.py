@@ -857,6 +857,12 @@ def test_verdict_lists_rotate_and_old_segments_are_deleted(tmp_path, monkeypatch
     live_cur, live_next = kd / "h-7.2.ids", kd / "h-7.3.ids"
     live_cur.write_text("live\t1\tR\n")
     live_next.write_text("")
+    # other hosts: a gone one (a pod's host name that never returns: every segment older than
+    # FOREIGN_LIST_S) and a live one with an old segment
+    gone_host = [kd / "pod-a1-3.ids", kd / "pod-a1-3.1.ids"]
+    live_host_old, live_host_cur = kd / "farhost-4.ids", kd / "farhost-4.1.ids"
+    for p in gone_host + [live_host_old, live_host_cur]:
+        p.write_text("")
     foreign = kd / "farhost-9.ids"
     foreign.write_text("far\t1\tR\n")
     now = time.monotonic_ns()
@@ -877,17 +883,44 @@ def test_verdict_lists_rotate_and_old_segments_are_deleted(tmp_path, monkeypatch
     for p in list(kd.iterdir()):
         if p != live_cur:
             os.utime(p, (old_t, old_t))
+    gone_t = time.time() - retention.FOREIGN_LIST_S - 5
+    for p in gone_host + [live_host_old]:
+        os.utime(p, (gone_t, gone_t))
     ret._prune_lists()
     left = sorted(p.name for p in kd.iterdir())
     assert left == sorted([os.path.basename(ret._keep_path), "farhost-9.ids", "otherhost-" + str(os.getpid()) + ".ids",
-                           "h-7.2.ids", "h-7.3.ids"])
-    assert ret.counts["lists_pruned"] == 4 + 1
+                           "h-7.2.ids", "h-7.3.ids", "farhost-4.ids", "farhost-4.1.ids"])
+    assert ret.counts["lists_pruned"] == 4 + 1 + 2
     os.utime(live_cur, (old_t, old_t))  # that sink is gone: its heartbeat stopped
     ret._prune_lists()
-    assert not live_cur.exists() and not live_next.exists() and ret.counts["lists_pruned"] == 4 + 1 + 2
+    assert not live_cur.exists() and not live_next.exists() and ret.counts["lists_pruned"] == 4 + 1 + 2 + 2
     other.remote_keeps()
     assert "farhost-9.ids" in other._remote_pos and set(other._remote_pos) <= set(left)  # the deleted forgotten
     assert set(other._live) <= set(left)
+    ret.close()
+    other.close()
+
+
+def test_a_sink_whose_list_was_deleted_continues_in_a_new_segment(tmp_path):
+    """A sink stalled longer than the others' pruning age (FOREIGN_LIST_S) finds its current segment
+    deleted at its next heartbeat: it continues in the next segment (a new name, which readers read from
+    the start), so its later verdicts are seen; a heartbeat with the segment in place changes nothing."""
+    ret, s = _ret(tmp_path, tail_head=1.0)
+    other = retention.TailRetention(config.Config(trace_dir=str(tmp_path), retain="tail", flush_interval_s=0.2),
+                                    str(tmp_path), host="otherhost")
+    first = ret._keep_path
+    ret._next_beat = 0
+    ret.poll_files(force=True)
+    assert ret._keep_path == first and ret.counts["lists_reopened"] == 0
+    os.unlink(first)
+    ret._next_beat = 0
+    ret.poll_files(force=True)
+    assert ret.counts["lists_reopened"] == 1 and ret._keep_path.endswith(".1.ids") and os.path.exists(ret._keep_path)
+    now = time.monotonic_ns()
+    ret.admit(s, [_ev("router.first_token", "after", now + 1), _span("router.request", "after", now, now + 2)])
+    ret.tick(time.monotonic_ns() + ret.grace_ns + 1)
+    other.remote_keeps()
+    assert other._remote["after"][0]  # the verdict made after the deletion reaches the other host
     ret.close()
     other.close()
 
