@@ -1087,9 +1087,10 @@ class TailRetention:
     def summary(self) -> dict:
         """Bound, held and peak bytes (estimate), records held, counts and reasons; the decisions table and
         the other sinks' verdicts (entries, estimated bytes: outside the bound, capped at max(16 MiB,
-        bound / 4) each); the pending checks outside the bound (entries: a tuple of the due time, the id and its start): the absolute
-        cap's queue (one per request held, until it is decided and the cap passes) and the overdue
-        check's (one per routed request, until its first record + TTFT threshold + grace)."""
+        bound / 4) each); the pending checks outside the bound (entries: a tuple of the due time, the id
+        and its start): the absolute cap's queue (one per request held, until it is decided and the cap
+        passes) and the overdue check's (one per routed request, until its first record + TTFT threshold
+        + grace)."""
         return {"bound_bytes": self.bound, "held_bytes": self.held, "peak_bytes": self.peak,
                 "held_records": self.held_records, "held_requests": len(self.groups), **self.counts,
                 "decisions": len(self.decided), "decisions_bytes": self.decided_bytes,
