@@ -683,7 +683,8 @@ class TailRetention:
     def tick(self, now: int | None = None) -> None:
         """Decide what is due: ended groups past their grace, requests in flight over the TTFT threshold
         (``overdue``), groups idle for the hold time or held for the absolute cap; re-read the marks file
-        and keep-lists every :data:`MARK_POLL_S`; forget old decisions and verdicts. Called by the sink's loop (which catches what it raises)."""
+        and keep-lists every :data:`MARK_POLL_S`; forget old decisions and verdicts. Called by the sink's
+        loop (which catches what it raises)."""
         now = time.monotonic_ns() if now is None else now
         if now >= self._next_poll:
             self._poll_safe()
