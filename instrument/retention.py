@@ -62,8 +62,15 @@ Design (single host; the cross-host part is at the end).
   ``prefill.frontend`` start. TPOT: (``router.last_token`` - ``router.first_token``) / (output tokens -
   1), the tokens from the largest ``gen_ai.usage.output_tokens`` on the request's records (the router's or
   D's ``request.finished``). All times are the records' monotonic ns: every process of a host reads the
-  same ``CLOCK_MONOTONIC``, so no anchor is needed to compare them. Unknown TTFT (no router record and no
-  P/D pair on this host) does not keep a request by itself.
+  same ``CLOCK_MONOTONIC``, so no anchor is needed to compare them. Without either (no router record, P
+  and D on different hosts: a router other than pdtrace's), a host keeps a request (reason ``ttft_side``)
+  when its own side alone is over the threshold -- a lower bound of the engine-clock TTFT: on P's host,
+  P's API server receiving it (``prefill.frontend`` start) to the end of P's last ``prefill.compute``
+  (D's first token needs that KV); on D's host, D's API server receiving it (``decode.frontend`` start,
+  part ``in`` or ``whole``) to its first chunk (under push, D's leg can be sent a few ms before P's: a
+  request that close under the threshold may be kept). Its keep line makes the other side kept too when
+  read before that host decides (it waits for a verdict while another host's sink is live, up to the
+  hold time). A request over the threshold whose two sides are each under it is not kept this way.
 * **After the decision** the request's id stays in a table of decisions for :attr:`TailRetention.keep_ns`
   (hold time + grace) after its last use (a record following it renews it; capped at max(16 MiB,
   bound / 4) estimated bytes, :data:`DECISION_BYTES` + the id's length each, oldest forgotten first;
@@ -135,11 +142,12 @@ decisions). Then:
 
 * a request another sink kept is kept here too (reason ``remote``), whatever the local rule says; a
   held request is decided at once when a keep, or an ``R`` drop while no root is here, is read;
-* a sink that holds no router record of an ended request, while another host's sink is live, *waits* for
-  an ``R`` verdict (until the request has been idle ``PDTRACE_TAIL_HOLD_S``: its end is its last record,
-  as a rule) instead of applying its own rule, and follows it when it comes (kept, or dropped as
-  ``remote_drop``, unless something local keeps it: a failure seen here, a mark, a TTFT or TPOT over the
-  threshold computed here, the head sample); at the hold time it applies its own rule.
+* a sink that holds no router record of an ended request, while another host's sink is live, keeps it
+  at once when its own rule keeps it (a failure seen here, a mark, a TTFT -- or one side's bound -- or
+  TPOT over the threshold computed here, the head sample: nothing read later could drop it), and its keep
+  line goes out then; otherwise it *waits* for a verdict (until the request has been idle
+  ``PDTRACE_TAIL_HOLD_S``: its end is its last record, as a rule) and follows it when it comes (kept, or
+  dropped as ``remote_drop`` on an ``R`` drop); at the hold time it applies its own rule.
 
 So a request is kept whole on every host when the router's host keeps it, or when any host saw a
 failure (provided its line is read before the others decide: the router's host decides at its end plus
@@ -190,8 +198,9 @@ STALL_WINDOW, STALL_MIN = 255, 16
 DECISION_BYTES = 200
 #: Cap of the decisions table and of the other sinks' verdicts (bytes, each): max(this, bound / 4).
 DECISIONS_MIN_CAP = 16 << 20
-#: Bytes counted per group (the group object, its lists, its dict entries).
-GROUP_BYTES = 600
+#: Bytes counted per group (the group object, its lists, its dict entries; 600 measured with 18 slots, + 8
+#: for each of the 2 slots added since).
+GROUP_BYTES = 616
 #: Bytes a held step entry costs besides its record: the [sink, record, pending, done, bytes] list (88);
 #: plus 8 per group that refers to it (a slot in the group's step list).
 STEP_ENTRY_BYTES, STEP_REF_BYTES = 88, 8
@@ -328,7 +337,8 @@ class _Group:
     """One request's held records and what is known about it so far (monotonic ns)."""
 
     __slots__ = ("rid", "recs", "steps", "nbytes", "created", "last", "ended", "closing", "routed", "root_start",
-                 "first_tok", "last_tok", "eng_first", "p_start", "out_tokens", "failed", "t_min", "t_max")
+                 "first_tok", "last_tok", "eng_first", "p_start", "p_comp_end", "d_start", "out_tokens", "failed",
+                 "t_min", "t_max")
 
     def __init__(self, rid: str, now: int) -> None:
         self.rid = rid
@@ -340,6 +350,7 @@ class _Group:
         self.closing = False  # it has ended for the rule: its decision is due after the grace (TailRetention.ending)
         self.routed = False  # a router.* record of it is here: only its router.request ends it
         self.root_start = self.first_tok = self.last_tok = self.eng_first = self.p_start = None
+        self.p_comp_end = self.d_start = None  # P's last prefill.compute end, D's API server's receipt
         self.out_tokens = 0
         self.failed = False
         self.t_min = self.t_max = None
@@ -547,8 +558,14 @@ class TailRetention:
                     g.p_start = t0 if g.p_start is None else min(g.p_start, t0)
                 if _attr(r, "frontend.part") in ("out", "whole") and not self._has_role("decode"):
                     self._end(g, now)  # P answered: all this host (no D here) will see of it
-            elif name == "decode.frontend" and _attr(r, "frontend.part") in ("out", "whole"):
-                self._end(g, now)
+            elif name == "decode.frontend":
+                part = _attr(r, "frontend.part")
+                if t0 is not None and part in (None, "in", "whole") and _role(sink) == "decode":
+                    g.d_start = t0 if g.d_start is None else min(g.d_start, t0)
+                if part in ("out", "whole"):
+                    self._end(g, now)
+            elif name == "prefill.compute" and t1 is not None and _role(sink) == "prefill":
+                g.p_comp_end = t1 if g.p_comp_end is None else max(g.p_comp_end, t1)
 
     def _end(self, g: _Group, now: int, root: bool = False) -> None:
         """The request ended here (its root, or an engine's frontend). Its decision is due after the
@@ -630,6 +647,14 @@ class TailRetention:
             return g.eng_first - g.p_start
         return None
 
+    def ttft_side(self, g: _Group) -> int | None:
+        """A lower bound of the engine-clock TTFT (ns) from one side seen here (module doc, TTFT): P's
+        frontend start to P's last prefill.compute end, or D's frontend start to D's first chunk, the
+        larger of those known; None when neither is."""
+        p = g.p_comp_end - g.p_start if g.p_comp_end is not None and g.p_start is not None else None
+        d = g.eng_first - g.d_start if g.eng_first is not None and g.d_start is not None else None
+        return d if p is None else p if d is None else max(p, d)
+
     def overdue(self, g: _Group, now: int) -> bool | None:
         """Whether a request in flight whose router records are here is known to be over the TTFT
         threshold (module doc, "Overdue"): True, False (its first token came within it), None (no first
@@ -664,6 +689,10 @@ class TailRetention:
                 t = (ft if ft is not None else now) - g.t_min
                 if t >= self.ttft_ns:
                     return True, "ttft"
+            if ttft is None:
+                side = self.ttft_side(g)
+                if side is not None and side >= self.ttft_ns:
+                    return True, "ttft_side"
         if self.tpot_ns is not None and g.out_tokens > 1:
             first = g.first_tok
             if first is not None and g.last_tok is not None:
@@ -696,10 +725,11 @@ class TailRetention:
                 continue
             if g.root_start is None and g.routed:
                 continue  # its router's root is still to come (hold time otherwise)
-            if g.root_start is None and rid not in self._remote and self._others_live():
-                self._waiting.add(rid)  # another host may hold its router: wait for its verdict (hold)
+            keep, why = self.verdict(g, now)
+            if not keep and g.root_start is None and rid not in self._remote and self._others_live():
+                self._waiting.add(rid)  # another host may hold its router or a keep: wait for its verdict (hold)
                 continue
-            self._decide(g, *self.verdict(g, now))
+            self._decide(g, keep, why)
         dueq = self._dueq
         while dueq and dueq[0][0] <= now:  # in flight and over the TTFT threshold: kept now, shown
             _, rid, created = heapq.heappop(dueq)

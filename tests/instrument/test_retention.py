@@ -859,7 +859,7 @@ def test_verdict_lists_rotate_and_old_segments_are_deleted(tmp_path, monkeypatch
     live_next.write_text("")
     # other hosts: a gone one (a pod's host name that never returns: every segment older than
     # FOREIGN_LIST_S) and a live one with an old segment
-    gone_host = [kd / "pod-a1-3.ids", kd / "pod-a1-3.1.ids"]
+    gone_host = [kd / "pod_a1-3.ids", kd / "pod_a1-3.1.ids"]
     live_host_old, live_host_cur = kd / "farhost-4.ids", kd / "farhost-4.1.ids"
     for p in gone_host + [live_host_old, live_host_cur]:
         p.write_text("")
@@ -923,6 +923,53 @@ def test_a_sink_whose_list_was_deleted_continues_in_a_new_segment(tmp_path):
     assert other._remote["after"][0]  # the verdict made after the deletion reaches the other host
     ret.close()
     other.close()
+
+
+def test_without_pdtrace_router_each_side_keeps_a_request_over_the_threshold(tmp_path):
+    """Issue 18 leftover: a router other than pdtrace's, P and D on different hosts, so neither has the
+    engine-clock TTFT (before, neither kept a slow request unless it failed). D's host keeps a request
+    whose D side (its API server's receipt -> its first chunk) alone is over the 100 ms threshold, P's
+    host one whose P side (its API server's receipt -> the end of its prefill) is (``ttft_side``), each at
+    once at its end; the other host, waiting while that sink is live, follows the keep line (``remote``).
+    A request with both sides under the threshold is dropped on both at the hold time; so is one whose
+    sides are each under it though their sum is over (65 + 65 ms: the rule's stated gap)."""
+    ms = 1_000_000
+
+    def host(name):
+        cfg = config.Config(trace_dir=str(tmp_path), retain="tail", flush_interval_s=0.2, tail_ttft_ms=100.0,
+                            tail_head=0.0)
+        return retention.TailRetention(cfg, str(tmp_path), host=name)
+
+    pret, dret = host("phost"), host("dhost")
+    pret.remote_keeps()
+    dret.remote_keeps()  # each sees the other's list: live
+    sp, sd = _role_sink("prefill"), _role_sink("decode")
+    now = time.monotonic_ns()
+    sides = {"slow_d": (20, 150), "slow_p": (150, 20), "fast": (20, 20), "split": (65, 65)}  # (P, D) ms
+    for rid, (p_ms, d_ms) in sides.items():
+        pret.admit(sp, [_span("prefill.compute", rid, now + 2 * ms, now + p_ms * ms, sid=8),
+                        _span("prefill.frontend", rid, now, now + (p_ms + 5) * ms, sid=7,
+                              **{"frontend.part": "whole"})])  # P answered: its end on P's host
+        t = now + (p_ms + 6) * ms  # pull: D's leg sent after P answered
+        dret.admit(sd, [_span("decode.frontend", rid, t, t + ms, sid=5, **{"frontend.part": "in"}),
+                        _ev("token", rid, t + d_ms * ms, sid=5),
+                        _span("decode.frontend", rid, t + d_ms * ms, t + (d_ms + 1) * ms, sid=6,
+                              **{"frontend.part": "out"})])
+    assert pret.ttft_side(pret.groups["slow_p"]) == 150 * ms and dret.ttft_side(dret.groups["slow_d"]) == 150 * ms
+    end = time.monotonic_ns() + max(pret.grace_ns, dret.grace_ns) + ms
+    pret.tick(end)
+    assert pret.reasons == {"ttft_side": 1} and set(pret.groups) == {"slow_d", "fast", "split"}  # others wait
+    dret.tick(end)  # (its poll reads P's keep line first)
+    pret.remote_keeps()
+    assert pret.reasons == dret.reasons == {"ttft_side": 1, "remote": 1}
+    assert set(pret.groups) == set(dret.groups) == {"fast", "split"}
+    later = time.monotonic_ns() + max(pret.hold_ns, dret.hold_ns) + ms
+    pret.tick(later)
+    dret.tick(later)
+    for ret in (pret, dret):
+        assert ret.reasons == {"ttft_side": 1, "remote": 1, "fast": 2}
+        assert {rid for rid, (keep, _) in ret.decided.items() if keep} == {"slow_d", "slow_p"}
+        ret.close()
 
 
 def test_overdue_only_where_the_first_token_will_be_seen(tmp_path):
