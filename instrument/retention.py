@@ -153,8 +153,10 @@ So a request is kept whole on every host when the router's host keeps it, or whe
 failure (provided its line is read before the others decide: the router's host decides at its end plus
 grace; a later keep from an engine host keeps the engine side only). Tail retention across hosts needs
 pdtrace's router (traced): without one, no sink writes an authoritative verdict; each engine host then
-decides alone after the hold time (P and D on different hosts: neither has the engine-clock TTFT, and
-they agree only on failures seen on both, marks and the head sample). Built and tested on one host with
+decides by its own rule -- with P and D on different hosts neither has the engine-clock TTFT, so each
+keeps a request whose own side is over the threshold (``ttft_side``) and the other follows its keep line,
+a failure seen on either side, a mark and the head sample; a request whose sides are each under the
+threshold, however slow in sum, is dropped on both (at the hold time). Built and tested on one host with
 a second host's list written into the directory (no second host here). A list is rotated every
 :data:`KEEP_LIST_BYTES` (a line is the id plus 5 bytes, per request and host: ids of vLLM's form are
 40-100+ characters) and a segment is deleted by its host's sink (this one or a later one) once
