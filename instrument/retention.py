@@ -67,7 +67,7 @@ Design (single host; the cross-host part is at the end).
   when its own side alone is over the threshold -- a lower bound of the engine-clock TTFT: on P's host,
   P's API server receiving it (``prefill.frontend`` start) to the end of P's last ``prefill.compute``
   (D's first token needs that KV); on D's host, D's API server receiving it (``decode.frontend`` start,
-  part ``in`` or ``whole``) to its first chunk (under push, D's leg can be sent a few ms before P's: a
+  part ``in`` or ``whole``, or none recorded) to its first chunk (under push, D's leg can be sent a few ms before P's: a
   request that close under the threshold may be kept). Its keep line makes the other side kept too when
   read before that host decides (it waits for a verdict while another host's sink is live, up to the
   hold time). A request over the threshold whose two sides are each under it is not kept this way.
@@ -143,9 +143,10 @@ decisions). Then:
 * a request another sink kept is kept here too (reason ``remote``), whatever the local rule says; a
   held request is decided at once when a keep, or an ``R`` drop while no root is here, is read;
 * a sink that holds no router record of an ended request, while another host's sink is live, keeps it
-  at once when its own rule keeps it (a failure seen here, a mark, a TTFT -- or one side's bound -- or
-  TPOT over the threshold computed here, the head sample: nothing read later could drop it), and its keep
-  line goes out then; otherwise it *waits* for a verdict (until the request has been idle
+  at once when its own rule keeps it (a failure seen here, a mark, a TTFT -- or one side's bound -- over
+  the threshold computed here, the head sample: nothing read later could drop it), and its keep line goes
+  out then -- a D side over the threshold as soon as its first chunk is here, not at its end, which a long
+  generation would put after the other host's hold time; otherwise it *waits* for a verdict (until the request has been idle
   ``PDTRACE_TAIL_HOLD_S``: its end is its last record, as a rule) and follows it when it comes (kept, or
   dropped as ``remote_drop`` on an ``R`` drop); at the hold time it applies its own rule.
 
@@ -170,6 +171,7 @@ that are not shared (they would need copying between hosts within the hold time)
 from __future__ import annotations
 
 import bisect
+import errno
 import hashlib
 import heapq
 import json
@@ -541,6 +543,7 @@ class TailRetention:
                 # D's API server's first chunk (on its decode.frontend span), as request_base.sql reads it;
                 # not P's (its answer to the router) nor EngineCore's (no span id)
                 g.eng_first = t0 if g.eng_first is None else min(g.eng_first, t0)
+                self._side_due(g, now)
             if name in FAILURE_EVENTS:
                 g.failed = True
             if name in ("request.finished", "router.last_token"):
@@ -564,10 +567,19 @@ class TailRetention:
                 part = _attr(r, "frontend.part")
                 if t0 is not None and part in (None, "in", "whole") and _role(sink) == "decode":
                     g.d_start = t0 if g.d_start is None else min(g.d_start, t0)
+                    self._side_due(g, now)
                 if part in ("out", "whole"):
                     self._end(g, now)
             elif name == "prefill.compute" and t1 is not None and _role(sink) == "prefill":
                 g.p_comp_end = t1 if g.p_comp_end is None else max(g.p_comp_end, t1)
+
+    def _side_due(self, g: _Group, now: int) -> None:
+        """D's side of a request with no router record here is known over the TTFT threshold: decide it
+        (kept, ``ttft_side``) at the next tick, not at its end, which a long generation puts after the
+        other host's hold time (its keep line would come too late there)."""
+        if self.ttft_ns is not None and not g.routed and not g.closing and g.eng_first is not None \
+                and g.d_start is not None and g.eng_first - g.d_start >= self.ttft_ns:
+            heapq.heappush(self._dueq, (now, g.rid, g.created))
 
     def _end(self, g: _Group, now: int, root: bool = False) -> None:
         """The request ended here (its root, or an engine's frontend). Its decision is due after the
@@ -737,6 +749,11 @@ class TailRetention:
             _, rid, created = heapq.heappop(dueq)
             g = groups.get(rid)
             if g is None or g.created != created or g.closing:
+                continue
+            if not g.routed:  # (_side_due) one side's bound over the threshold: kept now
+                side = self.ttft_side(g)
+                if side is not None and side >= self.ttft_ns:
+                    self._decide(g, True, "ttft_side")
                 continue
             late = self.overdue(g, now)
             if late:
@@ -911,11 +928,13 @@ class TailRetention:
             self._next_beat = now + int(HEARTBEAT_S * 1e9)
             try:
                 os.utime(self._keep_fd)
-                gone = os.stat(self._keep_path).st_ino != os.fstat(self._keep_fd).st_ino
-            except FileNotFoundError:
-                gone = True
             except OSError:
-                gone = False
+                pass
+            try:
+                a, b = os.stat(self._keep_path), os.fstat(self._keep_fd)
+                gone = (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino)
+            except OSError as exc:  # deleted here (ENOENT), or by another NFS client (ESTALE on the fd)
+                gone = exc.errno in (errno.ENOENT, errno.ESTALE)
             if gone:  # deleted under this sink (pruned while it stalled): readers would never see its lines
                 self.counts["lists_reopened"] += 1
                 self._rotate_list()
@@ -1122,8 +1141,9 @@ class TailRetention:
         the other sinks' verdicts (entries, estimated bytes: outside the bound, capped at max(16 MiB,
         bound / 4) each); the pending checks outside the bound (entries: a tuple of the due time, the id
         and its start): the absolute cap's queue (one per request held, until it is decided and the cap
-        passes) and the overdue check's (one per routed request, until its first record + TTFT threshold
-        + grace)."""
+        passes) and the in-flight checks' (``overdue``: one per routed request, until its first record + TTFT
+        threshold + grace; ``ttft_side``: one per request whose D side is known over the threshold, until
+        the next tick)."""
         return {"bound_bytes": self.bound, "held_bytes": self.held, "peak_bytes": self.peak,
                 "held_records": self.held_records, "held_requests": len(self.groups), **self.counts,
                 "decisions": len(self.decided), "decisions_bytes": self.decided_bytes,

@@ -8,6 +8,7 @@ them) holds, decides and writes. The store is then read with DuckDB and compared
 request by request: every slow or failed request complete (all its records from both processes),
 the others present iff head-sampled, nothing else of theirs; the processes' own counters balance.
 """
+import errno
 import json
 import os
 import signal
@@ -105,7 +106,7 @@ def _play(tmp_path, d, plan, roles=("decode", "router"), wait_s=0.0, between=Non
         if between is not None and len(procs) == 1:
             between()
     time.sleep(wait_s)
-    live = _rows(d) if wait_s else None
+    live = _rows(d) if wait_s or live_keep is not None else None
     deadline = time.monotonic() + 30.0
     while live_keep is not None and not {r[0] for r in live} >= live_keep and time.monotonic() < deadline:
         time.sleep(0.25)
@@ -901,7 +902,7 @@ def test_verdict_lists_rotate_and_old_segments_are_deleted(tmp_path, monkeypatch
     other.close()
 
 
-def test_a_sink_whose_list_was_deleted_continues_in_a_new_segment(tmp_path):
+def test_a_sink_whose_list_was_deleted_continues_in_a_new_segment(tmp_path, monkeypatch):
     """A sink stalled longer than the others' pruning age (FOREIGN_LIST_S) finds its current segment
     deleted at its next heartbeat: it continues in the next segment (a new name, which readers read from
     the start), so its later verdicts are seen; a heartbeat with the segment in place changes nothing."""
@@ -916,6 +917,20 @@ def test_a_sink_whose_list_was_deleted_continues_in_a_new_segment(tmp_path):
     ret._next_beat = 0
     ret.poll_files(force=True)
     assert ret.counts["lists_reopened"] == 1 and ret._keep_path.endswith(".1.ids") and os.path.exists(ret._keep_path)
+    # deleted by a sink on another NFS client: this host's fd goes stale (ESTALE). No NFS here: a fake
+    # fstat raising ESTALE stands for it (the one failure this test cannot cause for real)
+    real_fstat = os.fstat
+
+    def stale_fstat(fd):
+        if fd == ret._keep_fd:
+            raise OSError(errno.ESTALE, "Stale file handle")
+        return real_fstat(fd)
+
+    monkeypatch.setattr(retention.os, "fstat", stale_fstat)
+    ret._next_beat = 0
+    ret.poll_files(force=True)
+    monkeypatch.setattr(retention.os, "fstat", real_fstat)
+    assert ret.counts["lists_reopened"] == 2 and ret._keep_path.endswith(".2.ids")
     now = time.monotonic_ns()
     ret.admit(s, [_ev("router.first_token", "after", now + 1), _span("router.request", "after", now, now + 2)])
     ret.tick(time.monotonic_ns() + ret.grace_ns + 1)
@@ -970,6 +985,36 @@ def test_without_pdtrace_router_each_side_keeps_a_request_over_the_threshold(tmp
         assert ret.reasons == {"ttft_side": 1, "remote": 1, "fast": 2}
         assert {rid for rid, (keep, _) in ret.decided.items() if keep} == {"slow_d", "slow_p"}
         ret.close()
+
+
+def test_a_d_side_over_the_threshold_is_kept_at_its_first_chunk(tmp_path):
+    """Review: D's host without router records used to decide at D's end, which a long generation puts
+    after P's host's hold time, so P's side was dropped. Now D's side, once known over the threshold (its
+    first chunk 150 ms after D's API server received it), is kept at the next tick with the request still
+    generating, its keep line goes out, and P's host, still holding its side, follows it. A D side under
+    the threshold is not decided in flight."""
+    ms = 1_000_000
+    cfg = dict(trace_dir=str(tmp_path), retain="tail", flush_interval_s=0.2, tail_ttft_ms=100.0, tail_head=0.0)
+    pret = retention.TailRetention(config.Config(**cfg), str(tmp_path), host="phost")
+    dret = retention.TailRetention(config.Config(**cfg), str(tmp_path), host="dhost")
+    pret.remote_keeps()
+    dret.remote_keeps()
+    sp, sd = _role_sink("prefill"), _role_sink("decode")
+    now = time.monotonic_ns()
+    for rid, d_ms in (("long", 150), ("quick", 20)):
+        pret.admit(sp, [_span("prefill.compute", rid, now + 2 * ms, now + 20 * ms, sid=8),
+                        _span("prefill.frontend", rid, now, now + 25 * ms, sid=7, **{"frontend.part": "whole"})])
+        t = now + 26 * ms
+        dret.admit(sd, [_span("decode.frontend", rid, t, t + ms, sid=5, **{"frontend.part": "in"}),
+                        _ev("token", rid, t + d_ms * ms, sid=5)])  # still generating: no 'out' part yet
+    assert dret.summary()["overdue_checks"] == 1
+    dret.tick(time.monotonic_ns())
+    assert dret.reasons == {"ttft_side": 1} and set(dret.groups) == {"quick"}
+    pret.tick(time.monotonic_ns() + pret.grace_ns + ms)  # P's ends are due: both wait (D's sink is live)...
+    assert set(pret.groups) == {"quick"} and pret.reasons == {"remote": 1}  # ...and its poll read D's keep
+    assert pret.decided["long"][0] and dret.decided["long"][0]
+    pret.close()
+    dret.close()
 
 
 def test_overdue_only_where_the_first_token_will_be_seen(tmp_path):
