@@ -970,15 +970,22 @@ class TailRetention:
         t = time.time() - LIVE_S
         return any(m >= t for m in self._live.values())
 
+    def _lists(self) -> tuple[str, list[str] | None]:
+        """The verdict-list directory (``<trace dir>/tail-keep``) and the names in it; None when it cannot
+        be listed (not made yet, or the file system failed)."""
+        d = os.path.join(self.dir, "tail-keep")
+        try:
+            return d, os.listdir(d)
+        except OSError:
+            return d, None
+
     def remote_keeps(self) -> None:
         """Read the verdicts other hosts' sinks appended to their lists since the last read (cross-host;
         lines ``id TAB 1|0 TAB R|E``, a bare ``id`` is a keep; this host's own lists -- of this sink and
         of its earlier sinks -- are not read; lists present when this sink started are read from their
         end); decide at once every held group a keep or an authoritative drop names."""
-        d = os.path.join(self.dir, "tail-keep")
-        try:
-            names = os.listdir(d)
-        except OSError:
+        d, names = self._lists()
+        if names is None:
             return
         now = time.monotonic_ns()
         got = []
@@ -1099,10 +1106,8 @@ class TailRetention:
         modified for that long (one still modified is a live sink's: it keeps all of its segments, its
         pre-created next one among them); and every segment of another host's sink process once none of
         them has been modified for :data:`FOREIGN_LIST_S` either (a host that never returns)."""
-        d = os.path.join(self.dir, "tail-keep")
-        try:
-            names = os.listdir(d)
-        except OSError:
+        d, names = self._lists()
+        if names is None:
             return
         now = time.time()
         cut = now - self.keep_ns / 1e9 - LIVE_S
