@@ -176,8 +176,8 @@ def print_serial(p: dict) -> None:
 
 
 def print_prediction(p: dict, label: str) -> None:
-    """Print :func:`predict`'s result ``p`` under ``label``: the prediction against the observation (
-    ms per request; P's steps, step length in ms and prompt tokens per step before and after)."""
+    """Print :func:`predict`'s result ``p`` under ``label``: the prediction against the observation (ms per
+    request; P's steps, step length in ms and prompt tokens per step before and after)."""
     b, a = p["p_steps_before"], p["p_steps_after"]
     print(f"Predicted vs observed, {label} (all prompts, ms per request): P's steps {b['steps']} -> {a['steps']}, "
           f"step {b['step_ms']:.1f} -> {a['step_ms']:.1f} ms, prompt tokens per step {b['tokens_per_step']:.0f} -> "

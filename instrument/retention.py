@@ -67,8 +67,8 @@ Design (single host; the cross-host part is at the end).
   when its own side alone is over the threshold -- a lower bound of the engine-clock TTFT: on P's host,
   P's API server receiving it (``prefill.frontend`` start) to the end of P's last ``prefill.compute``
   (D's first token needs that KV); on D's host, D's API server receiving it (``decode.frontend`` start,
-  part ``in`` or ``whole``, or none recorded) to its first chunk (under push, D's leg can be sent a few ms before P's: a
-  request that close under the threshold may be kept). Its keep line makes the other side kept too when
+  part ``in`` or ``whole``, or none recorded) to its first chunk (under push, D's leg can be sent a few
+  ms before P's: a request that close under the threshold may be kept). Its keep line makes the other side kept too when
   read before that host decides (it waits for a verdict while another host's sink is live, up to the
   hold time). A request over the threshold whose two sides are each under it is not kept this way.
 * **After the decision** the request's id stays in a table of decisions for :attr:`TailRetention.keep_ns`
@@ -146,9 +146,10 @@ decisions). Then:
   at once when its own rule keeps it (a failure seen here, a mark, a TTFT -- or one side's bound -- over
   the threshold computed here, the head sample: nothing read later could drop it), and its keep line goes
   out then -- a D side over the threshold as soon as its first chunk is here, not at its end, which a long
-  generation would put after the other host's hold time; otherwise it *waits* for a verdict (until the request has been idle
-  ``PDTRACE_TAIL_HOLD_S``: its end is its last record, as a rule) and follows it when it comes (kept, or
-  dropped as ``remote_drop`` on an ``R`` drop); at the hold time it applies its own rule.
+  generation would put after the other host's hold time; otherwise it *waits* for a verdict (until the
+  request has been idle ``PDTRACE_TAIL_HOLD_S``: its end is its last record, as a rule) and follows it
+  when it comes (kept, or dropped as ``remote_drop`` on an ``R`` drop); at the hold time it applies its
+  own rule.
 
 So a request is kept whole on every host when the router's host keeps it, or when any host saw a
 failure (provided its line is read before the others decide: the router's host decides at its end plus
@@ -577,9 +578,10 @@ class TailRetention:
         """D's side of a request with no router record here is known over the TTFT threshold: decide it
         (kept, ``ttft_side``) at the next tick, not at its end, which a long generation puts after the
         other host's hold time (its keep line would come too late there)."""
-        if self.ttft_ns is not None and not g.routed and not g.closing and g.eng_first is not None \
-                and g.d_start is not None and g.eng_first - g.d_start >= self.ttft_ns:
-            heapq.heappush(self._dueq, (now, g.rid, g.created))
+        if self.ttft_ns is not None and not g.routed and not g.closing:
+            d = self._d_side(g)
+            if d is not None and d >= self.ttft_ns:
+                heapq.heappush(self._dueq, (now, g.rid, g.created))
 
     def _end(self, g: _Group, now: int, root: bool = False) -> None:
         """The request ended here (its root, or an engine's frontend). Its decision is due after the
@@ -666,8 +668,13 @@ class TailRetention:
         frontend start to P's last prefill.compute end, or D's frontend start to D's first chunk, the
         larger of those known; None when neither is."""
         p = g.p_comp_end - g.p_start if g.p_comp_end is not None and g.p_start is not None else None
-        d = g.eng_first - g.d_start if g.eng_first is not None and g.d_start is not None else None
+        d = self._d_side(g)
         return d if p is None else p if d is None else max(p, d)
+
+    @staticmethod
+    def _d_side(g: _Group) -> int | None:
+        """D's side (ns): its API server's receipt to its first chunk; None until both are here."""
+        return g.eng_first - g.d_start if g.eng_first is not None and g.d_start is not None else None
 
     def overdue(self, g: _Group, now: int) -> bool | None:
         """Whether a request in flight whose router records are here is known to be over the TTFT
@@ -1129,10 +1136,9 @@ class TailRetention:
         for key, segs in by_sink.items():
             if key == own:
                 old = [p for p, m in segs if m < cut]
-            elif key[0] == self.host:
-                old = [p for p, _ in segs] if all(m < cut for _, m in segs) else []  # else a live sink
-            else:
-                old = [p for p, _ in segs] if all(m < foreign_cut for _, m in segs) else []
+            else:  # another sink process: all of its segments once none is recent (else it is live)
+                limit = cut if key[0] == self.host else foreign_cut
+                old = [p for p, _ in segs] if max(m for _, m in segs) < limit else []
             for p in old:
                 try:
                     os.unlink(p)
