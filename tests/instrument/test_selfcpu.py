@@ -151,13 +151,18 @@ def test_self_measurement_is_taken_out(self_cpu_on):
     thread-CPU clock read besides the hook (from the first read's sample to the second's), which
     :func:`selfcpu.add` subtracts (calibrated per process), and the thread's CPU loses the two reads
     per hook."""
-    selfcpu.reset()
     c = selfcpu.read_cost_ns()
-    n = 20_000
+    n = 4_000
     noop = lambda: None  # noqa: E731
-    for _ in range(n):
-        safety.safe(noop)
-    per_hook = selfcpu.thread_pair()[0] / n
+    per_batch = []
+    for _ in range(5):
+        selfcpu.reset()
+        for _ in range(n):
+            safety.safe(noop)
+        per_batch.append(selfcpu.thread_pair()[0] / n)
+    # the least of 5 batches: a load spike (another process on 2 shared cores) inflates a batch's hooks
+    # but not the calibration; in a CI run (2026-12-07) one batch of 20,000 gave 956 ns against c = 1,282
+    per_hook = min(per_batch)
     # uncorrected, each window was per_hook + c >= c; corrected, what is left is the call of an empty
     # lambda and safe()'s own bookkeeping (≈ 0.15-0.2 µs here), not the read (≈ 0.3-0.9 µs)
-    assert -0.5 * c < per_hook < 0.5 * c + 300, (per_hook, c)
+    assert -0.5 * c < per_hook < 0.5 * c + 300, (per_batch, c)

@@ -56,11 +56,13 @@ def test_injected_delay_is_attributed(mode, lab_ready, tmp_path):
             assert r["interval_share"] is not None and r["interval_share"] >= 0.8, r
             # ... and the stage grew by the delay: the benchmark's verdict (its paired median over half
             # the delay, within the tolerance), or (a load spike among ~8 pairs) the 95 % CI of the
-            # increase covers the delay. Not the median alone: in a CI run on a slower machine of the
-            # kind (2026-12-07) push's handoff.prep (40 ms, 100 % of every injected interval charged to
-            # it) had a paired median of 6.2 ms [-49.7, 108.2] and the benchmark called it off the path
+            # increase, widened by the tolerance, holds the delay. Not the median alone: in CI runs on a
+            # slower machine of the kind (2026-12-07) push's handoff.prep (40 ms, 100 % of every injected
+            # interval charged to it) had a paired median of 6.2 ms [-49.7, 108.2] in one run, and in
+            # another a CI starting at 40.8 ms (the delay plus knock-on queueing on 2 loaded cores)
             lo, hi = r["attributed_ci"]
-            assert (r["path"] == "on" and r["attributed_ok"]) or lo <= r["injected_ms"] <= hi, r
+            tol = r["tol_ms"]
+            assert (r["path"] == "on" and r["attributed_ok"]) or lo - tol <= r["injected_ms"] <= hi + tol, r
         else:
             # off the path: exposed time unchanged, hidden time grew
             assert r["path"] == "off" and r["attributed_ok"], r
