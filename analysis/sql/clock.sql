@@ -91,6 +91,9 @@ SELECT _file, rkey, attempt,
        min(end_ns) FILTER (WHERE name = 'router.dispatch' AND attr_str['router.leg'] = 'prefill') AS disp_p_end,
        min(end_ns) FILTER (WHERE name = 'router.dispatch' AND attr_str['router.leg'] = 'decode') AS disp_d_end,
        min(start_ns) FILTER (WHERE name = 'router.dispatch' AND attr_str['router.leg'] = 'decode') AS disp_d_start,
+       -- P's response received (pdtrace's router: its router.wait on the prefill leg; not one cut short)
+       min(end_ns) FILTER (WHERE name = 'router.wait' AND attr_str['router.leg'] = 'prefill'
+                           AND coalesce(status_code, 0) <> 2) AS wait_p_end,
        min(record_id) FILTER (WHERE name = 'router.dispatch' AND attr_str['router.leg'] = 'prefill') AS disp_p_id_lo,
        max(record_id) FILTER (WHERE name = 'router.dispatch' AND attr_str['router.leg'] = 'prefill') AS disp_p_id_hi,
        min(record_id) FILTER (WHERE name = 'router.dispatch' AND attr_str['router.leg'] = 'decode') AS disp_d_id_lo,
@@ -222,7 +225,7 @@ CREATE OR REPLACE MACRO _clock_request_msgs(keys) AS TABLE
 WITH r AS (
     -- the router's marks per attempt; one_p / one_d: exactly one dispatch of the leg in the attempt
     SELECT rkey, attempt, min(disp_p_end) AS disp_p_end, min(disp_d_end) AS disp_d_end,
-           min(disp_d_start) AS disp_d_start,
+           min(disp_d_start) AS disp_d_start, min(wait_p_end) AS wait_p_end,
            min(disp_p_id_lo) = max(disp_p_id_hi) AS one_p, min(disp_d_id_lo) = max(disp_d_id_hi) AS one_d,
            min(disp_p_id_lo) IS NOT NULL AS has_p, min(disp_d_id_lo) IS NOT NULL AS has_d,
            min(first_token_ns) AS first_token_ns, any_value(mode) AS mode, any_value(router_domain) AS router_domain
@@ -290,6 +293,7 @@ WITH r AS (
     SELECT e.*, rq.mode, rq.router_domain,
            CASE WHEN e.ra = rq.last_attempt THEN rq.first_token_ns END AS first_token_ns,
            CASE WHEN r.one_p THEN r.disp_p_end END AS disp_p_end,
+           CASE WHEN r.one_p THEN r.wait_p_end END AS wait_p_end,
            CASE WHEN r.one_d THEN r.disp_d_end END AS disp_d_end,
            CASE WHEN coalesce(r.one_p, true) THEN r.disp_d_start END AS disp_d_start
     FROM e JOIN rq ON rq.rkey = e.rkey
@@ -313,10 +317,15 @@ SELECT rkey, router_domain AS src, domain AS dst,
        first_start AS recv_ns, 'http_request' AS kind, NULL::BIGINT AS point_ns, NULL::BIGINT AS rtt_ns
 FROM pairs
 UNION ALL
--- prefill -> router: pull dispatches D only after P's response; in any mode
--- P's KV is computed before the router writes the first token
+-- prefill -> router: P answers its leg only after its prefill.compute ended, so
+-- the router's receipt of P's response (router.wait on the prefill leg) comes
+-- after it; without that span, pull dispatches D only after P's response, and in
+-- any mode P's KV is computed before the router writes the first token (a loose
+-- receipt in push: transfer, D's first step and the stream on top; in a CI run
+-- on 2 loaded cores, 2026-12-07, it left the router <-> P bound at 79 ms)
 SELECT rkey, domain, router_domain, compute_end,
-       CASE WHEN mode = 'pull' THEN coalesce(disp_d_start, first_token_ns) ELSE first_token_ns END,
+       coalesce(wait_p_end,
+                CASE WHEN mode = 'pull' THEN coalesce(disp_d_start, first_token_ns) ELSE first_token_ns END),
        'http_response', NULL, NULL
 FROM pairs WHERE role = 'prefill'
 UNION ALL
