@@ -93,18 +93,33 @@ def library_template(stamp: str | None = None) -> Path:
     return cache_root() / f"pdtrace-library-{key}.duckdb"
 
 
-def new_from_template(cache: Path, stamp: str) -> bool:
-    """Create the absent ``cache`` as a copy of the library template (True), or leave it to the caller
-    to install the library (False: see :func:`pdtrace.analysis.template.copy_into`)."""
+def _stamp_check(stamp: str):
+    """A template copy's check: its library stamp is ``stamp``."""
     def check(con: duckdb.DuckDBPyConnection) -> bool:
         row = con.execute("SELECT value FROM _meta WHERE key = 'library'").fetchone()
         return row is not None and row[0] == stamp
+    return check
 
+
+def new_from_template(cache: Path, stamp: str) -> bool:
+    """Create the absent ``cache`` as a copy of the library template (True), or leave it to the caller
+    to install the library (False: see :func:`pdtrace.analysis.template.copy_into`)."""
     try:
         tpl = library_template(stamp)
     except OSError:
         return False
-    return _template.copy_into(cache, tpl, lambda con: install(con, stamp), check)
+    return _template.copy_into(cache, tpl, lambda con: install(con, stamp), _stamp_check(stamp))
+
+
+def memory_from_template(con: duckdb.DuckDBPyConnection, stamp: str) -> bool:
+    """Fill the new in-memory database ``con`` from the library template (True), or leave it to the
+    caller to open a new connection and install the library (False: see
+    :func:`pdtrace.analysis.template.copy_to_memory`)."""
+    try:
+        tpl = library_template(stamp)
+    except OSError:
+        return False
+    return _template.copy_to_memory(con, tpl, lambda c: install(c, stamp), _stamp_check(stamp))
 
 
 

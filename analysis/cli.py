@@ -104,7 +104,7 @@ def _print(cols, rows, fmt: str) -> None:
 _cache_opts = [
     click.option("--cache", type=click.Path(dir_okay=False), default=None,
                  help="Cache database file (default: one per directory under $PDTRACE_CACHE_DIR or the temp dir)."),
-    click.option("--no-cache", is_flag=True, help="Analyse in memory; keep nothing."),
+    click.option("--no-cache", is_flag=True, help="Analyse in memory; keep nothing of the trace (the SQL library template is shared)."),
 ]
 
 

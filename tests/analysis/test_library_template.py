@@ -26,7 +26,6 @@ def _answers_in_memory(d):
 
 def test_first_cache_builds_the_template_and_later_caches_copy_it(tmp_path, cache_dir, monkeypatch):
     d = _store(tmp_path)
-    mem = _answers_in_memory(d)                              # (an in-memory database always installs)
     installs = []
     real_install = cachemod.install
     monkeypatch.setattr(cachemod, "install", lambda con, stamp: (installs.append(stamp), real_install(con, stamp)))
@@ -40,7 +39,7 @@ def test_first_cache_builds_the_template_and_later_caches_copy_it(tmp_path, cach
     with db.Trace(d, cache=tmp_path / "two.duckdb") as tr:
         r = tr.refresh()
         assert r.rebuilt and r.dirty_requests == 4          # a copy has nothing absorbed: a full build
-        assert tr.query(_Q) == first == mem
+        assert tr.query(_Q) == first
     assert tpl.stat().st_mtime_ns == built and len(installs) == 1     # copied, not rebuilt or installed
     # the template itself never receives data: still the bare library
     con = duckdb.connect(str(tpl), read_only=True)
@@ -52,9 +51,51 @@ def test_first_cache_builds_the_template_and_later_caches_copy_it(tmp_path, cach
     # the template and its checksum, no temporary file left (here or beside the caches)
     assert sorted(p.name for p in cache_dir.iterdir()) == sorted([tpl.name, tpl.with_suffix(".sha256").name])
     assert not list(tmp_path.glob("*.tmp*"))
-    with db.Trace(d) as tr:                                  # in memory: nothing in the cache root
-        tr.refresh()
+    # in memory: a copy of the same template, the same answers, nothing more in the cache root
+    assert _answers_in_memory(d) == first
+    assert len(installs) == 1 and tpl.stat().st_mtime_ns == built
     assert len(list(cache_dir.iterdir())) == 2
+
+
+def test_a_memory_database_builds_the_template_and_copies_it(tmp_path, cache_dir, monkeypatch):
+    """The first in-memory analysis builds the template (one install, into the template); later ones,
+    and cache files, copy it; every answer and the library's catalog (views, macros, columns with their
+    comments) equal a database the modules were loaded into."""
+    d = _store(tmp_path)
+    installs = []
+    real_install = cachemod.install
+    monkeypatch.setattr(cachemod, "install", lambda con, stamp: (installs.append(stamp), real_install(con, stamp)))
+    tpl = cachemod.library_template()
+    a = _answers_in_memory(d)
+    assert tpl.exists() and len(installs) == 1
+    assert _answers_in_memory(d) == a and len(installs) == 1
+    with db.Trace(d, cache=tmp_path / "c.duckdb") as tr:
+        tr.refresh()
+        assert tr.query(_Q) == a and len(installs) == 1
+    loaded = duckdb.connect()
+    real_install(loaded, cachemod.library_stamp())
+    cat = ("SELECT table_name, column_name, data_type, comment FROM duckdb_columns() "
+           "WHERE database_name = current_database() ORDER BY ALL",
+           "SELECT function_name, macro_definition, parameters::VARCHAR, comment FROM duckdb_functions() "
+           "WHERE database_name = current_database() AND NOT internal ORDER BY ALL",
+           "SELECT view_name, comment FROM duckdb_views() WHERE database_name = current_database() "
+           "AND NOT internal ORDER BY ALL")
+    with db.Trace(d) as tr:
+        for q in cat:
+            assert tr.con.execute(q).fetchall() == loaded.execute(q).fetchall(), q
+
+
+def test_a_memory_database_without_a_template_installs_the_library(tmp_path, monkeypatch):
+    """A cache root that cannot be created: no template, the modules are loaded as before, same answers."""
+    d = _store(tmp_path)
+    want = _answers_in_memory(d)
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("x")
+    monkeypatch.setenv("PDTRACE_CACHE_DIR", str(blocker / "root"))
+    installs = []
+    real_install = cachemod.install
+    monkeypatch.setattr(cachemod, "install", lambda con, stamp: (installs.append(stamp), real_install(con, stamp)))
+    assert _answers_in_memory(d) == want and len(installs) == 1
 
 
 def test_a_corrupt_template_is_replaced_and_costs_no_answer(tmp_path, cache_dir):
