@@ -13,7 +13,10 @@ that interleave three situations so drift in the machine's load falls on all:
   the trace's cache is made from it;
 - *cold*: the template exists, the trace has no cache yet (every new trace
   directory, every incident on a machine that ran pdtrace once);
-- *warm*: the trace's cache exists and nothing changed.
+- *warm*: the trace's cache exists and nothing changed;
+- *memory*: ``pdtrace report --no-cache`` with the template present (an in-memory
+  database, filled from the template as a cache file is; what tests and one-off
+  looks run).
 
 Prints the median and min-max wall seconds per store and situation, and the
 issue-21 goal: cold report of a store of <= 1,000 requests in <= 1 s.
@@ -44,10 +47,10 @@ def _pdtrace() -> list[str]:
     return [sys.executable, "-m", "pdtrace.cli.main"]
 
 
-def _timed_report(store: Path, cache_dir: Path) -> float:
+def _timed_report(store: Path, cache_dir: Path, *options: str) -> float:
     env = dict(os.environ, PDTRACE_CACHE_DIR=str(cache_dir))
     t = time.perf_counter()
-    out = subprocess.run(_pdtrace() + ["report", str(store)], env=env, capture_output=True, text=True)
+    out = subprocess.run(_pdtrace() + ["report", *options, str(store)], env=env, capture_output=True, text=True)
     s = time.perf_counter() - t
     if out.returncode != 0:
         raise SystemExit(f"pdtrace report {store} failed:\n{out.stderr[-2000:]}")
@@ -98,7 +101,7 @@ def _caches(cache_dir: Path) -> list[Path]:
 def measure(store: Path, rounds: int, work: Path, phases: bool = False) -> dict[str, list[float]]:
     """{situation: [seconds per round]} for ``store``; with ``phases``, also {"phase <name>": [seconds]}
     of a cold report split into steps (:func:`_phases`), one per round."""
-    res: dict[str, list[float]] = {"first": [], "cold": [], "warm": []}
+    res: dict[str, list[float]] = {"first": [], "cold": [], "warm": [], "memory": []}
     for _ in range(rounds):
         fresh = Path(tempfile.mkdtemp(prefix="cache-", dir=work))
         res["first"].append(_timed_report(store, fresh))      # builds the template, then the trace's cache
@@ -106,6 +109,7 @@ def measure(store: Path, rounds: int, work: Path, phases: bool = False) -> dict[
             p.unlink()
         res["cold"].append(_timed_report(store, fresh))       # template present, no cache for the trace
         res["warm"].append(_timed_report(store, fresh))       # the trace's cache exists
+        res["memory"].append(_timed_report(store, fresh, "--no-cache"))  # in memory, template present
         if phases:
             for k, v in _phases(store, fresh).items():
                 res.setdefault(f"phase {k}", []).append(v)
