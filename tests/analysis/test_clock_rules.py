@@ -237,36 +237,33 @@ def test_sample_judged_on_its_own_interval_not_with_the_messages(analyse):
     assert off["p0"]["bound_ns"] == 20_700_000
 
 
-def test_push_prefill_bound_from_the_routers_receipt_of_ps_response(analyse):
-    """Push, P's clock +30 ms. P answers its leg (router.wait 1-102 on the router) after its compute (2-100),
-    so P - router is in [100 - 102, 2 - 1] + 30 = [28, 31] ms. Before, P's response was paired with the
-    first token only (260: transfer, D's step and the stream on top) and the bound's lower side was -130 ms
-    (in a CI run on 2 loaded cores, 2026-12-07, such a bound was 79 ms and ``pdtrace check`` flagged it)."""
+
+def _push_p_bound(analyse, wait_end_ms: float, wait_status: int) -> tuple[int, int]:
+    """One push request, P's clock +30 ms: router dispatch of both legs 0-1, router.wait on P's leg 1 to
+    ``wait_end_ms`` (status ``wait_status``), P compute 2-100, D first step 150-250, first token 260 (true
+    times). Returns the (lower, upper) ns of P - router."""
     c = Case(clock_shift_ms={"p0": 30})
-    root = c.router_request("w1", 0, 280, "push", first_token_ms=260)
-    c.span("router", "router.dispatch", 0, 1, rid="w1", parent=root, attrs={"router.leg": "prefill"})
-    c.span("router", "router.wait", 1, 102, rid="w1", parent=root, attrs={"router.leg": "prefill"})
-    c.span("router", "router.dispatch", 0, 1, rid="w1", parent=root, attrs={"router.leg": "decode"})
-    c.span("prefill", "prefill.compute", 2, 100, rid="w1", engine="p0")
-    c.span("decode", "decode.first_step", 150, 250, rid="w1", engine="d0")
-    tr = analyse(c)
-    row = tr.query("""SELECT * FROM clock_offsets WHERE clock_a = 'router' AND clock_b = 'p0'
-                      AND window_start_ns IS NULL""")[0]
-    assert (row["lower_ns"], row["upper_ns"]) == (28_000_000, 31_000_000), row
+    root = c.router_request("w", 0, 280, "push", first_token_ms=260)
+    c.span("router", "router.dispatch", 0, 1, rid="w", parent=root, attrs={"router.leg": "prefill"})
+    c.span("router", "router.wait", 1, wait_end_ms, rid="w", parent=root, attrs={"router.leg": "prefill"},
+           status=wait_status)
+    c.span("router", "router.dispatch", 0, 1, rid="w", parent=root, attrs={"router.leg": "decode"})
+    c.span("prefill", "prefill.compute", 2, 100, rid="w", engine="p0")
+    c.span("decode", "decode.first_step", 150, 250, rid="w", engine="d0")
+    row = analyse(c).query("""SELECT * FROM clock_offsets WHERE clock_a = 'router' AND clock_b = 'p0'
+                              AND window_start_ns IS NULL""")[0]
+    return row["lower_ns"], row["upper_ns"]
+
+
+def test_push_prefill_bound_from_the_routers_receipt_of_ps_response(analyse):
+    """P answers its leg (router.wait ends at 102 on the router) after its compute (2-100), so P - router is
+    in [100 - 102, 2 - 1] + 30 = [28, 31] ms. Before, P's response was paired with the first token only
+    (260: transfer, D's step and the stream on top) and the bound's lower side was -130 ms (in a CI run
+    on 2 loaded cores, 2026-12-07, such a bound was 79 ms and ``pdtrace check`` flagged it)."""
+    assert _push_p_bound(analyse, 102, 0) == (28_000_000, 31_000_000)
 
 
 def test_a_prefill_wait_cut_short_is_no_receipt(analyse):
-    """The same push request whose router.wait on P ended in an error at 50 ms (the router cancelled the
-    leg): that end is no receipt of P's response, the first token (260) is; P - router in [100 + 30 - 260,
-    31] = [-130, 31] ms."""
-    c = Case(clock_shift_ms={"p0": 30})
-    root = c.router_request("w2", 0, 280, "push", first_token_ms=260)
-    c.span("router", "router.dispatch", 0, 1, rid="w2", parent=root, attrs={"router.leg": "prefill"})
-    c.span("router", "router.wait", 1, 50, rid="w2", parent=root, attrs={"router.leg": "prefill"}, status=2)
-    c.span("router", "router.dispatch", 0, 1, rid="w2", parent=root, attrs={"router.leg": "decode"})
-    c.span("prefill", "prefill.compute", 2, 100, rid="w2", engine="p0")
-    c.span("decode", "decode.first_step", 150, 250, rid="w2", engine="d0")
-    tr = analyse(c)
-    row = tr.query("""SELECT * FROM clock_offsets WHERE clock_a = 'router' AND clock_b = 'p0'
-                      AND window_start_ns IS NULL""")[0]
-    assert (row["lower_ns"], row["upper_ns"]) == (-130_000_000, 31_000_000), row
+    """The router.wait on P ended in an error at 50 ms (the router cancelled the leg): that end is no
+    receipt of P's response, the first token (260) is; P - router in [100 + 30 - 260, 31] = [-130, 31] ms."""
+    assert _push_p_bound(analyse, 50, 2) == (-130_000_000, 31_000_000)
