@@ -3,8 +3,9 @@
 The analysis keeps one DuckDB file per trace directory (:func:`default_cache_path`, under
 :func:`cache_root`) so a second look at a growing trace is warm. A cache records the
 :func:`library_stamp` it was built with (cache format, SQL library hash, stage vocabulary hash); one with another stamp is
-rebuilt. A new cache file starts as a copy of the library template (:func:`library_template`,
-:mod:`pdtrace.analysis.template`): the SQL library installed once per user, library, vocabulary and
+rebuilt. A new cache file, and a new in-memory database, starts as a copy of the library template
+(:func:`library_template`, :mod:`pdtrace.analysis.template`, written in :func:`cache_root` by
+whichever needs it first): the SQL library installed once per user, library, vocabulary and
 DuckDB version, instead of loading every module on each cold open.
 """
 from __future__ import annotations

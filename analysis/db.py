@@ -64,7 +64,8 @@ class Trace(Materializer):
 
     ``cache``: path of a DuckDB file to keep between runs (created if
     missing, rebuilt if made by another SQL library version), or None for an
-    in-memory database. ``threads``: DuckDB threads (default: all cores); ``memory_limit``: DuckDB's
+    in-memory database. Either starts as a copy of the SQL library template in
+    :func:`pdtrace.analysis.cache.cache_root` (built there when missing). ``threads``: DuckDB threads (default: all cores); ``memory_limit``: DuckDB's
     ``memory_limit`` setting, e.g. ``'2GB'`` (default: DuckDB's, 80 % of RAM). ``window``: a
     :class:`pdtrace.analysis.window.Window`: only the requests that arrived in it, from the files that
     can hold them (rules there); a cache file built for another window (or none) is rebuilt.
@@ -96,7 +97,8 @@ class Trace(Materializer):
         copied = template and self.cache is not None and _cache.new_from_template(self.cache, stamp)
         con = duckdb.connect(str(self.cache) if self.cache else ":memory:")
         if template and self.cache is None:
-            # a memory database starts as a copy of the library template too (0.1 s, not 1.7 s)
+            # a memory database starts as a copy of the library template too (BENCHMARKS.md
+            # "Small-store cold report", situation "memory")
             copied = _cache.memory_from_template(con, stamp)
             if not copied:
                 con.close()

@@ -1,11 +1,10 @@
-"""Library templates: a DuckDB file built once and copied to start every new cache file.
+"""Library templates: a DuckDB file built once and copied to start every new analysis database.
 
-Loading the SQL library (every module's views, macros and comments) costs about a second, some 40 %
-of a small trace's cold report (BENCHMARKS.md "Small-store cold report"). A template
+Loading the SQL library (every module's views, macros and comments) costs 0.9-1.7 s on this machine
+kind, much of a small trace's cold report (BENCHMARKS.md "Small-store cold report"). A template
 holds the loaded library and nothing else; :func:`copy_into` makes a new cache file a copy of it,
-building it first when it is missing, and :func:`copy_to_memory` fills a new in-memory database
-from it (DuckDB's ``COPY FROM DATABASE``: about 0.1 s against 1.7 s to load the modules, on this
-machine kind). What the template holds and when two are alike is the
+and :func:`copy_to_memory` fills a new in-memory database from it (DuckDB's ``COPY FROM
+DATABASE``), each building it first when it is missing. What the template holds and when two are alike is the
 caller's (:mod:`pdtrace.analysis.cache`: ``build`` installs the library, ``check`` reads its stamp,
 the file name carries a key of everything the contents depend on).
 
@@ -17,12 +16,15 @@ Files, all in the template's directory unless named otherwise:
                     a concurrent builder after another wrote the sum) is dropped and built again
 ``*.tmp``           a build or copy in progress; one older than :data:`STALE_S` was left by a
                     killed process and is removed by the next build
-                    (copies sit beside the cache file they become)
+                    (copies sit beside the cache file they become; a copy for a memory
+                    database sits beside the template, private to its process)
 
-Guarantees: a reader never sees a half-built template or a half-copied cache; a cache file that
-exists is never replaced or removed (another process may have it open); a copy is opened and
-checked before it appears under the cache's name; a template is used only when the current user
-owns it. Every failure returns False and the caller installs the library into the cache itself.
+Guarantees: a reader never sees a half-built template, a half-copied cache or a half-copied
+memory database (its connection is dropped); a cache file that exists is never replaced or
+removed (another process may have it open); a copy is opened and checked before it appears
+under the cache's name, or before a memory database is used; a template is used only when the
+current user owns it, and only the bytes checked against its sum are copied. Every failure
+returns False and the caller installs the library itself.
 """
 from __future__ import annotations
 
@@ -31,8 +33,6 @@ import os
 import time
 from pathlib import Path
 from typing import Callable
-
-import threading
 
 import duckdb
 
@@ -151,32 +151,38 @@ def copy_into(cache: Path, tpl: Path, build: Callable[[duckdb.DuckDBPyConnection
         return False
 
 
-#: One ATTACH of a template at a time in this process (DuckDB refuses a file attached twice at once).
-_attach_lock = threading.Lock()
-
-
 def copy_to_memory(con: duckdb.DuckDBPyConnection, tpl: Path,
                    build: Callable[[duckdb.DuckDBPyConnection], None],
                    check: Callable[[duckdb.DuckDBPyConnection], bool]) -> bool:
     """Fill the empty in-memory database ``con`` with the template ``tpl`` (built with ``build`` when
-    missing, damaged or foreign): the template is attached read-only, copied with ``COPY FROM
-    DATABASE`` (views, macros, tables, comments) and detached; ``check`` then reads ``con``. True
-    when ``con`` holds the copy. False when it does not: no template could be built or attached, or
+    missing, damaged or foreign): the bytes checked against its sum are written to a private file
+    beside it (mode 0600), which is attached read-only, copied with ``COPY FROM DATABASE`` (views,
+    macros, tables, comments), detached and removed; ``check`` then reads ``con``. True when
+    ``con`` holds the copy. False when it does not: no template could be built or copied, or
     ``check`` refused the copy (the template is dropped). After a False ``con`` may hold part of a
     copy: the caller opens a new connection and installs the library into it."""
+    tag = f".{os.getpid()}.{time.monotonic_ns()}.tmp"
     try:
-        if _sound(tpl) is None:
+        data = _sound(tpl)
+        if data is None:
             drop(tpl)
-            _build(tpl, build, f".{os.getpid()}.{time.monotonic_ns()}.tmp")
-            if _sound(tpl) is None:
+            _build(tpl, build, tag)
+            data = _sound(tpl)
+            if data is None:
                 return False
-        db = con.execute("SELECT current_database()").fetchone()[0]
-        with _attach_lock:
-            con.execute("ATTACH ? AS _pdtrace_template (READ_ONLY)", [str(tpl)])
+        tmp = tpl.with_name(tpl.name + tag)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            db = con.execute("SELECT current_database()").fetchone()[0]
+            con.execute("ATTACH ? AS _pdtrace_template (READ_ONLY)", [str(tmp)])
             try:
                 con.execute(f'COPY FROM DATABASE _pdtrace_template TO "{db}"')
             finally:
                 con.execute("DETACH _pdtrace_template")
+        finally:
+            unlink_db(tmp)
         if not check(con):
             drop(tpl)
             return False

@@ -1,4 +1,4 @@
-"""End-to-end time of ``pdtrace report`` on a small store: first run on a machine, cold, warm.
+"""End-to-end time of ``pdtrace report`` on a small store: first run on a machine, cold, warm, in memory.
 
     python benchmarks/small_cold.py [--requests 20 --requests 1000] [--rounds 5]
 
@@ -6,7 +6,7 @@ Generates each store with ``analysis_gen.py`` (the synthetic store of the
 analysis benchmarks; ``--store DIR`` to use a real one instead), then runs
 ``pdtrace report DIR`` as a new process (interpreter start, imports, opening,
 refresh, the report's queries and printing: what a user waits for), in rounds
-that interleave three situations so drift in the machine's load falls on all:
+that interleave four situations so drift in the machine's load falls on all:
 
 - *first*: an empty ``PDTRACE_CACHE_DIR``: the SQL library is loaded into a new
   file (the library template, ``pdtrace.analysis.cache.library_template``) before

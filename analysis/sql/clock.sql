@@ -317,15 +317,16 @@ SELECT rkey, router_domain AS src, domain AS dst,
        first_start AS recv_ns, 'http_request' AS kind, NULL::BIGINT AS point_ns, NULL::BIGINT AS rtt_ns
 FROM pairs
 UNION ALL
--- prefill -> router: P answers its leg only after its prefill.compute ended, so
--- the router's receipt of P's response (router.wait on the prefill leg) comes
--- after it; without that span, pull dispatches D only after P's response, and in
--- any mode P's KV is computed before the router writes the first token (a loose
--- receipt in push: transfer, D's first step and the stream on top; in a CI run
--- on 2 loaded cores, 2026-12-07, it left the router <-> P bound at 79 ms)
+-- prefill -> router: the earliest of three instants that each come after P's
+-- last prefill.compute ended: the router's receipt of P's response (router.wait
+-- on the prefill leg: P answers only after computing), pull's dispatch of D (only
+-- after P's response), and the first token written to the client (P's KV is
+-- computed first). In push the first token alone is loose: transfer, D's first
+-- step and the stream on top (in a CI run on 2 loaded cores, 2026-12-07, it left
+-- the router <-> P bound at 79 ms); P's response can also come after the first
+-- token (P's API server stalled), so the earliest is taken, not the first present.
 SELECT rkey, domain, router_domain, compute_end,
-       coalesce(wait_p_end,
-                CASE WHEN mode = 'pull' THEN coalesce(disp_d_start, first_token_ns) ELSE first_token_ns END),
+       least(wait_p_end, CASE WHEN mode = 'pull' THEN least(disp_d_start, first_token_ns) ELSE first_token_ns END),
        'http_response', NULL, NULL
 FROM pairs WHERE role = 'prefill'
 UNION ALL

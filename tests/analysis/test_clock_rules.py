@@ -267,3 +267,9 @@ def test_a_prefill_wait_cut_short_is_no_receipt(analyse):
     """The router.wait on P ended in an error at 50 ms (the router cancelled the leg): that end is no
     receipt of P's response, the first token (260) is; P - router in [100 + 30 - 260, 31] = [-130, 31] ms."""
     assert _push_p_bound(analyse, 50, 2) == (-130_000_000, 31_000_000)
+
+
+def test_ps_response_after_the_first_token_leaves_the_first_token_as_receipt(analyse):
+    """P's response reached the router at 300 ms, after the first token (260: P's API server stalled after
+    computing); both come after P's compute, so the earlier, 260, bounds: P - router in [-130, 31] ms."""
+    assert _push_p_bound(analyse, 300, 0) == (-130_000_000, 31_000_000)

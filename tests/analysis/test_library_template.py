@@ -188,3 +188,19 @@ def test_a_copy_locked_by_another_process_is_reported_not_removed(tmp_path, cach
     with db.Trace(d, cache=cache) as tr:                     # the file is sound: its first refresh builds
         assert tr.refresh().rebuilt
         assert tr.query(_Q) == _answers_in_memory(d)
+
+
+def test_a_refused_memory_copy_is_dropped_and_the_library_installed(tmp_path, cache_dir, monkeypatch):
+    """A template whose copy fails its check (a stamp another library wrote, say): the half-filled memory
+    connection is dropped, the template too, the modules are loaded into a new one; same answers."""
+    d = _store(tmp_path)
+    want = _answers_in_memory(d)                              # builds the template
+    tpl = cachemod.library_template()
+    assert tpl.exists()
+    installs = []
+    real_install = cachemod.install
+    monkeypatch.setattr(cachemod, "install", lambda con, stamp: (installs.append(stamp), real_install(con, stamp)))
+    monkeypatch.setattr(cachemod, "_stamp_check", lambda stamp: (lambda con: False))
+    assert _answers_in_memory(d) == want
+    assert len(installs) == 1 and not tpl.exists()           # loaded into the new connection; template dropped
+    assert not list(cache_dir.glob("*.tmp*"))                 # the private copy removed
