@@ -112,6 +112,18 @@ def _sound(tpl: Path) -> bytes | None:
     return data if hashlib.sha256(data).hexdigest() == want else None
 
 
+def _sound_or_built(tpl: Path, build: Callable[[duckdb.DuckDBPyConnection], None], tag: str) -> bytes | None:
+    """The template's checked bytes (:func:`_sound`), building it with ``build`` (temporary files
+    tagged ``tag``) when it is missing, damaged or foreign; None when no sound one could be built.
+    Raises what :func:`_build` raises."""
+    data = _sound(tpl)
+    if data is None:
+        drop(tpl)
+        _build(tpl, build, tag)
+        data = _sound(tpl)
+    return data
+
+
 def copy_into(cache: Path, tpl: Path, build: Callable[[duckdb.DuckDBPyConnection], None],
               check: Callable[[duckdb.DuckDBPyConnection], bool]) -> bool:
     """Create the absent file ``cache`` as a copy of the template ``tpl`` (built with ``build`` when
@@ -124,13 +136,9 @@ def copy_into(cache: Path, tpl: Path, build: Callable[[duckdb.DuckDBPyConnection
         return False
     tag = f".{os.getpid()}.{time.monotonic_ns()}.tmp"
     try:
-        data = _sound(tpl)
+        data = _sound_or_built(tpl, build, tag)
         if data is None:
-            drop(tpl)
-            _build(tpl, build, tag)
-            data = _sound(tpl)
-            if data is None:
-                return False
+            return False
         _sweep(cache.parent, cache.name)
         tmp = cache.with_name(cache.name + tag)
         try:
@@ -163,13 +171,9 @@ def copy_to_memory(con: duckdb.DuckDBPyConnection, tpl: Path,
     copy: the caller opens a new connection and installs the library into it."""
     tag = f".{os.getpid()}.{time.monotonic_ns()}.tmp"
     try:
-        data = _sound(tpl)
+        data = _sound_or_built(tpl, build, tag)
         if data is None:
-            drop(tpl)
-            _build(tpl, build, tag)
-            data = _sound(tpl)
-            if data is None:
-                return False
+            return False
         tmp = tpl.with_name(tpl.name + tag)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
