@@ -102,25 +102,27 @@ def _stamp_check(stamp: str):
     return check
 
 
-def new_from_template(cache: Path, stamp: str) -> bool:
-    """Create the absent ``cache`` as a copy of the library template (True), or leave it to the caller
-    to install the library (False: see :func:`pdtrace.analysis.template.copy_into`)."""
+def _from_template(copy, target, stamp: str) -> bool:
+    """``copy(target, template, build, check)`` with this library's template, build and stamp check;
+    False when the template's path cannot be made (the cache root cannot be created)."""
     try:
         tpl = library_template(stamp)
     except OSError:
         return False
-    return _template.copy_into(cache, tpl, lambda con: install(con, stamp), _stamp_check(stamp))
+    return copy(target, tpl, lambda con: install(con, stamp), _stamp_check(stamp))
+
+
+def new_from_template(cache: Path, stamp: str) -> bool:
+    """Create the absent ``cache`` as a copy of the library template (True), or leave it to the caller
+    to install the library (False: see :func:`pdtrace.analysis.template.copy_into`)."""
+    return _from_template(_template.copy_into, cache, stamp)
 
 
 def memory_from_template(con: duckdb.DuckDBPyConnection, stamp: str) -> bool:
     """Fill the new in-memory database ``con`` from the library template (True), or leave it to the
     caller to open a new connection and install the library (False: see
     :func:`pdtrace.analysis.template.copy_to_memory`)."""
-    try:
-        tpl = library_template(stamp)
-    except OSError:
-        return False
-    return _template.copy_to_memory(con, tpl, lambda c: install(c, stamp), _stamp_check(stamp))
+    return _from_template(_template.copy_to_memory, con, stamp)
 
 
 

@@ -65,7 +65,8 @@ class Trace(Materializer):
     ``cache``: path of a DuckDB file to keep between runs (created if
     missing, rebuilt if made by another SQL library version), or None for an
     in-memory database. Either starts as a copy of the SQL library template in
-    :func:`pdtrace.analysis.cache.cache_root` (built there when missing). ``threads``: DuckDB threads (default: all cores); ``memory_limit``: DuckDB's
+    :func:`pdtrace.analysis.cache.cache_root` (built there when missing; BENCHMARKS.md
+    "Small-store cold report"). ``threads``: DuckDB threads (default: all cores); ``memory_limit``: DuckDB's
     ``memory_limit`` setting, e.g. ``'2GB'`` (default: DuckDB's, 80 % of RAM). ``window``: a
     :class:`pdtrace.analysis.window.Window`: only the requests that arrived in it, from the files that
     can hold them (rules there); a cache file built for another window (or none) is rebuilt.
@@ -92,15 +93,16 @@ class Trace(Materializer):
     # -- database lifecycle ---------------------------------------------------
     def _open(self, template: bool = True) -> duckdb.DuckDBPyConnection:
         stamp = _cache.library_stamp()
-        # a new cache file starts as a copy of the installed library (library_template), checked
-        # before it appears: an error opening it is another process's lock, raised as such
-        copied = template and self.cache is not None and _cache.new_from_template(self.cache, stamp)
-        con = duckdb.connect(str(self.cache) if self.cache else ":memory:")
-        if template and self.cache is None:
-            # a memory database starts as a copy of the library template too (BENCHMARKS.md
-            # "Small-store cold report", situation "memory")
-            copied = _cache.memory_from_template(con, stamp)
-            if not copied:
+        # a new database starts as a copy of the installed library (library_template). A cache
+        # file's copy is checked before it appears: an error opening it is another process's lock,
+        # raised as such. A memory database whose copy failed is dropped for a new, empty one.
+        if self.cache is not None:
+            copied = template and _cache.new_from_template(self.cache, stamp)
+            con = duckdb.connect(str(self.cache))
+        else:
+            con = duckdb.connect(":memory:")
+            copied = template and _cache.memory_from_template(con, stamp)
+            if template and not copied:
                 con.close()
                 con = duckdb.connect(":memory:")
         if self._threads:

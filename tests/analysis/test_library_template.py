@@ -19,16 +19,22 @@ def _store(tmp_path, name="s"):
     return d
 
 
+@pytest.fixture
+def installs(monkeypatch):
+    """The stamps of every library load (cache.install) from now on, in order; the loads still run."""
+    seen = []
+    real_install = cachemod.install
+    monkeypatch.setattr(cachemod, "install", lambda con, stamp: (seen.append(stamp), real_install(con, stamp)))
+    return seen
+
+
 def _answers_in_memory(d):
     with db.open_trace(d) as tr:
         return tr.query(_Q)
 
 
-def test_first_cache_builds_the_template_and_later_caches_copy_it(tmp_path, cache_dir, monkeypatch):
+def test_first_cache_builds_the_template_and_later_caches_copy_it(tmp_path, cache_dir, installs):
     d = _store(tmp_path)
-    installs = []
-    real_install = cachemod.install
-    monkeypatch.setattr(cachemod, "install", lambda con, stamp: (installs.append(stamp), real_install(con, stamp)))
     tpl = cachemod.library_template()
     assert tpl.parent == cache_dir and not tpl.exists()
     with db.Trace(d, cache=tmp_path / "one.duckdb") as tr:
@@ -57,14 +63,11 @@ def test_first_cache_builds_the_template_and_later_caches_copy_it(tmp_path, cach
     assert len(list(cache_dir.iterdir())) == 2
 
 
-def test_a_memory_database_builds_the_template_and_copies_it(tmp_path, cache_dir, monkeypatch):
+def test_a_memory_database_builds_the_template_and_copies_it(tmp_path, cache_dir, installs):
     """The first in-memory analysis builds the template (one install, into the template); later ones,
     and cache files, copy it; every answer and the library's catalog (views, macros, columns with their
     comments) equal a database the modules were loaded into."""
     d = _store(tmp_path)
-    installs = []
-    real_install = cachemod.install
-    monkeypatch.setattr(cachemod, "install", lambda con, stamp: (installs.append(stamp), real_install(con, stamp)))
     tpl = cachemod.library_template()
     a = _answers_in_memory(d)
     assert tpl.exists() and len(installs) == 1
@@ -73,7 +76,7 @@ def test_a_memory_database_builds_the_template_and_copies_it(tmp_path, cache_dir
         tr.refresh()
         assert tr.query(_Q) == a and len(installs) == 1
     loaded = duckdb.connect()
-    real_install(loaded, cachemod.library_stamp())
+    cachemod.install(loaded, cachemod.library_stamp())
     cat = ("SELECT table_name, column_name, data_type, comment FROM duckdb_columns() "
            "WHERE database_name = current_database() ORDER BY ALL",
            "SELECT function_name, macro_definition, parameters::VARCHAR, comment FROM duckdb_functions() "
@@ -85,16 +88,14 @@ def test_a_memory_database_builds_the_template_and_copies_it(tmp_path, cache_dir
             assert tr.con.execute(q).fetchall() == loaded.execute(q).fetchall(), q
 
 
-def test_a_memory_database_without_a_template_installs_the_library(tmp_path, monkeypatch):
+def test_a_memory_database_without_a_template_installs_the_library(tmp_path, monkeypatch, installs):
     """A cache root that cannot be created: no template, the modules are loaded as before, same answers."""
     d = _store(tmp_path)
     want = _answers_in_memory(d)
+    installs.clear()                                          # count from here
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("x")
     monkeypatch.setenv("PDTRACE_CACHE_DIR", str(blocker / "root"))
-    installs = []
-    real_install = cachemod.install
-    monkeypatch.setattr(cachemod, "install", lambda con, stamp: (installs.append(stamp), real_install(con, stamp)))
     assert _answers_in_memory(d) == want and len(installs) == 1
 
 
@@ -190,16 +191,14 @@ def test_a_copy_locked_by_another_process_is_reported_not_removed(tmp_path, cach
         assert tr.query(_Q) == _answers_in_memory(d)
 
 
-def test_a_refused_memory_copy_is_dropped_and_the_library_installed(tmp_path, cache_dir, monkeypatch):
+def test_a_refused_memory_copy_is_dropped_and_the_library_installed(tmp_path, cache_dir, monkeypatch, installs):
     """A template whose copy fails its check (a stamp another library wrote, say): the half-filled memory
     connection is dropped, the template too, the modules are loaded into a new one; same answers."""
     d = _store(tmp_path)
     want = _answers_in_memory(d)                              # builds the template
+    installs.clear()                                          # count from here
     tpl = cachemod.library_template()
     assert tpl.exists()
-    installs = []
-    real_install = cachemod.install
-    monkeypatch.setattr(cachemod, "install", lambda con, stamp: (installs.append(stamp), real_install(con, stamp)))
     monkeypatch.setattr(cachemod, "_stamp_check", lambda stamp: (lambda con: False))
     assert _answers_in_memory(d) == want
     assert len(installs) == 1 and not tpl.exists()           # loaded into the new connection; template dropped
