@@ -268,6 +268,8 @@ class Writer(threading.Thread):
             if asked:
                 self._flush_req.clear()
             ok = False
+            if (asked or stopping) and self._sock is None:
+                self._sink_retry_at = 0.0  # a caller waits for these records: try a failed start again now
             try:
                 self._drain()
                 now = time.monotonic()
@@ -428,7 +430,7 @@ class Writer(threading.Thread):
     def _start_sink(self) -> bool:
         """Connect to the host's sink of this trace directory, starting one if none runs; False (records
         dropped, one warning) if it cannot be reached now. After a failure the next try waits one flush
-        interval."""
+        interval, or a flush request (:meth:`flush`, :meth:`stop`: their caller waits for the records)."""
         now = time.monotonic()
         if now < self._sink_retry_at:
             return False

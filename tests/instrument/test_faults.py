@@ -295,12 +295,44 @@ print(json.dumps({"stats": tracer.stats(), "nice": nice, "grandchildren": grandc
     import json
     out = json.loads(r.stdout.strip().splitlines()[-1])
     st = out["stats"]
-    assert out["nice"] == 10 and out["grandchildren"] == [] and out["new_sink"]
-    assert (st["recorded"], st["written"], st["dropped"]) == (180, 130, 50)
+    assert out["nice"] == 10 and out["grandchildren"] == [] and out["new_sink"], r.stderr
+    assert (st["recorded"], st["written"], st["dropped"]) == (180, 130, 50), r.stderr
     assert r.stderr.count("sink process is gone") == 1
     rows = dict(duckdb.sql(f"select request_id, count(*) from read_parquet('{tmp_path}/*.parquet') "
                            "where name='decode.step' group by 1").fetchall())
     assert rows == {"a": 100, "c": 30}
+
+
+def test_failed_sink_start_is_tried_again_by_a_flush_request(child, tmp_path):
+    """A sink that cannot be started (its name held by a socket that does not listen: connect is
+    refused and the started process finds the name taken) drops and counts; the next flush request
+    tries again at once instead of waiting a flush interval (60 s here), and its spans land.
+    The start timeout is cut to 1 s in the child so the failed start takes 1 s, not 10."""
+    code = """
+import os, time, json, functools
+from pdtrace.instrument import hostsink, tracer
+hostsink.connect = functools.partial(hostsink.connect, timeout=1.0)
+holder = hostsink.bind(os.environ["PDTRACE_DIR"])  # bound, never listening
+tracer.activate()  # its writer's first start fails
+for i in range(20):
+    tracer.record('decode.step', 'a', i, i + 1)
+first = tracer.force_flush(30)
+holder.close()
+for i in range(30):
+    tracer.record('decode.step', 'b', i, i + 1)
+second = tracer.force_flush(30)
+print(json.dumps({"stats": tracer.stats(), "first": first, "second": second}))
+"""
+    r = child(code, {"PDTRACE_DIR": str(tmp_path), "PDTRACE_FLUSH_INTERVAL_S": "60"})
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    st = out["stats"]
+    assert (out["first"], out["second"]) == (False, True), r.stderr
+    assert (st["written"], st["dropped"]) == (30, 20), r.stderr
+    assert r.stderr.count("cannot start the sink process") == 1
+    rows = dict(duckdb.sql(f"select request_id, count(*) from read_parquet('{tmp_path}/*.parquet') "
+                           "where name='decode.step' group by 1").fetchall())
+    assert rows == {"b": 30}
 
 
 def test_foreign_attribute_values_are_dropped_and_counted(tmp_path):
