@@ -238,12 +238,12 @@ def test_sample_judged_on_its_own_interval_not_with_the_messages(analyse):
 
 
 
-def _push_p_bound(analyse, wait_end_ms: float, wait_status: int) -> tuple[int, int]:
+def _push_p_bound(analyse, wait_end_ms: float, wait_status: int, first_token_ms: float = 260) -> tuple[int, int]:
     """One push request, P's clock +30 ms: router dispatch of both legs 0-1, router.wait on P's leg 1 to
-    ``wait_end_ms`` (status ``wait_status``), P compute 2-100, D first step 150-250, first token 260 (true
-    times). Returns the (lower, upper) ns of P - router."""
+    ``wait_end_ms`` (status ``wait_status``), P compute 2-100, D first step 150-250, first token
+    ``first_token_ms`` (true times). Returns the (lower, upper) ns of P - router."""
     c = Case(clock_shift_ms={"p0": 30})
-    root = c.router_request("w", 0, 280, "push", first_token_ms=260)
+    root = c.router_request("w", 0, first_token_ms + 20, "push", first_token_ms=first_token_ms)
     c.span("router", "router.dispatch", 0, 1, rid="w", parent=root, attrs={"router.leg": "prefill"})
     c.span("router", "router.wait", 1, wait_end_ms, rid="w", parent=root, attrs={"router.leg": "prefill"},
            status=wait_status)
@@ -273,3 +273,14 @@ def test_ps_response_after_the_first_token_leaves_the_first_token_as_receipt(ana
     """P's response reached the router at 300 ms, after the first token (260: P's API server stalled after
     computing); both come after P's compute, so the earlier, 260, bounds: P - router in [-130, 31] ms."""
     assert _push_p_bound(analyse, 300, 0) == (-130_000_000, 31_000_000)
+
+
+def test_late_response_joined_before_the_first_token_sglang_22853(analyse):
+    """sgl-project/sglang#22853: the router sends both legs at once and streams D's first token only after
+    P's HTTP response, which P's event loop sends between two batches, ~200 ms after its compute under
+    load. Here P answers at 290 ms (compute ended at 100) and the first token follows at 300. The late
+    response is still a receipt after P's compute, the earliest one: P - router in
+    [100 + 30 - 290, 2 + 30 - 1] = [-160, 31] ms, which holds the true offset (30 ms)."""
+    lower, upper = _push_p_bound(analyse, 290, 0, first_token_ms=300)
+    assert (lower, upper) == (-160_000_000, 31_000_000)
+    assert lower <= 30_000_000 <= upper
