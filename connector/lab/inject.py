@@ -21,8 +21,9 @@ Where each delay goes (the hook lengthens that stage only; at most once per requ
 stage                process / thread        hook (the delay is taken ...)
 ==================== ======================= ==================================================
 ``router.dispatch``  router, event loop      ... after the P leg's ``router.dispatch`` span
-                                             opened, before the leg is sent (``asyncio.sleep``;
-                                             pull and push)
+                                             opened, before the leg is sent (``asyncio.sleep``);
+                                             push: before either leg is sent (both
+                                             dispatch spans hold it)
 ``prefill.frontend`` P's API server, loop    ... inside pdtrace's ``FrontendMiddleware`` (after its
                                              span started), before vLLM parses the request and
                                              stamps ``arrival_time`` (``asyncio.sleep``)

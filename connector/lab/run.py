@@ -44,6 +44,7 @@ import urllib.error
 import urllib.request
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Callable
 
 from pdtrace.analysis import footprint
 from pdtrace.instrument import config as instrument_config
@@ -87,6 +88,9 @@ class LabOptions:
     router: str = "pdtrace"                 # pdtrace (traced) | vllm-router (vLLM's, untraced; .vllm_router)
     inject: str | None = None               # PDTRACE_LAB_INJECT for engines and router (lab only; see .inject)
     push_dispatch: str = "concurrent"       # push: both legs at once | "serial" (D after P answered; .router)
+    # called with the started Lab (engines healthy, warm-up done) just before the replay; what it returns
+    # (a callable, or None) is called right after the replay (benchmarks attach a sampling profiler)
+    on_replay: Callable[[object], Callable[[], None] | None] | None = None
 
 
 def default_out(mode: str) -> Path:
@@ -223,8 +227,13 @@ def run_lab(o: LabOptions, echo=print) -> dict:
                                                 max(cfg.n_prefill, cfg.n_decode)), 3)
             echo(f"warm-up (first-contact handshake) {summary['warmup_s']:.2f} s")
         d_before = [metrics.prompt_tokens_by_source(e.url) for e in lab.decodes]
+        after_replay = o.on_replay(lab) if o.on_replay is not None else None
         t_replay = time.monotonic()
-        recs = asyncio.run(replay.replay(wl, lab.router_url, timeout_s=o.request_timeout_s, progress=o.progress))
+        try:
+            recs = asyncio.run(replay.replay(wl, lab.router_url, timeout_s=o.request_timeout_s, progress=o.progress))
+        finally:
+            if after_replay is not None:
+                after_replay()
         summary["replay_wall_s"] = round(time.monotonic() - t_replay, 3)
         d_after = [metrics.prompt_tokens_by_source(e.url) for e in lab.decodes]
         rows = metrics.router_stats(lab.router_url) if o.router == "pdtrace" else []  # only ours has /_lab/stats
