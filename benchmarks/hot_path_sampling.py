@@ -91,20 +91,28 @@ def block_ci(flags: list[int], block: int, n_boot: int = 2000, seed: int = 0) ->
 
 def read_profile(path: Path, block: int) -> list[dict]:
     """One row per (process, thread) of a py-spy speedscope file: samples, pdtrace / lab shares (%), the
-    pdtrace interval (%)."""
+    pdtrace interval (%), and ``where``: pdtrace's samples by its outermost pdtrace frame (the hook vLLM
+    called: ``function (file relative to the package)`` -> samples)."""
     d = json.loads(path.read_text())
-    kinds = [classify(f.get("file") or "") for f in d["shared"]["frames"]]
+    frames = d["shared"]["frames"]
+    kinds = [classify(f.get("file") or "") for f in frames]
     rows = []
     for p in d["profiles"]:
-        flags, lab = [], 0
+        flags, lab, where = [], 0, {}
         for st in p["samples"]:
             o = owner(st, kinds)
             flags.append(1 if o == "pdtrace" else 0)
             lab += o == "lab"
+            if o == "pdtrace":
+                f = frames[next(i for i in st if kinds[i] == "pdtrace")]
+                rel = os.path.relpath(f.get("file") or "", _ROOT)
+                key = f"{f.get('name')} ({rel})"
+                where[key] = where.get(key, 0) + 1
         n = len(flags)
         lo, hi = block_ci(flags, block)
         rows.append({"profile": p["name"], "samples": n, "pdtrace_pct": 100 * sum(flags) / n if n else None,
-                     "ci": (lo, hi), "lab_pct": 100 * lab / n if n else None})
+                     "ci": (lo, hi), "lab_pct": 100 * lab / n if n else None,
+                     "where": dict(sorted(where.items(), key=lambda kv: -kv[1]))})
     return rows
 
 
@@ -191,7 +199,7 @@ def report(out: Path, block: int) -> list[dict]:
     return rows
 
 
-def show(rows: list[dict], min_samples: int) -> None:
+def show(rows: list[dict], min_samples: int, top: int = 0) -> None:
     print(f"{'engine':<10} {'process':<22} {'thread':<24} {'samples':>8} {'pdtrace %':>9} {'95 % interval':>17}"
           f" {'lab %':>6}")
     worst = None
@@ -203,6 +211,10 @@ def show(rows: list[dict], min_samples: int) -> None:
               f"{r['pdtrace_pct']:>9.2f} {f'[{lo:.2f}, {hi:.2f}]':>17} {r['lab_pct']:>6.2f}")
         if r["thread"] == "MainThread" and (worst is None or hi > worst[1][1]):
             worst = (r, r["ci"])
+        if top and r["where"]:
+            n = sum(r["where"].values())
+            for k, v in list(r["where"].items())[:top]:
+                print(f"{'':<12}{v / r['samples'] * 100:6.2f} %  ({v / n * 100:3.0f} % of pdtrace's)  {k}")
     if worst:
         r, (lo, hi) = worst
         verdict = "met" if hi <= GOAL_PCT else "missed" if lo > GOAL_PCT else "undecided"
@@ -220,6 +232,7 @@ def main() -> int:
     ap.add_argument("--min-samples", type=int, default=200, help="threads with fewer samples are not shown")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--profiles", type=Path, help="only read the py-spy files of this finished run")
+    ap.add_argument("--top", type=int, default=3, help="per thread, pdtrace's hooks with the most samples")
     ap.add_argument("--json", type=Path, help="also write the rows here")
     a = ap.parse_args()
     if a.profiles is None:
@@ -237,7 +250,7 @@ def main() -> int:
     else:
         spy_dir = a.profiles / "py-spy"
     rows = report(spy_dir, a.block)
-    show(rows, a.min_samples)
+    show(rows, a.min_samples, a.top)
     if a.json:
         a.json.write_text(json.dumps(rows, indent=2))
     return 0

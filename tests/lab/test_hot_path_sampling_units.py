@@ -103,6 +103,7 @@ while time.monotonic() < end:
     # 30 % of the CPU is traced(); its loop and clock reads are the child's own code (<string>), so
     # pdtrace's part (ids.trace_id) is a little under 30 % (25 % in a run on 2026-12-07)
     assert 18.0 < m["pdtrace_pct"] < 32.0, m
+    assert next(iter(m["where"])).startswith("trace_id (instrument/ids.py)"), m["where"]  # the hook called
     lo, hi = m["ci"]
     assert lo <= m["pdtrace_pct"] <= hi
     assert json.loads(out.read_text())["profiles"]
