@@ -38,7 +38,8 @@ attributes. The allowlist is the traced process's: keys that plug-ins
 register there are sent to the sink before the next records. If the sink
 cannot be reached or started, or dies, records are dropped and counted
 (``dropped``) with one warning; the next send connects again (or starts a new
-sink; after a failed start, one flush interval later). Warnings of the sink
+sink; after a failed start, one flush interval later, or at once for a flush
+request: its caller waits for the records). Warnings of the sink
 about this process's records (a directory it cannot write) come back with its
 answers and are logged here, once each.
 """
@@ -150,9 +151,12 @@ class Writer(threading.Thread):
         self.tracer = tracer
         self.cfg = cfg
         self._stop_evt = threading.Event()
-        self._flush_req = threading.Event()
         self._flush_done = threading.Condition()
-        self._flush_gen = 0
+        self._flush_gen = 0  # generation of the last flush or final tick sent (the sink's answers name it)
+        # flush requests: each caller's number, and the latest number a finished drain served (a drain
+        # serves the requests made before it began, never one made while it ran)
+        self._flush_asked = 0
+        self._flush_served = 0
         self._start_tag = time.strftime("%Y%m%dT%H%M%S")
         self._sock: socket.socket | None = None
         self._inbuf = bytearray()  # the sink's answers, read and not yet a whole frame
@@ -200,10 +204,10 @@ class Writer(threading.Thread):
         the records sent to it are then counted as dropped)."""
         deadline = time.monotonic() + timeout
         with self._flush_done:
-            target = self._flush_gen + 1
-            self._flush_req.set()
+            self._flush_asked += 1
+            mine = self._flush_asked
             self.tracer._wake.set()
-            while self._flush_gen < target:
+            while self._flush_served < mine:
                 left = deadline - time.monotonic()
                 if left <= 0 or not self.is_alive():
                     return False
@@ -263,13 +267,14 @@ class Writer(threading.Thread):
             wake.wait(max(0.0, next_flush - time.monotonic()))
             wake.clear()
             stopping = self._stop_evt.is_set()
-            # A flush request counts as served only by a drain that began after it.
-            asked = self._flush_req.is_set()
-            if asked:
-                self._flush_req.clear()
+            # A flush request counts as served only by a drain that began after it (an int read: atomic).
+            seq = self._flush_asked
+            asked = seq > self._flush_served
             ok = False
-            if (asked or stopping) and self._sock is None:
-                self._sink_retry_at = 0.0  # a caller waits for these records: try a failed start again now
+            if asked and self._sock is None:
+                # a caller waits for these records (up to its timeout): try a failed start again now. Not
+                # at stop: a process's exit never waits for a sink that could not be started just before
+                self._sink_retry_at = 0.0
             try:
                 self._drain()
                 now = time.monotonic()
@@ -287,6 +292,7 @@ class Writer(threading.Thread):
                 with self._flush_done:
                     self._flush_ok = ok
                     self._flush_gen += 1
+                    self._flush_served = max(self._flush_served, seq)
                     self._flush_done.notify_all()
             if stopping:
                 self._close()
@@ -430,7 +436,7 @@ class Writer(threading.Thread):
     def _start_sink(self) -> bool:
         """Connect to the host's sink of this trace directory, starting one if none runs; False (records
         dropped, one warning) if it cannot be reached now. After a failure the next try waits one flush
-        interval, or a flush request (:meth:`flush`, :meth:`stop`: their caller waits for the records)."""
+        interval, or a flush request (:meth:`flush`: its caller waits for the records)."""
         now = time.monotonic()
         if now < self._sink_retry_at:
             return False

@@ -22,8 +22,9 @@ stage                process / thread        hook (the delay is taken ...)
 ==================== ======================= ==================================================
 ``router.dispatch``  router, event loop      ... after the P leg's ``router.dispatch`` span
                                              opened, before the leg is sent (``asyncio.sleep``);
-                                             push: before either leg is sent (both
-                                             dispatch spans hold it)
+                                             push: before either leg is sent (concurrent
+                                             legs: both dispatch spans hold it; serial:
+                                             P's, D's starts when P answered)
 ``prefill.frontend`` P's API server, loop    ... inside pdtrace's ``FrontendMiddleware`` (after its
                                              span started), before vLLM parses the request and
                                              stamps ``arrival_time`` (``asyncio.sleep``)

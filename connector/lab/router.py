@@ -388,9 +388,10 @@ class Router:
         # push: both legs at once (concurrent), or D after P answered (serial)
         serial = self.push_dispatch == "serial"
         # lab only (PDTRACE_LAB_INJECT, see .inject): the router's dispatch work, before it sends any leg
-        # (both dispatch spans hold it). Not inside P's leg alone: with D's leg already running, that would
-        # be a later P, not a slower router (D registers while P waits, and P computes faster without
-        # D's work beside it on the lab's 2 cores: BENCHMARKS.md "Injected delays")
+        # (concurrent legs: both dispatch spans hold it; serial: P's). Not inside P's leg alone: with D's
+        # leg already running, that would be a later P, not a slower router (D registers while P waits,
+        # and P computes faster without D's work beside it on the lab's 2 cores: BENCHMARKS.md
+        # "Injected delays")
         await _inject.asleep("router.dispatch", x)
 
         async def p_leg():

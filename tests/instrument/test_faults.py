@@ -29,6 +29,14 @@ def _all_readable(d):
     return files
 
 
+def _sink_log(d) -> str:
+    """The sink starter's own stderr for trace directory ``d`` (hostsink.log_path), for failure messages."""
+    try:
+        return "\nsink log:\n" + open(hostsink.log_path(d)).read()[-4000:]
+    except OSError:
+        return ""
+
+
 def _count(d, where="name='decode.step'"):
     return duckdb.sql(f"select count(*) from read_parquet('{d}/**/*.parquet') where {where}").fetchall()[0][0]
 
@@ -279,7 +287,12 @@ sink = w.sink_pid
 nice = os.getpriority(os.PRIO_PROCESS, sink) - os.getpriority(os.PRIO_PROCESS, 0)
 grandchildren = open(f'/proc/{sink}/task/{sink}/children').read().split()
 os.kill(sink, signal.SIGKILL)
-while os.path.exists(f'/proc/{sink}') and open(f'/proc/{sink}/stat').read().split()[2] != 'Z':
+from pdtrace.instrument import hostsink
+while True:  # until its sockets are closed (every thread gone): the name refuses connections
+    s = hostsink.try_connect(os.environ["PDTRACE_DIR"], 1.0)
+    if s is None:
+        break
+    s.close()
     time.sleep(0.01)
 for i in range(50):  # sent into the dead sink's pipe: lost; the tick after them starts a new sink
     tracer.record('decode.step', 'b', i, i + 1)
@@ -295,8 +308,9 @@ print(json.dumps({"stats": tracer.stats(), "nice": nice, "grandchildren": grandc
     import json
     out = json.loads(r.stdout.strip().splitlines()[-1])
     st = out["stats"]
-    assert out["nice"] == 10 and out["grandchildren"] == [] and out["new_sink"], r.stderr
-    assert (st["recorded"], st["written"], st["dropped"]) == (180, 130, 50), r.stderr
+    why = r.stderr + _sink_log(tmp_path)
+    assert out["nice"] == 10 and out["grandchildren"] == [] and out["new_sink"], why
+    assert (st["recorded"], st["written"], st["dropped"]) == (180, 130, 50), why
     assert r.stderr.count("sink process is gone") == 1
     rows = dict(duckdb.sql(f"select request_id, count(*) from read_parquet('{tmp_path}/*.parquet') "
                            "where name='decode.step' group by 1").fetchall())
@@ -307,17 +321,20 @@ def test_failed_sink_start_is_tried_again_by_a_flush_request(child, tmp_path):
     """A sink that cannot be started (its name held by a socket that does not listen: connect is
     refused and the started process finds the name taken) drops and counts; the next flush request
     tries again at once instead of waiting a flush interval (60 s here), and its spans land.
-    The start timeout is cut to 1 s in the child so the failed start takes 1 s, not 10."""
+    The start timeout is cut to 1 s in the child while the name is held, so a failed start takes 1 s,
+    not 10."""
     code = """
 import os, time, json, functools
 from pdtrace.instrument import hostsink, tracer
-hostsink.connect = functools.partial(hostsink.connect, timeout=1.0)
+connect = hostsink.connect
+hostsink.connect = functools.partial(connect, timeout=1.0)
 holder = hostsink.bind(os.environ["PDTRACE_DIR"])  # bound, never listening
 tracer.activate()  # its writer's first start fails
 for i in range(20):
     tracer.record('decode.step', 'a', i, i + 1)
 first = tracer.force_flush(30)
 holder.close()
+hostsink.connect = connect  # the start that must succeed has its usual time
 for i in range(30):
     tracer.record('decode.step', 'b', i, i + 1)
 second = tracer.force_flush(30)
@@ -333,6 +350,31 @@ print(json.dumps({"stats": tracer.stats(), "first": first, "second": second}))
     rows = dict(duckdb.sql(f"select request_id, count(*) from read_parquet('{tmp_path}/*.parquet') "
                            "where name='decode.step' group by 1").fetchall())
     assert rows == {"b": 30}
+
+
+def test_a_flush_is_served_only_by_a_drain_that_began_after_it(child, tmp_path):
+    """A flush asked while an earlier one is still waiting for the sink (here a sink stopped by SIGSTOP,
+    resumed 1 s later) returns only once its own records are written: not when the earlier drain, which
+    began before them, is answered (it did, with the second record still unwritten)."""
+    code = PRELUDE + """
+import signal, threading
+w = tracer._writer
+tracer.record('decode.step', 'a', 0, 1)
+assert tracer.force_flush(30)
+pid = w.sink_pid
+os.kill(pid, signal.SIGSTOP)
+tracer.record('decode.step', 'b', 0, 1)
+first = tracer.force_flush(0.5)  # the sink is stopped: no answer in time; the drain goes on waiting
+tracer.record('decode.step', 'c', 0, 1)
+threading.Timer(1.0, os.kill, (pid, signal.SIGCONT)).start()
+second = tracer.force_flush(30)
+st = tracer.stats()
+print(json.dumps({"first": first, "second": second, "written": st["written"], "recorded": st["recorded"]}))
+"""
+    r = child(code, {"PDTRACE_DIR": str(tmp_path), "PDTRACE_FLUSH_INTERVAL_S": "60"})
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out == {"first": False, "second": True, "written": 3, "recorded": 3}, r.stderr
 
 
 def test_foreign_attribute_values_are_dropped_and_counted(tmp_path):
