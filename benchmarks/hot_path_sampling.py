@@ -231,7 +231,7 @@ class Sampler:
                         [spy, "record", "--pid", str(pid), "--subprocesses", "--threads", "--nonblocking",
                          "--full-filenames", "--rate", str(self.rate), "--format", "speedscope",
                          "--output", str(self.out / f"py-spy-{name}.json")],
-                        stdout=subprocess.DEVNULL, stderr=log)
+                        stdout=log, stderr=subprocess.STDOUT)  # its summary line goes to stdout
             (self.out / "py-spy-titles.json").write_text(json.dumps(self.titles))
             time.sleep(1.0)  # attached before the first replayed request
             dead = {n: p.returncode for n, p in self.procs.items() if p.poll() is not None}
