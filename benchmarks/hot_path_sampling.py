@@ -141,10 +141,29 @@ def block_ci(flags: list[int], block: int, n_boot: int = 2000, seed: int = 0) ->
     return (100 * min(means[int(0.025 * n_boot)], c - h), 100 * max(means[int(0.975 * n_boot) - 1], c + h))
 
 
-def read_profile(path: Path, block: int) -> list[dict]:
+def stall_runs(stacks: list[list[int]], flags: list[int], min_len: int) -> list[tuple[int, int]]:
+    """(start, length) of every run of at least ``min_len`` consecutive pdtrace samples (``flags``) whose
+    stacks are all the same: a thread stopped on one line for that long, which no pdtrace hook does on
+    its own (each is µs). On 2 loaded cores it is the thread preempted while runnable, or a garbage
+    collection that pdtrace's allocation happened to trigger (CPython collects on the allocation that
+    crosses the threshold, whoever makes it)."""
+    runs, i, n = [], 0, len(flags)
+    while i < n:
+        j = i
+        while j < n and flags[j] and stacks[j] == stacks[i]:
+            j += 1
+        if j - i >= min_len:
+            runs.append((i, j - i))
+        i = max(j, i + 1)
+    return runs
+
+
+def read_profile(path: Path, block: int, stall_len: int = 0) -> list[dict]:
     """One row per (process, thread) of a py-spy speedscope file: samples, pdtrace / lab shares (%), the
-    pdtrace interval (%), and ``where``: pdtrace's samples by :func:`hook` (``function (file relative to
-    the package root)`` -> samples)."""
+    pdtrace interval (%), ``where``: pdtrace's samples by :func:`hook` (``function (file relative to
+    the package root)`` -> samples); with ``stall_len`` > 0 also ``stalls`` (runs of
+    :func:`stall_runs`) and ``pdtrace_pct_no_stalls`` / ``ci_no_stalls`` (the same with those samples
+    left out of both counts)."""
     d = json.loads(path.read_text())
     frames = d["shared"]["frames"]
     kinds = [classify(f.get("file") or "") for f in frames]
@@ -162,9 +181,17 @@ def read_profile(path: Path, block: int) -> list[dict]:
                 where[key] = where.get(key, 0) + 1
         n = len(flags)
         lo, hi = block_ci(flags, block)
-        rows.append({"profile": p["name"], "samples": n, "pdtrace_pct": 100 * sum(flags) / n if n else None,
-                     "ci": (lo, hi), "lab_pct": 100 * lab / n if n else None,
-                     "where": dict(sorted(where.items(), key=lambda kv: -kv[1]))})
+        row = {"profile": p["name"], "samples": n, "pdtrace_pct": 100 * sum(flags) / n if n else None,
+               "ci": (lo, hi), "lab_pct": 100 * lab / n if n else None,
+               "where": dict(sorted(where.items(), key=lambda kv: -kv[1]))}
+        if stall_len > 0:
+            runs = stall_runs(p["samples"], flags, stall_len)
+            drop = {k for a, m in runs for k in range(a, a + m)}
+            rest = [f for k, f in enumerate(flags) if k not in drop]
+            row["stalls"] = runs
+            row["pdtrace_pct_no_stalls"] = 100 * sum(rest) / len(rest) if rest else None
+            row["ci_no_stalls"] = block_ci(rest, block)
+        rows.append(row)
     return rows
 
 
@@ -210,7 +237,8 @@ def _titles(pid: int) -> dict[int, str]:
 class Sampler:
     """py-spy on every engine of a lab from :meth:`start` (the lab's ``on_replay`` hook) to the call it
     returns. Files in ``out``: ``py-spy-<engine>.json`` (speedscope), ``py-spy-<engine>.log`` (py-spy's
-    messages, its sample and error counts), ``py-spy-titles.json`` ({engine: {pid: process title}}).
+    messages, its sample and error counts), ``py-spy-titles.json`` ({engine: {pid: process title}}),
+    ``py-spy-settings.json`` ({"rate": samples per second}).
     Raises RuntimeError when a py-spy exits at once (no ptrace access, say), after stopping the others."""
 
     def __init__(self, out: Path, rate: int):
@@ -233,6 +261,7 @@ class Sampler:
                          "--output", str(self.out / f"py-spy-{name}.json")],
                         stdout=log, stderr=subprocess.STDOUT)  # its summary line goes to stdout
             (self.out / "py-spy-titles.json").write_text(json.dumps(self.titles))
+            (self.out / "py-spy-settings.json").write_text(json.dumps({"rate": self.rate}))
             time.sleep(1.0)  # attached before the first replayed request
             dead = {n: p.returncode for n, p in self.procs.items() if p.poll() is not None}
             if dead:
@@ -261,7 +290,7 @@ def spy_counts(log: Path) -> tuple[int | None, int | None]:
     return (int(m.group(1)), int(m.group(2))) if m else (None, None)
 
 
-def report(out: Path, block: int) -> list[dict]:
+def report(out: Path, block: int, stall_len: int = 0) -> list[dict]:
     """Rows of every engine's py-spy file in ``out``: engine, process title, thread, py-spy's error
     count for the engine, and :func:`read_profile`'s figures. Raises FileNotFoundError when an engine
     of ``py-spy-titles.json`` has no profile (py-spy killed before writing it)."""
@@ -272,7 +301,7 @@ def report(out: Path, block: int) -> list[dict]:
         if not f.exists():
             raise FileNotFoundError(f"{f}: py-spy wrote no profile (see {f.with_suffix('.log')})")
         _, errors = spy_counts(f.with_suffix(".log"))
-        for r in read_profile(f, block):
+        for r in read_profile(f, block, stall_len):
             pid, tid, thread = profile_ids(r["profile"])
             title = titles[eng].get(str(pid), f"pid {pid}")
             rows.append({"engine": eng, "process": title, "thread": thread, "spy_errors": errors, **r})
@@ -304,6 +333,10 @@ def show(rows: list[dict], block: int, top: int = 0) -> None:
         lo, hi = r["ci"]
         print(f"{r['engine']:<10} {r['process'][:22]:<22} {r['thread'][:24]:<24} {r['samples']:>8} "
               f"{r['pdtrace_pct']:>9.2f} {f'[{lo:.2f}, {hi:.2f}]':>17} {r['lab_pct']:>6.2f}")
+        if r.get("stalls"):
+            lo2, hi2 = r["ci_no_stalls"]
+            print(f"{'':<12}{len(r['stalls'])} stall run(s) of {sum(m for _, m in r['stalls'])} samples on one "
+                  f"line; without them {r['pdtrace_pct_no_stalls']:.2f} % [{lo2:.2f}, {hi2:.2f}]")
         if top and r["where"]:
             n = sum(r["where"].values())
             for k, v in list(r["where"].items())[:top]:
@@ -333,6 +366,8 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--profiles", type=Path, help="only read the py-spy files of this finished run")
     ap.add_argument("--top", type=int, default=3, help="per thread, pdtrace's hooks with the most samples")
+    ap.add_argument("--stall-ms", type=float, default=10.0,
+                    help="also show each share without runs of pdtrace samples on one line this long (0: off)")
     ap.add_argument("--json", type=Path, help="also write the rows here")
     a = ap.parse_args()
     if a.profiles is None:
@@ -349,7 +384,9 @@ def main() -> int:
         print(f"\nrun directory {out}; mode {a.mode}; PDTRACE_SAMPLE={a.sample}; py-spy {a.rate} Hz")
     else:
         spy_dir = a.profiles / "py-spy"
-    rows = report(spy_dir, a.block)
+    settings = spy_dir / "py-spy-settings.json"
+    rate = json.loads(settings.read_text())["rate"] if settings.exists() else a.rate
+    rows = report(spy_dir, a.block, max(2, round(a.stall_ms * rate / 1000)) if a.stall_ms > 0 else 0)
     show(rows, a.block, a.top)
     if a.json:
         a.json.write_text(json.dumps(rows, indent=2))
