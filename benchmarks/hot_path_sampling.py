@@ -311,16 +311,24 @@ def report(out: Path, block: int, stall_len: int = 0) -> list[dict]:
     return rows
 
 
-def verdict(rows: list[dict], goal: float = GOAL_PCT) -> tuple[str, list[dict]]:
-    """The goal's verdict over the engine threads that count (``rows`` with enough samples, pdtrace's
-    own background threads, ``pdtrace-*``, left out): ``missed`` when one thread's interval lies above
-    ``goal``, ``met`` when every one lies at or below it, else ``undecided``; and those rows."""
-    judged = [r for r in rows if not r["thread"].startswith("pdtrace-")]
+#: The engine threads the goal names: every process's MainThread (API server event loop, EngineCore,
+#: the worker's forward thread) and vLLM's push writer threads.
+ENGINE_THREADS = ("MainThread", "nixl-push-writer")
+
+
+def verdict(rows: list[dict], block: int, goal: float = GOAL_PCT) -> tuple[str, list[dict], list[dict]]:
+    """The goal's verdict, the rows judged and the engine threads (:data:`ENGINE_THREADS`) with too
+    few samples (< 20 ``block``) to judge. Judged: every thread with enough samples but pdtrace's own
+    background threads (``pdtrace-*``). ``missed`` when one judged thread's interval lies above
+    ``goal``; ``met`` when every judged one lies at or below it and no engine thread is too short;
+    else ``undecided``."""
+    judged = [r for r in rows if r["samples"] >= 20 * block and not r["thread"].startswith("pdtrace-")]
+    short = [r for r in rows if r["samples"] < 20 * block and r["thread"] in ENGINE_THREADS]
     if any(r["ci"][0] > goal for r in judged):
-        return "missed", judged
-    if judged and all(r["ci"][1] <= goal for r in judged):
-        return "met", judged
-    return "undecided", judged
+        return "missed", judged, short
+    if judged and not short and all(r["ci"][1] <= goal for r in judged):
+        return "met", judged, short
+    return "undecided", judged, short
 
 
 def show(rows: list[dict], block: int, top: int = 0) -> None:
@@ -347,12 +355,15 @@ def show(rows: list[dict], block: int, top: int = 0) -> None:
             f"{r['engine']} {r['process'][:16]} {r['thread'][:16]} ({r['samples']})" for r in few))
     errs = {r["engine"]: r["spy_errors"] for r in rows}
     print("py-spy read errors per engine: " + ", ".join(f"{k} {v}" for k, v in sorted(errs.items())))
-    v, judged = verdict(enough)
+    v, judged, short = verdict(rows, block)
     if judged:
         w = max(judged, key=lambda r: r["ci"][1])
-        print(f"\nlargest engine-thread share: {w['engine']} {w['process'][:30]} {w['thread']} "
-              f"{w['pdtrace_pct']:.2f} % [{w['ci'][0]:.2f}, {w['ci'][1]:.2f}]; goal <= {GOAL_PCT} % on every "
-              f"engine thread: {v}")
+        print(f"\nlargest share of a judged thread: {w['engine']} {w['process'][:30]} {w['thread']} "
+              f"{w['pdtrace_pct']:.2f} % [{w['ci'][0]:.2f}, {w['ci'][1]:.2f}]")
+    print(f"goal <= {GOAL_PCT} % on every engine thread: {v} ({len(judged)} threads judged"
+          + (f"; too few samples on {len(short)} engine threads: "
+             + ", ".join(f"{r['engine']} {r['process'][:16]} {r['thread']}" for r in short) if short else "")
+          + ")")
 
 
 def main() -> int:

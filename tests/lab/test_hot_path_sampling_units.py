@@ -93,15 +93,19 @@ def test_block_interval_covers_independent_and_clumped_shares():
 def test_verdict_judges_every_engine_thread():
     mod = labkit.benchmark("hot_path_sampling")
 
-    def row(thread, lo, hi):
-        return {"thread": thread, "ci": (lo, hi)}
+    def row(thread, lo, hi, n=5_000):
+        return {"thread": thread, "ci": (lo, hi), "samples": n}
 
-    assert mod.verdict([row("MainThread", 0.2, 0.8), row("nixl-push-writer", 0.1, 0.9)])[0] == "met"
+    assert mod.verdict([row("MainThread", 0.2, 0.8), row("nixl-push-writer", 0.1, 0.9)], 50)[0] == "met"
     # the push writer thread's interval above the goal: missed, whatever the MainThreads say
-    assert mod.verdict([row("MainThread", 0.2, 0.8), row("nixl-push-writer", 1.5, 3.0)])[0] == "missed"
-    assert mod.verdict([row("MainThread", 0.6, 1.4)])[0] == "undecided"
+    assert mod.verdict([row("MainThread", 0.2, 0.8), row("nixl-push-writer", 1.5, 3.0)], 50)[0] == "missed"
+    assert mod.verdict([row("MainThread", 0.6, 1.4)], 50)[0] == "undecided"
     # pdtrace's own background thread is not an engine thread
-    assert mod.verdict([row("MainThread", 0.2, 0.8), row("pdtrace-writer", 40.0, 60.0)])[0] == "met"
+    assert mod.verdict([row("MainThread", 0.2, 0.8), row("pdtrace-writer", 40.0, 60.0)], 50)[0] == "met"
+    # an engine thread with too few samples (< 20 blocks) leaves the verdict open; another thread does not
+    v, judged, short = mod.verdict([row("MainThread", 0.2, 0.8), row("nixl-push-writer", 0.0, 5.0, n=70)], 50)
+    assert (v, len(judged), len(short)) == ("undecided", 1, 1)
+    assert mod.verdict([row("MainThread", 0.2, 0.8), row("tqdm_monitor", 0.0, 50.0, n=3)], 50)[0] == "met"
 
 
 @pytest.mark.timeout(120)
