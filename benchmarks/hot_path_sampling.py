@@ -1,7 +1,7 @@
 """pdtrace's share of each engine thread's CPU, sampled from outside by py-spy (no clock read in any hook).
 
     flock /tmp/pdtrace-heavy.lock .venv/bin/python benchmarks/hot_path_sampling.py --mode pull --requests 200
-    .venv/bin/python benchmarks/hot_path_sampling.py --profiles DIR      # re-read a run's DIR/py-spy files
+    .venv/bin/python benchmarks/hot_path_sampling.py --profiles DIR [DIR ...]   # re-read runs (pooled per thread)
 
 Runs one lab with the production recipe (vLLM's stock command, tracing switched on by ``PDTRACE_DIR``
 alone: the plugin; ``PDTRACE_SAMPLE`` = ``--sample``, default step sampling, ``PDTRACE_SELF_CPU`` off)
@@ -182,8 +182,8 @@ def read_profile(path: Path, block: int, stall_len: int = 0) -> list[dict]:
         n = len(flags)
         lo, hi = block_ci(flags, block)
         row = {"profile": p["name"], "samples": n, "pdtrace_pct": 100 * sum(flags) / n if n else None,
-               "ci": (lo, hi), "lab_pct": 100 * lab / n if n else None,
-               "where": dict(sorted(where.items(), key=lambda kv: -kv[1]))}
+               "ci": (lo, hi), "lab_pct": 100 * lab / n if n else None, "lab_samples": lab,
+               "where": dict(sorted(where.items(), key=lambda kv: -kv[1])), "_flags": flags}
         if stall_len > 0:
             runs = stall_runs(p["samples"], flags, stall_len)
             drop = {k for a, m in runs for k in range(a, a + m)}
@@ -191,6 +191,7 @@ def read_profile(path: Path, block: int, stall_len: int = 0) -> list[dict]:
             row["stalls"] = runs
             row["pdtrace_pct_no_stalls"] = 100 * sum(rest) / len(rest) if rest else None
             row["ci_no_stalls"] = block_ci(rest, block)
+            row["_rest"] = rest
         rows.append(row)
     return rows
 
@@ -311,6 +312,39 @@ def report(out: Path, block: int, stall_len: int = 0) -> list[dict]:
     return rows
 
 
+def pool(runs: list[list[dict]], block: int) -> list[dict]:
+    """Rows of several runs of the same code (each :func:`report`'s rows) pooled per (engine, process
+    title, thread): the runs' samples joined in run order, shares and intervals computed again (blocks
+    do not cross much between runs: one block in ``block`` samples straddles two), counts summed."""
+    out: dict[tuple, dict] = {}
+    for rows in runs:
+        for r in rows:
+            key = (r["engine"], r["process"], r["thread"])
+            o = out.setdefault(key, {"engine": key[0], "process": key[1], "thread": key[2], "profile": r["profile"],
+                                     "spy_errors": 0, "lab_samples": 0, "where": {}, "_flags": [], "runs": 0})
+            o["runs"] += 1
+            o["spy_errors"] += r.get("spy_errors") or 0
+            o["lab_samples"] += r["lab_samples"]
+            o["_flags"] += r["_flags"]
+            for k, v in r["where"].items():
+                o["where"][k] = o["where"].get(k, 0) + v
+            if "_rest" in r:
+                o.setdefault("_rest", []).extend(r["_rest"])
+                o.setdefault("stalls", []).extend(r["stalls"])
+    for o in out.values():
+        f = o["_flags"]
+        o["samples"] = n = len(f)
+        o["pdtrace_pct"] = 100 * sum(f) / n if n else None
+        o["ci"] = block_ci(f, block)
+        o["lab_pct"] = 100 * o["lab_samples"] / n if n else None
+        o["where"] = dict(sorted(o["where"].items(), key=lambda kv: -kv[1]))
+        if "_rest" in o:
+            rest = o["_rest"]
+            o["pdtrace_pct_no_stalls"] = 100 * sum(rest) / len(rest) if rest else None
+            o["ci_no_stalls"] = block_ci(rest, block)
+    return sorted(out.values(), key=lambda o: (o["engine"], o["process"], o["thread"]))
+
+
 #: The engine threads the goal names: every process's MainThread (API server event loop, EngineCore,
 #: the worker's forward thread) and vLLM's push writer threads.
 ENGINE_THREADS = ("MainThread", "nixl-push-writer")
@@ -375,7 +409,8 @@ def main() -> int:
     ap.add_argument("--block", type=int, default=50,
                     help="bootstrap block length (samples); threads with fewer than 20 blocks are not judged")
     ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--profiles", type=Path, help="only read the py-spy files of this finished run")
+    ap.add_argument("--profiles", type=Path, nargs="+",
+                    help="only read the py-spy files of these finished runs (several: pooled per thread)")
     ap.add_argument("--top", type=int, default=3, help="per thread, pdtrace's hooks with the most samples")
     ap.add_argument("--stall-ms", type=float, default=10.0,
                     help="also show each share without runs of pdtrace samples on one line this long (0: off)")
@@ -393,14 +428,19 @@ def main() -> int:
                                on_replay=sampler.start)
         lab_run.run_lab(o)
         print(f"\nrun directory {out}; mode {a.mode}; PDTRACE_SAMPLE={a.sample}; py-spy {a.rate} Hz")
-    else:
-        spy_dir = a.profiles / "py-spy"
-    settings = spy_dir / "py-spy-settings.json"
-    rate = json.loads(settings.read_text())["rate"] if settings.exists() else a.rate
-    rows = report(spy_dir, a.block, max(2, round(a.stall_ms * rate / 1000)) if a.stall_ms > 0 else 0)
+    dirs = [out / "py-spy"] if a.profiles is None else [d / "py-spy" for d in a.profiles]
+    runs = []
+    for spy_dir in dirs:
+        settings = spy_dir / "py-spy-settings.json"
+        rate = json.loads(settings.read_text())["rate"] if settings.exists() else a.rate
+        runs.append(report(spy_dir, a.block, max(2, round(a.stall_ms * rate / 1000)) if a.stall_ms > 0 else 0))
+    rows = runs[0] if len(runs) == 1 else pool(runs, a.block)
+    if len(runs) > 1:
+        print(f"{len(runs)} runs pooled: " + ", ".join(str(d.parent) for d in dirs))
     show(rows, a.block, a.top)
     if a.json:
-        a.json.write_text(json.dumps(rows, indent=2))
+        a.json.write_text(json.dumps([{k: v for k, v in r.items() if not k.startswith("_")} for r in rows],
+                                     indent=2))
     return 0
 
 

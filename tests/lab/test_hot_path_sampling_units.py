@@ -108,6 +108,22 @@ def test_verdict_judges_every_engine_thread():
     assert mod.verdict([row("MainThread", 0.2, 0.8), row("tqdm_monitor", 0.0, 50.0, n=3)], 50)[0] == "met"
 
 
+def test_runs_pool_per_thread():
+    mod = labkit.benchmark("hot_path_sampling")
+
+    def row(flags, where):
+        return {"engine": "decode-0", "process": "VLLM::EngineCore", "thread": "MainThread", "profile": "p",
+                "spy_errors": 1, "lab_samples": 0, "where": where, "_flags": flags, "samples": len(flags)}
+
+    a = row([1] * 10 + [0] * 990, {"build_connector_meta (connector/traced/scheduler.py)": 10})
+    b = row([1] * 30 + [0] * 1970, {"build_connector_meta (connector/traced/scheduler.py)": 30})
+    (p,) = mod.pool([[a], [b]], block=50)
+    assert (p["samples"], p["runs"], p["spy_errors"]) == (3000, 2, 2)
+    assert abs(p["pdtrace_pct"] - 40 / 3000 * 100) < 1e-9
+    assert p["where"] == {"build_connector_meta (connector/traced/scheduler.py)": 40}
+    assert p["ci"][0] <= p["pdtrace_pct"] <= p["ci"][1]
+
+
 @pytest.mark.timeout(120)
 def test_py_spy_sees_the_cpu_a_process_spends_in_pdtrace(tmp_path):
     """A real py-spy recording of a child that alternates 30 ms of pdtrace work (``ids.trace_id`` in a
