@@ -412,7 +412,7 @@ def main() -> int:
     ap.add_argument("--profiles", type=Path, nargs="+",
                     help="only read the py-spy files of these finished runs (several: pooled per thread)")
     ap.add_argument("--top", type=int, default=3, help="per thread, pdtrace's hooks with the most samples")
-    ap.add_argument("--stall-ms", type=float, default=10.0,
+    ap.add_argument("--stall-ms", type=float, default=20.0,
                     help="also show each share without runs of pdtrace samples on one line this long (0: off)")
     ap.add_argument("--json", type=Path, help="also write the rows here")
     a = ap.parse_args()

@@ -110,6 +110,9 @@ def _engine_id_from_app(app) -> str | None:
 # X -> monotonic ns: request handed to EngineCore / first output back (this API-server process)
 _sent: dict[str, int] = {}
 _first_out: dict[str, int] = {}
+# vLLM request id -> X, for ids whose outputs were seen: a decode step's outputs (every running request,
+# every step) skip the id parse; bounded like the others
+_out_x: dict[str, str | None] = {}
 _installed = False
 
 
@@ -126,14 +129,26 @@ def _note(d: dict, request_id) -> None:
 
 
 def _note_outputs(outputs, ts) -> None:
-    t_now = tracer.now()
-    t = int(ts * 1e9) if ts and 0 < int(ts * 1e9) <= t_now else t_now
+    """Note each request's first output time (X -> ns in ``_first_out``): EngineCore's own timestamp of
+    the outputs ``ts`` (monotonic s, same host clock) when sound, else now. Called on every batch of
+    outputs (every engine step of a decode server): a request already noted costs two dict lookups."""
+    t = None
+    out_x, first = _out_x, _first_out
     for o in outputs or ():
-        x = _x_of(o.request_id)
-        if x and x not in _first_out:
-            if len(_first_out) > 100_000:
-                _first_out.clear()
-            _first_out[x] = t
+        rid = o.request_id
+        x = out_x.get(rid)
+        if x is None:
+            x = _x_of(rid)
+            if len(out_x) > 100_000:
+                out_x.clear()
+            out_x[rid] = x
+        if x and x not in first:
+            if t is None:
+                t_now = tracer.now()
+                t = int(ts * 1e9) if ts and 0 < int(ts * 1e9) <= t_now else t_now
+            if len(first) > 100_000:
+                first.clear()
+            first[x] = t
 
 
 def install_engine_hooks() -> bool:

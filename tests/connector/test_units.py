@@ -103,6 +103,31 @@ def test_middleware_records_frontend_span(tmp_path, child):
     assert r.returncode == 0, r.stderr[-2000:]
 
 
+def test_first_output_is_noted_once_per_request_from_enginecores_timestamp(monkeypatch):
+    """The API server's output hook notes each request's first output (EngineCore's timestamp when it is
+    sound, else now) and leaves later batches alone; an id vLLM reuses after the request finished (its X
+    taken by the middleware) is noted again."""
+    import types
+
+    from pdtrace.connector.traced import middleware as m
+    from pdtrace.instrument import tracer
+
+    monkeypatch.setattr(m, "_first_out", {})
+    monkeypatch.setattr(m, "_out_x", {})
+    now = tracer.now()
+    a, b = (types.SimpleNamespace(request_id=f"cmpl-{x}-0") for x in ("xa", "xb"))
+    m._note_outputs([a], now / 1e9 - 0.5)  # EngineCore emitted it 0.5 s ago
+    m._note_outputs([a, b], now / 1e9 + 100)  # a timestamp in the future is unsound: now instead
+    first = dict(m._first_out)
+    assert set(first) == {"xa", "xb"}
+    assert abs(first["xa"] - (now - 500_000_000)) < 1_000 and first["xb"] >= now
+    m._note_outputs([a, b], now / 1e9)  # later decode steps: nothing changes
+    assert m._first_out == first
+    m._first_out.pop("xa")  # the request finished (FrontendMiddleware._finish)
+    m._note_outputs([a], now / 1e9)
+    assert m._first_out["xa"] == int(now / 1e9 * 1e9)
+
+
 def test_push_write_blocks_count_from_the_registration():
     """kv.blocks of a push WRITE: per cache group min(P's blocks, D's registered blocks); flat lists accepted."""
     from types import SimpleNamespace as NS
