@@ -143,10 +143,11 @@ def block_ci(flags: list[int], block: int, n_boot: int = 2000, seed: int = 0) ->
 
 def stall_runs(stacks: list[list[int]], flags: list[int], min_len: int) -> list[tuple[int, int]]:
     """(start, length) of every run of at least ``min_len`` consecutive pdtrace samples (``flags``) whose
-    stacks are all the same: a thread stopped on one line for that long, which no pdtrace hook does on
-    its own (each is µs). On 2 loaded cores it is the thread preempted while runnable, or a garbage
-    collection that pdtrace's allocation happened to trigger (CPython collects on the allocation that
-    crosses the threshold, whoever makes it)."""
+    stacks are all the same. py-spy keeps only on-CPU samples and no times, so a run is ``min_len`` /
+    rate s of the thread's sampled time on one line, not a measured wall time: likelier a thread
+    preempted while runnable, or a garbage collection that pdtrace's allocation happened to trigger
+    (CPython collects on the allocation that crosses the threshold, whoever makes it), than a pdtrace
+    hook's own work (µs)."""
     runs, i, n = [], 0, len(flags)
     while i < n:
         j = i
@@ -321,16 +322,16 @@ def pool(runs: list[list[dict]], block: int) -> list[dict]:
         for r in rows:
             key = (r["engine"], r["process"], r["thread"])
             o = out.setdefault(key, {"engine": key[0], "process": key[1], "thread": key[2], "profile": r["profile"],
-                                     "spy_errors": 0, "lab_samples": 0, "where": {}, "_flags": [], "runs": 0})
+                                     "lab_samples": 0, "where": {}, "_flags": [], "runs": 0})
             o["runs"] += 1
-            o["spy_errors"] += r.get("spy_errors") or 0
             o["lab_samples"] += r["lab_samples"]
             o["_flags"] += r["_flags"]
             for k, v in r["where"].items():
                 o["where"][k] = o["where"].get(k, 0) + v
             if "_rest" in r:
                 o.setdefault("_rest", []).extend(r["_rest"])
-                o.setdefault("stalls", []).extend(r["stalls"])
+                base = len(o["_flags"]) - len(r["_flags"])  # the stalls' indices in the pooled samples
+                o.setdefault("stalls", []).extend((a + base, m) for a, m in r["stalls"])
     for o in out.values():
         f = o["_flags"]
         o["samples"] = n = len(f)
@@ -365,7 +366,7 @@ def verdict(rows: list[dict], block: int, goal: float = GOAL_PCT) -> tuple[str, 
     return "undecided", judged, short
 
 
-def show(rows: list[dict], block: int, top: int = 0) -> None:
+def show(rows: list[dict], block: int, top: int = 0, errors: dict | None = None) -> None:
     """Print one line per thread with at least 20 ``block`` samples (fewer: listed as too few), its
     ``top`` pdtrace hooks, and the verdict."""
     print(f"{'engine':<10} {'process':<22} {'thread':<24} {'samples':>8} {'pdtrace %':>9} {'95 % interval':>17}"
@@ -387,8 +388,9 @@ def show(rows: list[dict], block: int, top: int = 0) -> None:
     if few:
         print(f"too few samples (< {20 * block}) to judge: " + ", ".join(
             f"{r['engine']} {r['process'][:16]} {r['thread'][:16]} ({r['samples']})" for r in few))
-    errs = {r["engine"]: r["spy_errors"] for r in rows}
-    print("py-spy read errors per engine: " + ", ".join(f"{k} {v}" for k, v in sorted(errs.items())))
+    if errors:
+        print("py-spy read errors per engine (summed over the runs): " + ", ".join(
+            f"{k} {'n/a' if v is None else v}" for k, v in sorted(errors.items())))
     v, judged, short = verdict(rows, block)
     if judged:
         w = max(judged, key=lambda r: r["ci"][1])
@@ -413,7 +415,8 @@ def main() -> int:
                     help="only read the py-spy files of these finished runs (several: pooled per thread)")
     ap.add_argument("--top", type=int, default=3, help="per thread, pdtrace's hooks with the most samples")
     ap.add_argument("--stall-ms", type=float, default=20.0,
-                    help="also show each share without runs of pdtrace samples on one line this long (0: off)")
+                    help="also show each share without runs of consecutive on-CPU pdtrace samples on one line "
+                         "of at least this many ms of sampled time (stall-ms x rate / 1000 samples; 0: off)")
     ap.add_argument("--json", type=Path, help="also write the rows here")
     a = ap.parse_args()
     if a.profiles is None:
@@ -432,12 +435,20 @@ def main() -> int:
     runs = []
     for spy_dir in dirs:
         settings = spy_dir / "py-spy-settings.json"
-        rate = json.loads(settings.read_text())["rate"] if settings.exists() else a.rate
+        if settings.exists():
+            rate = json.loads(settings.read_text())["rate"]
+        else:
+            rate = a.rate
+            print(f"{settings}: missing; taking --rate {rate} for the stall length", file=sys.stderr)
         runs.append(report(spy_dir, a.block, max(2, round(a.stall_ms * rate / 1000)) if a.stall_ms > 0 else 0))
     rows = runs[0] if len(runs) == 1 else pool(runs, a.block)
     if len(runs) > 1:
         print(f"{len(runs)} runs pooled: " + ", ".join(str(d.parent) for d in dirs))
-    show(rows, a.block, a.top)
+    errors: dict[str, int | None] = {}
+    for rows_ in runs:  # py-spy's own count, once per run and engine (None: not printed by that run)
+        for eng, n in {r["engine"]: r["spy_errors"] for r in rows_}.items():
+            errors[eng] = None if n is None or errors.get(eng, 0) is None else errors.get(eng, 0) + n
+    show(rows, a.block, a.top, errors)
     if a.json:
         a.json.write_text(json.dumps([{k: v for k, v in r.items() if not k.startswith("_")} for r in rows],
                                      indent=2))

@@ -111,8 +111,9 @@ def _engine_id_from_app(app) -> str | None:
 _sent: dict[str, int] = {}
 _first_out: dict[str, int] = {}
 # vLLM request id -> X, for ids whose outputs were seen: a decode step's outputs (every running request,
-# every step) skip the id parse; bounded like the others
-_out_x: dict[str, str | None] = {}
+# every step) skip the id lookup (two Python calls and a str()); never pruned by a request's end, cleared
+# at 100,000 ids like the others
+_out_x: dict[str, str] = {}
 _installed = False
 
 

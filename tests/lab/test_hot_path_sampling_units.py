@@ -108,6 +108,16 @@ def test_verdict_judges_every_engine_thread():
     assert mod.verdict([row("MainThread", 0.2, 0.8), row("tqdm_monitor", 0.0, 50.0, n=3)], 50)[0] == "met"
 
 
+def test_stall_runs_need_the_same_stack_on_consecutive_pdtrace_samples():
+    mod = labkit.benchmark("hot_path_sampling")
+    a, b = [1, 2, 3], [1, 2, 4]
+    stacks = [a, a, a, b, a, a, b, b]
+    flags = [1, 1, 1, 1, 0, 1, 1, 1]
+    # a a a: a run of 3; then b alone; then a non-pdtrace sample breaks the next a's; a b b: a run of 2
+    assert mod.stall_runs(stacks, flags, 3) == [(0, 3)]
+    assert mod.stall_runs(stacks, flags, 2) == [(0, 3), (6, 2)]
+
+
 def test_runs_pool_per_thread():
     mod = labkit.benchmark("hot_path_sampling")
 
@@ -117,8 +127,12 @@ def test_runs_pool_per_thread():
 
     a = row([1] * 10 + [0] * 990, {"build_connector_meta (connector/traced/scheduler.py)": 10})
     b = row([1] * 30 + [0] * 1970, {"build_connector_meta (connector/traced/scheduler.py)": 30})
+    b["_rest"], b["stalls"] = b["_flags"][5:], [(0, 5)]  # b's first 5 samples: a stall
+    a["_rest"], a["stalls"] = a["_flags"], []
     (p,) = mod.pool([[a], [b]], block=50)
-    assert (p["samples"], p["runs"], p["spy_errors"]) == (3000, 2, 2)
+    assert p["stalls"] == [(1000, 5)]  # b's stall at its place among the pooled samples
+    assert abs(p["pdtrace_pct_no_stalls"] - 35 / 2995 * 100) < 1e-9
+    assert (p["samples"], p["runs"]) == (3000, 2)
     assert abs(p["pdtrace_pct"] - 40 / 3000 * 100) < 1e-9
     assert p["where"] == {"build_connector_meta (connector/traced/scheduler.py)": 40}
     assert p["ci"][0] <= p["pdtrace_pct"] <= p["ci"][1]
