@@ -11,6 +11,9 @@ from pdtrace.instrument import ids as _ids
 from ..vllm_compat import HEARTBEAT_PREFIX, PUSH_REG_PREFIX
 
 _cache: dict[str, tuple[str, int]] = {}
+#: :func:`split_id`'s cache (internal id -> (X, prompt index)), read directly by a hook that runs per output
+#: of every engine step (the API server's output hook), where the function call is most of the cost
+SPLIT_CACHE = _cache
 
 
 def split_id(internal_id: str) -> tuple[str, int]:

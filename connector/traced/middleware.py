@@ -52,7 +52,7 @@ from pdtrace.instrument import activate, tracer
 from pdtrace.instrument import attributes as _attrs
 from pdtrace.instrument import config, stages
 
-from .common import split_id
+from .common import SPLIT_CACHE, split_id
 from .safety import safe
 
 _PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -110,10 +110,6 @@ def _engine_id_from_app(app) -> str | None:
 # X -> monotonic ns: request handed to EngineCore / first output back (this API-server process)
 _sent: dict[str, int] = {}
 _first_out: dict[str, int] = {}
-# vLLM request id -> X, for ids whose outputs were seen: a decode step's outputs (every running request,
-# every step) skip the id lookup (two Python calls and a str()); never pruned by a request's end, cleared
-# at 100,000 ids like the others
-_out_x: dict[str, str] = {}
 _installed = False
 
 
@@ -132,17 +128,14 @@ def _note(d: dict, request_id) -> None:
 def _note_outputs(outputs, ts) -> None:
     """Note each request's first output time (X -> ns in ``_first_out``): EngineCore's own timestamp of
     the outputs ``ts`` (monotonic s, same host clock) when sound, else now. Called on every batch of
-    outputs (every engine step of a decode server): a request already noted costs two dict lookups."""
+    outputs (every engine step of a decode server): a request already noted costs two dict lookups
+    (:data:`pdtrace.connector.traced.common.SPLIT_CACHE` read inline, then ``_first_out``)."""
     t = None
-    out_x, first = _out_x, _first_out
+    ids, first = SPLIT_CACHE, _first_out
     for o in outputs or ():
         rid = o.request_id
-        x = out_x.get(rid)
-        if x is None:
-            x = _x_of(rid)
-            if len(out_x) > 100_000:
-                out_x.clear()
-            out_x[rid] = x
+        v = ids.get(rid)
+        x = v[0] if v is not None else _x_of(rid)
         if x and x not in first:
             if t is None:
                 t_now = tracer.now()

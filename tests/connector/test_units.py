@@ -113,7 +113,6 @@ def test_first_output_is_noted_once_per_request_from_enginecores_timestamp(monke
     from pdtrace.instrument import tracer
 
     monkeypatch.setattr(m, "_first_out", {})
-    monkeypatch.setattr(m, "_out_x", {})
     now = tracer.now()
     a, b = (types.SimpleNamespace(request_id=f"cmpl-{x}-0") for x in ("xa", "xb"))
     m._note_outputs([a], now / 1e9 - 0.5)  # EngineCore emitted it 0.5 s ago
