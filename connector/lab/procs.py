@@ -123,16 +123,19 @@ def stop_group(proc: subprocess.Popen, term_timeout_s: float = 15.0) -> None:
     """Stop ``proc``'s process group and every descendant; never raises for gone processes.
 
     SIGTERM to the group, wait up to ``term_timeout_s`` seconds, then SIGKILL the
-    group and any surviving descendant, and reap ``proc``.
+    group and any surviving descendant, and reap ``proc``. With ``term_timeout_s``
+    <= 0 no SIGTERM is sent: the group is SIGKILLed at once (a crash). A SIGTERM
+    sent first, even microseconds before the SIGKILL, can start vLLM's graceful
+    shutdown, which ends every open stream as an ``abort`` finish.
     """
     kids = descendants(proc.pid)
     try:
         pgid = os.getpgid(proc.pid)
     except ProcessLookupError:
         pgid = proc.pid  # start_new_session: pgid == pid
-    for sig in (signal.SIGTERM,):
+    if term_timeout_s > 0:
         try:
-            os.killpg(pgid, sig)
+            os.killpg(pgid, signal.SIGTERM)
         except (ProcessLookupError, PermissionError):
             pass
     deadline = time.monotonic() + term_timeout_s

@@ -20,9 +20,13 @@ that relays D's stream; empty if no chunk came), ``prompt_tokens``,
 ``send_ns``, ``first_token_ns`` (null if none), ``end_ns``, ``token_times_ns``
 (list, one per generated token), ``output_tokens``, ``status`` (``ok``,
 ``http_error``, ``stream_error``, ``timeout``, ``connection_error``; ``ok``
-only for a stream that ended with ``data: [DONE]`` and carried no error
-event, ``stream_error`` with ``error_type`` ``stream_truncated`` for one whose
-bytes stopped before it), ``http_status``, ``error_type``.
+only for a stream that ended with ``data: [DONE]``, carried no error
+event and no choice finished with ``finish_reason`` ``abort`` or ``error``;
+``stream_error`` with ``error_type`` ``stream_truncated`` for one whose bytes
+stopped before it, ``finish_abort`` / ``finish_error`` for one the engine
+ended so (a router that relays D's stream verbatim, as vllm-router does, passes
+vLLM's graceful-shutdown abort on as a clean end), ``http_status``,
+``error_type``.
 """
 from __future__ import annotations
 
@@ -119,6 +123,11 @@ async def send_one(session: aiohttp.ClientSession, url: str, req: ReplayRequest,
                             rec.error_type = str(err.get("type", ""))[:64]
                             rec.http_status = int(err.get("code") or 0) if str(err.get("code", "")).isdigit() else rec.http_status
                             continue
+                        reasons = {c.get("finish_reason") for c in obj.get("choices") or () if isinstance(c, dict)}
+                        bad = reasons & {"abort", "error"}
+                        if bad and rec.status == "pending":
+                            rec.status = "stream_error"
+                            rec.error_type = "finish_error" if "error" in bad else "finish_abort"
                         if not rec.response_id and isinstance(obj.get("id"), str):
                             rec.response_id = obj["id"][:256]
                         new, total = _count_tokens(obj, total)

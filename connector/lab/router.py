@@ -27,7 +27,11 @@ aiohttp server and client. For each client request the router makes one id X
 D's stream is relayed chunk by chunk. Errors from a leg keep their HTTP status;
 a failure after the stream started becomes an in-stream ``{"error": ...}``
 event; a D stream that ends without its final ``data: [DONE]`` is such a
-failure (type ``stream_truncated``), never a complete response. A per-request timeout (``timeout_s``) applies; when one leg fails or the
+failure (type ``stream_truncated``), never a complete response; so is a D
+response whose choice finished with ``finish_reason`` ``error`` (type
+``decode_failed``, e.g. the KV load failed) or ``abort`` (type
+``decode_aborted``: D aborted it, as vLLM's API server does to every open
+request when SIGTERM starts its graceful shutdown). A per-request timeout (``timeout_s``) applies; when one leg fails or the
 client disconnects, the other leg is cancelled (closing its connection makes
 vLLM abort it). Engines are picked round-robin.
 
@@ -105,6 +109,26 @@ class LegError(Exception):
             except ValueError:
                 pass
         return {"error": err}
+
+
+def finish_failure(obj: dict) -> LegError | None:
+    """The failure a D response chunk (a parsed JSON object) reports in its choices' ``finish_reason``.
+
+    ``"error"`` -> 502 ``decode_failed`` (vLLM finishes a request so when its KV
+    load from P failed); ``"abort"`` -> 502 ``decode_aborted`` (the engine
+    aborted it: vLLM's API server ends every open request so when SIGTERM starts
+    its graceful shutdown, ``vllm/entrypoints/launchers/launcher.py``); any
+    other reason, or none -> ``None``.
+    """
+    reasons = {c.get("finish_reason") for c in obj.get("choices") or () if isinstance(c, dict)}
+    if "error" in reasons:
+        return LegError(502, "decode engine finished the request with an error "
+                             "(e.g. KV load from the prefill engine failed)", "decode", "decode_failed")
+    if "abort" in reasons:
+        return LegError(502, "decode engine aborted the request before it finished "
+                             "(the engine is shutting down, or the request was aborted on it)",
+                        "decode", "decode_aborted")
+    return None
 
 
 def check_shared_id(p_headers: dict, d_headers: dict) -> None:
@@ -506,10 +530,10 @@ class Router:
                         raw = await r.read()
                         first_rx = _now()
                         obj = json.loads(raw)
-                        if any(c.get("finish_reason") == "error" for c in obj.get("choices") or ()):
-                            raise LegError(502, "decode engine finished the request with an error "
-                                                "(e.g. KV load from the prefill engine failed)", "decode",
-                                           "decode_failed", raw)
+                        failure = finish_failure(obj)
+                        if failure is not None:
+                            failure.upstream_body = raw
+                            raise failure
                         note_first(first_rx)
                         resp = web.Response(status=200, body=raw, content_type="application/json",
                                             headers={"X-Request-Id": x})
@@ -535,23 +559,27 @@ class Router:
                     last_token_t = None
                     async for data in r.content.iter_any():
                         t_rx = _now()
-                        has_tok, failed = False, False
+                        has_tok, failure, before = False, None, []
                         for obj in dec.feed(data):
                             if "error" in obj:
-                                failed = True
-                            elif _chunk_has_token(obj):
-                                has_tok = True
-                            if any(c.get("finish_reason") == "error" for c in obj.get("choices") or ()):
-                                failed = True
-                        if failed:
-                            raise LegError(502, "decode engine finished the request with an error "
-                                                "(e.g. KV load from the prefill engine failed)",
-                                           "decode", "decode_failed")
+                                failure = LegError(502, "decode engine reported an error mid-stream",
+                                                   "decode", "decode_failed")
+                            else:
+                                failure = finish_failure(obj)
+                            if failure is not None:
+                                break
+                            before.append(obj)
+                            has_tok = has_tok or _chunk_has_token(obj)
+                        if failure is not None:
+                            # relay the events before the failing one (their tokens reached D's client side),
+                            # never the failing one nor a [DONE] after it: the client gets the error event
+                            data = b"".join(b"data: " + json.dumps(o).encode() + b"\n\n" for o in before)
                         # the token's instant is read before the write: once written, a busy event loop
                         # can delay this task well after the client has the bytes (TTFT would then
                         # exceed the client's own)
                         t_w = _now() if has_tok else None
-                        await resp.write(data)
+                        if data:
+                            await resp.write(data)
                         if has_tok:
                             last_token_t = t_w
                             if ctx["first_token_ns"] is None:
@@ -560,6 +588,10 @@ class Router:
                                 note_first(t_rx)
                                 if ctx["sampled"]:
                                     sp.event("router.first_token", x, root, t=t_w, pidx=pidx)
+                        if failure is not None:
+                            if last_token_t and ctx["sampled"]:
+                                sp.event("router.last_token", x, root, t=last_token_t, pidx=pidx)
+                            raise failure
                     if last_token_t and ctx["sampled"]:
                         sp.event("router.last_token", x, root, t=last_token_t, pidx=pidx)
                     if not dec.done:

@@ -1,13 +1,20 @@
-"""Pull mode on real engines: replay, metrics, logprobs vs one engine, negative control, kill P before D's READ.
+"""Pull mode on real engines: replay, metrics, logprobs vs one engine, negative control, kill P before D's READ,
+SIGTERM D mid-stream.
 
-One lab for the module; the destructive test (kill P) runs last.
+One lab for the module; the destructive tests (kill P, then SIGTERM D) run last, in that order.
 """
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
 import threading
 import time
 
 import pytest
+
+from pdtrace.connector.lab import replay
+from pdtrace.connector.lab.workload import ReplayRequest
 
 from conftest import (LOGPROB_TOL, check_logprobs, check_replay, first_token_body, get_json, logprob_gap, post,
                       start_lab, top_logprobs)
@@ -82,3 +89,39 @@ def test_kill_prefill_after_response_before_read(pull_lab, trace_requests):
     status, resp = post(lab.decodes[0].url + "/v1/completions",
                         {"model": "lab", "prompt": prompt[:50], "max_tokens": 4, "ignore_eos": True})
     assert status == 200 and resp["usage"]["completion_tokens"] == 4, resp
+
+
+def test_sigterm_decode_mid_stream(pull_lab):
+    """SIGTERM D's API server (what Kubernetes sends a pod it deletes) while it streams: every stream is
+    reported failed, none as a complete response, although vLLM's graceful shutdown may end each with a
+    tokenless ``finish_reason: "abort"`` chunk and ``data: [DONE]`` (a clean end on the wire).
+
+    The streams go straight to D (P was killed by the test before): this checks the client's own rule
+    on a real engine; the router's rule for the same chunk is ``test_router_stream_end.py``.
+    """
+    lab, n, max_tokens = pull_lab, 2, 6000
+    D = lab.decodes[0]
+    reqs = [ReplayRequest(i, i, 0.0, [16 + (i * 31 + k) % 1500 for k in range(40)], max_tokens) for i in range(n)]
+    recs = [replay.ClientRecord(r.index, r.index, len(r.prompt), max_tokens, 0) for r in reqs]
+
+    async def run():
+        import aiohttp
+        async with aiohttp.ClientSession() as s:
+            tasks = [asyncio.create_task(replay.send_one(s, D.url + "/v1/completions", q, rec, replay._Clock(), 120))
+                     for q, rec in zip(reqs, recs)]
+            deadline = time.monotonic() + 60
+            while not all(rec.token_times_ns for rec in recs) and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            assert all(rec.token_times_ns for rec in recs), "D streamed no token within 60 s"
+            os.kill(lab.pids()["decode-0"], signal.SIGTERM)
+            await asyncio.gather(*tasks)
+
+    t0 = time.monotonic()
+    asyncio.run(run())
+    print("SIGTERM D:", [(r.status, r.http_status, r.error_type, len(r.token_times_ns)) for r in recs],
+          f"{time.monotonic() - t0:.1f} s")
+    for r in recs:
+        assert r.status == "stream_error", (r.status, r.error_type)
+        # an abort finish (graceful shutdown answered the stream) or bytes that stopped (the server closed first)
+        assert r.error_type in ("finish_abort", "stream_truncated"), r.error_type
+        assert 0 < len(r.token_times_ns) < max_tokens, len(r.token_times_ns)

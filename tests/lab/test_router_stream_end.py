@@ -23,8 +23,13 @@ from pdtrace.connector.lab.workload import ReplayRequest
 TOKENS = 3
 
 
-def _upstreams(done: bool) -> web.Application:
-    """A stand-in P (answers with kv_transfer_params) and D (streams TOKENS chunks, then [DONE] or not)."""
+def _upstreams(done: bool, finish: str | None = None) -> web.Application:
+    """A stand-in P (answers with kv_transfer_params) and D (streams TOKENS chunks, then [DONE] or not).
+
+    ``finish`` (e.g. ``"abort"``): D's last chunk is a tokenless one finished with that reason, the
+    shape vLLM 0.32's API server sends to each open stream when SIGTERM starts its graceful shutdown
+    (seen for real by ``tests/lab/test_pull.py::test_sigterm_decode_mid_stream``).
+    """
 
     async def completions(request: web.Request):
         body = await request.json()
@@ -36,6 +41,10 @@ def _upstreams(done: bool) -> web.Application:
         for i in range(TOKENS):
             chunk = {"choices": [{"index": 0, "text": "t", "finish_reason": None}],
                      "usage": {"completion_tokens": i + 1}}
+            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        if finish:
+            chunk = {"choices": [{"index": 0, "text": "", "finish_reason": finish}],
+                     "usage": {"completion_tokens": TOKENS}}
             await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
         if done:
             await resp.write(b"data: [DONE]\n\n")
@@ -54,9 +63,9 @@ async def _serve(app: web.Application, port: int) -> web.AppRunner:
     return runner
 
 
-async def _one_request(done: bool) -> replay.ClientRecord:
+async def _one_request(done: bool, finish: str | None = None) -> replay.ClientRecord:
     up_port, r_port = procs.free_ports(2)
-    up = await _serve(_upstreams(done), up_port)
+    up = await _serve(_upstreams(done, finish), up_port)
     url = f"http://127.0.0.1:{up_port}"
     router = Router({"mode": "pull", "prefill": [{"url": url, "engine_id": "p"}],
                      "decode": [{"url": url, "engine_id": "d"}], "timeout_s": 30})
@@ -72,14 +81,17 @@ async def _one_request(done: bool) -> replay.ClientRecord:
         await up.cleanup()
 
 
-@pytest.mark.parametrize("done, status, error_type", [
-    (True, "ok", ""),
-    (False, "stream_error", "stream_truncated"),
+@pytest.mark.parametrize("done, finish, status, error_type", [
+    (True, None, "ok", ""),
+    (True, "length", "ok", ""),
+    (False, None, "stream_error", "stream_truncated"),
+    (True, "abort", "stream_error", "decode_aborted"),  # D's graceful shutdown: a clean end, yet not whole
+    (True, "error", "stream_error", "decode_failed"),
 ])
-def test_stream_without_done_is_an_error(done, status, error_type):
-    rec = asyncio.run(_one_request(done))
+def test_stream_without_done_is_an_error(done, finish, status, error_type):
+    rec = asyncio.run(_one_request(done, finish))
     assert (rec.status, rec.error_type) == (status, error_type)
-    assert rec.http_status == (200 if done else 502)  # the in-stream error event carries the router's 502
+    assert rec.http_status == (200 if status == "ok" else 502)  # the in-stream error event carries the router's 502
     assert len(rec.token_times_ns) == TOKENS  # the tokens before the cut still reached the client
 
 
@@ -100,3 +112,24 @@ def test_client_calls_a_stream_without_done_truncated():
 
     assert (asyncio.run(run(True)).status, asyncio.run(run(False)).status) == ("ok", "stream_error")
     assert asyncio.run(run(False)).error_type == "stream_truncated"
+
+
+@pytest.mark.parametrize("finish", ["abort", "error"])
+def test_client_calls_an_aborted_or_failed_finish_an_error(finish):
+    """Behind a router that relays D's stream verbatim (vllm-router), an ``abort`` or ``error`` finish
+    followed by ``[DONE]`` reaches the client as a clean end: the client's own check calls it failed."""
+
+    async def run() -> replay.ClientRecord:
+        (port,) = procs.free_ports(1)
+        up = await _serve(_upstreams(True, finish), port)
+        try:
+            rec = replay.ClientRecord(0, 0, 3, TOKENS, 0)
+            async with aiohttp.ClientSession() as s:
+                await replay.send_one(s, f"http://127.0.0.1:{port}/v1/completions",
+                                      ReplayRequest(0, 0, 0.0, [1, 2, 3], TOKENS), rec, replay._Clock(), 30)
+            return rec
+        finally:
+            await up.cleanup()
+
+    rec = asyncio.run(run())
+    assert (rec.status, rec.error_type, len(rec.token_times_ns)) == ("stream_error", f"finish_{finish}", TOKENS)
