@@ -7,7 +7,9 @@ Each engine is ``python -m vllm.entrypoints.openai.api_server`` (vLLM's own
 server) with:
 
 - its own core (``VLLM_CPU_OMP_THREADS_BIND``), NIXL side-channel port
-  (``VLLM_NIXL_SIDE_CHANNEL_PORT``) and cache root (``VLLM_CACHE_ROOT``),
+  (``VLLM_NIXL_SIDE_CHANNEL_PORT``) and cache root (``VLLM_CACHE_ROOT``,
+  seeded with vLLM's model-inspection entries of earlier starts, see
+  :mod:`pdtrace.connector.lab.vllmcache`),
   ``HF_HUB_OFFLINE=1``, ``VLLM_CPU_KVCACHE_SPACE`` GiB of KV cache,
   ``--enforce-eager``, ``--dtype bfloat16``;
 - a ``--kv-transfer-config`` naming the connector class with a fixed
@@ -39,7 +41,7 @@ from pathlib import Path
 
 from pdtrace.instrument import config, stages
 
-from . import procs
+from . import procs, vllmcache
 from .kvcore import ENV_SWITCH as KV_CORES_ENV
 from .progthread import ENV_SWITCH, SITECUSTOMIZE
 
@@ -276,6 +278,7 @@ class Lab:
         for eng in engines:
             log = cfg.run_dir / "logs" / f"{eng.name}.log"
             (cfg.run_dir / "cache" / eng.name).mkdir(parents=True, exist_ok=True)
+            vllmcache.seed(cfg.model, cfg.run_dir / "cache" / eng.name)
             t0[eng.name] = time.monotonic()
             self.procs[eng.name] = procs.spawn(engine_command(cfg, eng), _engine_env(cfg, eng, bootstrap), log)
         pending = {e.name: e for e in engines}
@@ -290,6 +293,7 @@ class Lab:
                 if http_ok(eng.url + "/health"):
                     self.start_s[name] = time.monotonic() - t0[name]
                     del pending[name]
+                    vllmcache.keep(cfg.model, cfg.run_dir / "cache" / name)
             if pending and time.monotonic() > deadline:
                 name = next(iter(pending))
                 raise LabStartError(

@@ -195,3 +195,46 @@ def test_role_args_reach_only_their_engine(tmp_path):
     d = engine_command(cfg, EngineConfig(name="decode-0", role="decode", core=None, engine_id="d"))
     assert p[-2:] == ["--max-num-batched-tokens", "512"]
     assert "--max-num-batched-tokens" not in d
+
+
+def test_modelinfo_seed_round_trip_never_overwrites_and_never_raises(tmp_path):
+    """vLLM's model-inspection entries kept beside the model and copied into each new engine's cache root."""
+    from pdtrace.connector.lab import vllmcache
+    model = tmp_path / "lab" / "model-x"
+    model.mkdir(parents=True)
+    a, b = tmp_path / "run1" / "cache" / "prefill-0", tmp_path / "run2" / "cache" / "decode-0"
+    assert vllmcache.seed(model, a) == 0 and not (a / "modelinfos").exists()  # nothing kept yet
+    (a / "modelinfos").mkdir(parents=True)
+    (a / "modelinfos" / "llama.json").write_text('{"hash": "h1"}')
+    assert vllmcache.keep(model, a) == 1
+    assert (tmp_path / "lab" / "vllm-modelinfos" / "llama.json").read_text() == '{"hash": "h1"}'
+    (a / "modelinfos" / "llama.json").write_text('{"hash": "h2"}')
+    assert vllmcache.keep(model, a) == 0  # an entry already kept is not replaced
+    assert vllmcache.seed(model, b) == 1
+    assert (b / "modelinfos" / "llama.json").read_text() == '{"hash": "h1"}'
+    assert not list((tmp_path / "lab" / "vllm-modelinfos").glob(".*"))  # no temporary file left
+    # a seed directory that cannot be used: a file in its place
+    model2 = tmp_path / "ro" / "model-y"
+    model2.mkdir(parents=True)
+    (tmp_path / "ro" / "vllm-modelinfos").write_text("not a directory")
+    assert vllmcache.seed(model2, b) == 0 and vllmcache.keep(model2, a) == 0
+
+
+@pytest.mark.parametrize("term_timeout_s, got_sigterm", [(0.0, False), (5.0, True)])
+def test_stop_group_with_no_term_timeout_sends_no_sigterm(tmp_path, term_timeout_s, got_sigterm):
+    """``Lab.kill`` is a crash: a SIGTERM before the SIGKILL could start vLLM's graceful shutdown (clean
+    ``abort`` ends for every stream). The child marks a SIGTERM in a file and exits on it."""
+    mark, ready = tmp_path / "sigterm", tmp_path / "ready"
+    code = ("import pathlib, signal, sys, time\n"
+            f"def on_term(*_):\n    pathlib.Path({str(mark)!r}).write_text('1'); sys.exit(0)\n"
+            "signal.signal(signal.SIGTERM, on_term)\n"
+            f"pathlib.Path({str(ready)!r}).write_text('1')\n"
+            "time.sleep(600)\n")
+    p = procs.spawn([sys.executable, "-c", code], {"PATH": "/usr/bin:/bin"}, tmp_path / "x.log")
+    deadline = time.monotonic() + 30
+    while not ready.exists():
+        assert p.poll() is None and time.monotonic() < deadline, "the child never installed its handler"
+        time.sleep(0.02)
+    procs.stop_group(p, term_timeout_s=term_timeout_s)
+    assert p.poll() is not None
+    assert mark.exists() == got_sigterm
