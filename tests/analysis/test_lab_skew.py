@@ -3,10 +3,14 @@
 Two traced pull labs (default profile, 20 Azure-conversation requests replayed
 open-loop, the same workload and seed), one after the other:
 
-1. **unshifted**, started through the CLI exactly as a user would
-   (``pdtrace lab --connector traced ...`` via click's runner): also checks
-   that ``pdtrace lab`` ends by printing the ``pdtrace report`` of the run;
-2. **shifted**: the same run (``run_lab``) with
+1. **unshifted**, started through the CLI exactly as a user would, with the
+   default connector (``pdtrace lab --mode pull ...`` via click's runner: vLLM's
+   stock connector name, traced by pdtrace's vLLM plugin): also checks that
+   ``pdtrace lab`` ends by printing the ``pdtrace report`` of the run and that
+   the plugin traced every engine process (``tests/lab/test_lab_cli.py`` has the
+   rules without engines);
+2. **shifted**: the same workload (``run_lab``, pdtrace's class named
+   explicitly: ``connector="traced"``) with
    ``PDTRACE_TEST_WALL_OFFSET_NS=250000000`` in the decode engine's env only
    (``LabConfig.role_env``), so every wall time D records reads 250 ms late.
 
@@ -71,8 +75,8 @@ def unshifted(model_dir, tmp_path_factory):
         tr.close()
         return
     out = tmp_path_factory.mktemp("skew") / "unshifted"
-    res = CliRunner().invoke(main, ["lab", "--mode", "pull", "--connector", "traced", "--max-requests",
-                                    str(N_REPLAY), "--out", str(out), "--no-progress"])
+    res = CliRunner().invoke(main, ["lab", "--mode", "pull", "--max-requests", str(N_REPLAY), "--out", str(out),
+                                    "--no-progress"])
     print(res.output)
     assert res.exception is None or isinstance(res.exception, SystemExit), repr(res.exception)
     summary = json.loads((out / "run.json").read_text())
@@ -148,6 +152,30 @@ def test_pdtrace_lab_cli_prints_the_report(unshifted):
             else:
                 assert a[k] == v, (k, a[k], v)
     assert f"{by_mode['pull']['ttft_p50_ms']:.3f}" in tail
+
+
+def test_default_lab_run_is_traced_by_the_plugin(unshifted):
+    """``pdtrace lab`` without --connector: stock connector name, no module path, no --middleware; every
+    engine process traced through the plugin, the router explicitly."""
+    import duckdb
+    out, s = unshifted["dir"], unshifted["summary"]
+    if not unshifted["output"]:
+        pytest.skip("PDTRACE_SKEW_REUSE: no CLI run in this session")
+    assert s["connector"] == "NixlPullConnector" and s["connector_module"] is None
+    assert s["activation"] == "plugin"
+    log = (out / "logs" / "prefill-0.log").read_text(errors="replace")
+    assert "pdtrace.connector.traced" not in log.split("Creating v1 connector")[0]  # not on the command line
+    assert "Creating v1 connector with name: TracedNixlPullConnector" in log  # the stock name resolved to it
+    rows = duckdb.sql(f"""SELECT role, list(DISTINCT attr_str['pdtrace.activation']) AS a, count(DISTINCT pid) AS n
+                          FROM read_parquet('{out}/*.parquet', union_by_name=true)
+                          WHERE name = 'recorder.stats' GROUP BY role ORDER BY role""").fetchall()
+    by = {r: (a, n) for r, a, n in rows}
+    assert by["router"][0] == ["explicit"], by
+    for role in ("prefill", "decode"):
+        assert by[role][0] == ["plugin"] and by[role][1] >= 2, by  # API server + EngineCore (+ worker)
+    names = {r[0] for r in duckdb.sql(f"SELECT DISTINCT name FROM read_parquet('{out}/*.parquet', "
+                                     "union_by_name=true)").fetchall()}
+    assert {"prefill.frontend", "decode.frontend", "kv.transfer", "prefill.compute"} <= names
 
 
 # -- clock skew ----------------------------------------------------------------------------------
