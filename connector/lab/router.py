@@ -559,21 +559,23 @@ class Router:
                     last_token_t = None
                     async for data in r.content.iter_any():
                         t_rx = _now()
-                        has_tok, failure, before = False, None, []
-                        for obj in dec.feed(data):
-                            if "error" in obj:
-                                failure = LegError(502, "decode engine reported an error mid-stream",
-                                                   "decode", "decode_failed")
-                            else:
-                                failure = finish_failure(obj)
-                            if failure is not None:
+                        # only whole events are relayed (a partial one waits in the decoder for its end), so
+                        # an error event written after a failure always starts on an event boundary
+                        has_tok, failure, whole = False, None, []
+                        for raw, objs in dec.events(data):
+                            for obj in objs:
+                                if "error" in obj:
+                                    failure = LegError(502, "decode engine reported an error mid-stream",
+                                                       "decode", "decode_failed", json.dumps(obj).encode())
+                                else:
+                                    failure = finish_failure(obj)
+                                if failure is not None:
+                                    break
+                            if failure is not None:  # neither the failing event nor any after it is relayed
                                 break
-                            before.append(obj)
-                            has_tok = has_tok or _chunk_has_token(obj)
-                        if failure is not None:
-                            # relay the events before the failing one (their tokens reached D's client side),
-                            # never the failing one nor a [DONE] after it: the client gets the error event
-                            data = b"".join(b"data: " + json.dumps(o).encode() + b"\n\n" for o in before)
+                            whole.append(raw)
+                            has_tok = has_tok or any(_chunk_has_token(o) for o in objs)
+                        data = b"".join(whole)
                         # the token's instant is read before the write: once written, a busy event loop
                         # can delay this task well after the client has the bytes (TTFT would then
                         # exceed the client's own)

@@ -23,12 +23,19 @@ class SSEDecoder:
         #: True once the ``data: [DONE]`` event was decoded (the stream ended normally).
         self.done = False
 
-    def feed(self, data: bytes) -> list:
-        """Append ``data``; return the decoded payloads of the events it completed, in order."""
+    def events(self, data: bytes) -> list[tuple[bytes, list]]:
+        """Append ``data``; return ``(raw, payloads)`` for every event it completed, in order.
+
+        ``raw`` is the event's bytes with its closing blank line (what a relay
+        writes to pass the event on whole); ``payloads`` the decoded JSON of its
+        ``data:`` lines (empty for ``[DONE]``, which sets :attr:`done`, and for
+        events that carry no JSON).
+        """
         self._buf += data
         out = []
         while b"\n\n" in self._buf:
             ev, self._buf = self._buf.split(b"\n\n", 1)
+            payloads = []
             for line in ev.split(b"\n"):
                 if line == b"data: [DONE]":
                     self.done = True
@@ -36,7 +43,12 @@ class SSEDecoder:
                 if not line.startswith(b"data: "):
                     continue
                 try:
-                    out.append(json.loads(line[6:]))
+                    payloads.append(json.loads(line[6:]))
                 except ValueError:
                     continue
+            out.append((ev + b"\n\n", payloads))
         return out
+
+    def feed(self, data: bytes) -> list:
+        """Append ``data``; return the decoded payloads of the events it completed, in order."""
+        return [obj for _, payloads in self.events(data) for obj in payloads]

@@ -12,13 +12,14 @@ The lab keeps one copy of that directory beside the model
 (``<model dir's parent>/vllm-modelinfos``): :func:`seed` copies it into an
 engine's cache root before the engine starts; :func:`keep` copies back entries
 an engine wrote, once it is healthy. vLLM checks each entry against the hash
-of the model's source file and ignores a stale or unreadable one, so a stale
-seed costs only the child process it would have paid anyway. Both functions
+of the model's source file and ignores a stale or unreadable one (it then
+runs the child and writes a fresh entry, which :func:`keep` takes). Both functions
 are best effort: a seed that cannot be read or written changes nothing but
 the start time.
 """
 from __future__ import annotations
 
+import filecmp
 import os
 import shutil
 from pathlib import Path
@@ -48,20 +49,28 @@ def seed(model: Path, cache_root: Path) -> int:
 
 
 def keep(model: Path, cache_root: Path) -> int:
-    """Copy entries of ``cache_root/modelinfos`` the shared copy lacks into it (each by an atomic rename).
+    """Copy entries of ``cache_root/modelinfos`` that the shared copy lacks or holds with other bytes into it.
 
-    Returns how many were copied (0 on OSError).
+    vLLM names an entry by the model class alone and keeps the hash of the
+    class's source file inside it, so after an upgrade the engine writes a new
+    entry under the old name: it replaces the kept one. Each copy is an atomic
+    rename of a temporary file (removed if the copy fails). Returns how many
+    were copied (those before an OSError).
     """
     src, dst = Path(cache_root) / SUBDIR, seed_dir(model)
     n = 0
     try:
         for f in sorted(src.glob("*.json")):
-            if (dst / f.name).exists():
+            kept = dst / f.name
+            if kept.exists() and filecmp.cmp(f, kept, shallow=False):
                 continue
             dst.mkdir(parents=True, exist_ok=True)
             tmp = dst / f".{f.name}.{os.getpid()}.tmp"
-            shutil.copyfile(f, tmp)
-            os.replace(tmp, dst / f.name)
+            try:
+                shutil.copyfile(f, tmp)
+                os.replace(tmp, kept)
+            finally:
+                tmp.unlink(missing_ok=True)
             n += 1
     except OSError:
         pass

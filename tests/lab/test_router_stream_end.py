@@ -23,31 +23,46 @@ from pdtrace.connector.lab.workload import ReplayRequest
 TOKENS = 3
 
 
-def _upstreams(done: bool, finish: str | None = None) -> web.Application:
+def _upstreams(done: bool, finish: str | None = None, split: bool = False) -> web.Application:
     """A stand-in P (answers with kv_transfer_params) and D (streams TOKENS chunks, then [DONE] or not).
 
     ``finish`` (e.g. ``"abort"``): D's last chunk is a tokenless one finished with that reason, the
     shape vLLM 0.32's API server sends to each open stream when SIGTERM starts its graceful shutdown
-    (seen for real by ``tests/lab/test_pull.py::test_sigterm_decode_mid_stream``).
+    (seen for real by ``tests/lab/test_pull.py::test_sigterm_decode_mid_stream``); a non-streaming D
+    leg answers with that finish reason. ``split``: every event is written in two halves 50 ms apart,
+    so the router reads an event's start and its end separately.
     """
 
     async def completions(request: web.Request):
         body = await request.json()
-        if not body.get("stream"):  # the prefill leg
+        if (body.get("kv_transfer_params") or {}).get("do_remote_decode"):  # the prefill leg
             return web.json_response({"choices": [{"text": "x", "finish_reason": "length"}],
                                       "kv_transfer_params": {"do_remote_prefill": True, "remote_block_ids": [0]}})
+        if not body.get("stream"):
+            return web.json_response({"choices": [{"text": "t" * TOKENS, "finish_reason": finish or "length"}],
+                                      "usage": {"completion_tokens": TOKENS}})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
+
+        async def send(event: bytes):
+            if split:
+                await resp.write(event[:len(event) // 2])
+                await asyncio.sleep(0.05)
+                await resp.write(event[len(event) // 2:])
+                await asyncio.sleep(0.05)
+            else:
+                await resp.write(event)
+
         for i in range(TOKENS):
             chunk = {"choices": [{"index": 0, "text": "t", "finish_reason": None}],
                      "usage": {"completion_tokens": i + 1}}
-            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            await send(b"data: " + json.dumps(chunk).encode() + b"\n\n")
         if finish:
             chunk = {"choices": [{"index": 0, "text": "", "finish_reason": finish}],
                      "usage": {"completion_tokens": TOKENS}}
-            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            await send(b"data: " + json.dumps(chunk).encode() + b"\n\n")
         if done:
-            await resp.write(b"data: [DONE]\n\n")
+            await send(b"data: [DONE]\n\n")
         await resp.write_eof()  # a clean end of the HTTP body either way: no exception for the router
         return resp
 
@@ -63,9 +78,9 @@ async def _serve(app: web.Application, port: int) -> web.AppRunner:
     return runner
 
 
-async def _one_request(done: bool, finish: str | None = None) -> replay.ClientRecord:
+async def _one_request(done: bool, finish: str | None = None, split: bool = False) -> replay.ClientRecord:
     up_port, r_port = procs.free_ports(2)
-    up = await _serve(_upstreams(done, finish), up_port)
+    up = await _serve(_upstreams(done, finish, split), up_port)
     url = f"http://127.0.0.1:{up_port}"
     router = Router({"mode": "pull", "prefill": [{"url": url, "engine_id": "p"}],
                      "decode": [{"url": url, "engine_id": "d"}], "timeout_s": 30})
@@ -81,6 +96,7 @@ async def _one_request(done: bool, finish: str | None = None) -> replay.ClientRe
         await up.cleanup()
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["whole-events", "split-events"])
 @pytest.mark.parametrize("done, finish, status, error_type", [
     (True, None, "ok", ""),
     (True, "length", "ok", ""),
@@ -88,8 +104,11 @@ async def _one_request(done: bool, finish: str | None = None) -> replay.ClientRe
     (True, "abort", "stream_error", "decode_aborted"),  # D's graceful shutdown: a clean end, yet not whole
     (True, "error", "stream_error", "decode_failed"),
 ])
-def test_stream_without_done_is_an_error(done, finish, status, error_type):
-    rec = asyncio.run(_one_request(done, finish))
+def test_stream_without_done_is_an_error(done, finish, status, error_type, split):
+    """Every token before the end reaches the client, and the end is judged, whether D's events arrive
+    whole or each in two reads (the router relays whole events only: an error event it adds never lands
+    inside a half-relayed one)."""
+    rec = asyncio.run(_one_request(done, finish, split))
     assert (rec.status, rec.error_type) == (status, error_type)
     assert rec.http_status == (200 if status == "ok" else 502)  # the in-stream error event carries the router's 502
     assert len(rec.token_times_ns) == TOKENS  # the tokens before the cut still reached the client
@@ -133,3 +152,32 @@ def test_client_calls_an_aborted_or_failed_finish_an_error(finish):
 
     rec = asyncio.run(run())
     assert (rec.status, rec.error_type, len(rec.token_times_ns)) == ("stream_error", f"finish_{finish}", TOKENS)
+
+
+@pytest.mark.parametrize("finish, status, kind", [("length", 200, None), ("abort", 502, "decode_aborted"),
+                                                  ("error", 502, "decode_failed")])
+def test_non_streaming_abort_or_error_finish_is_an_error(finish, status, kind):
+    """A non-streaming request: D's answer finished with ``abort`` or ``error`` becomes the router's 502."""
+
+    async def run():
+        up_port, r_port = procs.free_ports(2)
+        up = await _serve(_upstreams(True, finish), up_port)
+        url = f"http://127.0.0.1:{up_port}"
+        router = Router({"mode": "pull", "prefill": [{"url": url, "engine_id": "p"}],
+                         "decode": [{"url": url, "engine_id": "d"}], "timeout_s": 30})
+        rt = await _serve(router.app(), r_port)
+        try:
+            async with aiohttp.ClientSession() as s:
+                async with s.post(f"http://127.0.0.1:{r_port}/v1/completions",
+                                  json={"model": "lab", "prompt": [1, 2, 3], "max_tokens": TOKENS}) as r:
+                    return r.status, await r.json()
+        finally:
+            await rt.cleanup()
+            await up.cleanup()
+
+    got_status, body = asyncio.run(run())
+    assert got_status == status, body
+    if kind is None:
+        assert body["choices"][0]["finish_reason"] == "length"
+    else:
+        assert body["error"]["type"] == kind and body["error"]["leg"] == "decode", body
