@@ -362,8 +362,8 @@ def test_shifted_breakdown_equals_its_ground_truth_within_bound(shifted, truth):
 def test_shifted_breakdown_matches_the_unshifted_run(unshifted, shifted, truth):
     """Across runs: |shifted − unshifted| per category median <= skew tolerance + the measured run-to-run noise.
 
-    Run-to-run noise is measured, not guessed: |truth − unshifted| (two runs, no skew in either analysis; they also differ in how tracing is switched on,
-    plugin vs explicit class, which this noise then includes);
+    Run-to-run noise is measured, not guessed: |truth − unshifted| (two runs, no skew in either analysis;
+    they also differ in how tracing is switched on, plugin vs explicit class, which this noise then includes);
     the skew tolerance is the ground-truth test's 2 × (bound_shifted + bound_truth).
     """
     ids_u, ids_s = _replayed(unshifted), _replayed(shifted)
