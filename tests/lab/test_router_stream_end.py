@@ -114,44 +114,32 @@ def test_stream_without_done_is_an_error(done, finish, status, error_type, split
     assert len(rec.token_times_ns) == TOKENS  # the tokens before the cut still reached the client
 
 
-def test_client_calls_a_stream_without_done_truncated():
-    """The client's own check, without the router: bytes that stop before [DONE] are not 'ok'."""
-
-    async def run(done: bool) -> replay.ClientRecord:
-        (port,) = procs.free_ports(1)
-        up = await _serve(_upstreams(done), port)
-        try:
-            rec = replay.ClientRecord(0, 0, 3, TOKENS, 0)
-            async with aiohttp.ClientSession() as s:
-                await replay.send_one(s, f"http://127.0.0.1:{port}/v1/completions",
-                                      ReplayRequest(0, 0, 0.0, [1, 2, 3], TOKENS), rec, replay._Clock(), 30)
-            return rec
-        finally:
-            await up.cleanup()
-
-    assert (asyncio.run(run(True)).status, asyncio.run(run(False)).status) == ("ok", "stream_error")
-    assert asyncio.run(run(False)).error_type == "stream_truncated"
+async def _client_only(done: bool, finish: str | None = None) -> replay.ClientRecord:
+    """The real client straight against the stand-in D (no router in between)."""
+    (port,) = procs.free_ports(1)
+    up = await _serve(_upstreams(done, finish), port)
+    try:
+        rec = replay.ClientRecord(0, 0, 3, TOKENS, 0)
+        async with aiohttp.ClientSession() as s:
+            await replay.send_one(s, f"http://127.0.0.1:{port}/v1/completions",
+                                  ReplayRequest(0, 0, 0.0, [1, 2, 3], TOKENS), rec, replay._Clock(), 30)
+        return rec
+    finally:
+        await up.cleanup()
 
 
-@pytest.mark.parametrize("finish", ["abort", "error"])
-def test_client_calls_an_aborted_or_failed_finish_an_error(finish):
-    """Behind a router that relays D's stream verbatim (vllm-router), an ``abort`` or ``error`` finish
-    followed by ``[DONE]`` reaches the client as a clean end: the client's own check calls it failed."""
-
-    async def run() -> replay.ClientRecord:
-        (port,) = procs.free_ports(1)
-        up = await _serve(_upstreams(True, finish), port)
-        try:
-            rec = replay.ClientRecord(0, 0, 3, TOKENS, 0)
-            async with aiohttp.ClientSession() as s:
-                await replay.send_one(s, f"http://127.0.0.1:{port}/v1/completions",
-                                      ReplayRequest(0, 0, 0.0, [1, 2, 3], TOKENS), rec, replay._Clock(), 30)
-            return rec
-        finally:
-            await up.cleanup()
-
-    rec = asyncio.run(run())
-    assert (rec.status, rec.error_type, len(rec.token_times_ns)) == ("stream_error", f"finish_{finish}", TOKENS)
+@pytest.mark.parametrize("done, finish, status, error_type", [
+    (True, None, "ok", ""),
+    (False, None, "stream_error", "stream_truncated"),  # bytes that stop before [DONE]
+    # behind a router that relays D's stream verbatim (vllm-router), an abort or error finish followed by
+    # [DONE] reaches the client as a clean end
+    (True, "abort", "stream_error", "finish_abort"),
+    (True, "error", "stream_error", "finish_error"),
+])
+def test_client_judges_the_end_itself(done, finish, status, error_type):
+    """The client's own check, without the router."""
+    rec = asyncio.run(_client_only(done, finish))
+    assert (rec.status, rec.error_type, len(rec.token_times_ns)) == (status, error_type, TOKENS)
 
 
 @pytest.mark.parametrize("finish, status, kind", [("length", 200, None), ("abort", 502, "decode_aborted"),
