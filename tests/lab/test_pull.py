@@ -20,6 +20,7 @@ from conftest import (LOGPROB_TOL, check_logprobs, check_replay, first_token_bod
                       start_lab, top_logprobs)
 
 pytestmark = [pytest.mark.lab, pytest.mark.timeout(1800)]
+STREAM_TIMEOUT_S = 20.0  # the client's timeout of a stream in test_sigterm_decode_mid_stream
 
 
 @pytest.fixture(scope="module")
@@ -92,9 +93,14 @@ def test_kill_prefill_after_response_before_read(pull_lab, trace_requests):
 
 
 def test_sigterm_decode_mid_stream(pull_lab):
-    """SIGTERM D's API server (what Kubernetes sends a pod it deletes) while it streams: every stream is
-    reported failed, none as a complete response, although vLLM's graceful shutdown may end each with a
-    tokenless ``finish_reason: "abort"`` chunk and ``data: [DONE]`` (a clean end on the wire).
+    """SIGTERM D's API server (what Kubernetes sends a pod it deletes) while it streams: no stream is
+    reported as a complete response.
+
+    vLLM 0.32's graceful shutdown (abort mode, timeout 0) was seen to end it either way on this machine:
+    each open stream got a tokenless ``finish_reason: "abort"`` chunk and ``data: [DONE]`` within 0.1 s (a
+    clean end on the wire: ``finish_abort``), or the EngineCore was force-killed before its aborts reached
+    the API server, which then waited for the open connections to close with no byte sent (uvicorn's
+    "Waiting for connections to close"): the client's own timeout (STREAM_TIMEOUT_S here) ends them.
 
     The streams go straight to D (P was killed by the test before): this checks the client's own rule
     on a real engine; the router's rule for the same chunk is ``test_router_stream_end.py``.
@@ -107,7 +113,8 @@ def test_sigterm_decode_mid_stream(pull_lab):
     async def run():
         import aiohttp
         async with aiohttp.ClientSession() as s:
-            tasks = [asyncio.create_task(replay.send_one(s, D.url + "/v1/completions", q, rec, replay._Clock(), 120))
+            tasks = [asyncio.create_task(replay.send_one(s, D.url + "/v1/completions", q, rec, replay._Clock(),
+                                                         STREAM_TIMEOUT_S))
                      for q, rec in zip(reqs, recs)]
             deadline = time.monotonic() + 60
             while not all(rec.token_times_ns for rec in recs) and time.monotonic() < deadline:
@@ -121,7 +128,8 @@ def test_sigterm_decode_mid_stream(pull_lab):
     print("SIGTERM D:", [(r.status, r.http_status, r.error_type, len(r.token_times_ns)) for r in recs],
           f"{time.monotonic() - t0:.1f} s")
     for r in recs:
-        assert r.status == "stream_error", (r.status, r.error_type)
-        # an abort finish (graceful shutdown answered the stream) or bytes that stopped (the server closed first)
-        assert r.error_type in ("finish_abort", "stream_truncated"), r.error_type
+        assert r.status in ("stream_error", "timeout"), (r.status, r.error_type)
+        if r.status == "stream_error":
+            # an abort finish (graceful shutdown answered the stream) or bytes that stopped (the server closed)
+            assert r.error_type in ("finish_abort", "stream_truncated"), r.error_type
         assert 0 < len(r.token_times_ns) < max_tokens, len(r.token_times_ns)
