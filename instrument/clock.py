@@ -15,6 +15,7 @@ between the two clocks outside the store's anchors.
 """
 from __future__ import annotations
 
+import bisect
 import statistics
 import time
 from typing import NamedTuple
@@ -56,6 +57,71 @@ def take_anchor(test_offset_ns: int = 0, tries: int = 5) -> Anchor:
             best = (m0, w, m1)
     m0, w, m1 = best
     return Anchor((m0 + m1) // 2, w + test_offset_ns, (m1 - m0 + 1) // 2, test_offset_ns)
+
+
+class HostAnchors:
+    """The anchors of one host's sink, shared by all its clients (traced processes).
+
+    Every traced process on a host reads the same CLOCK_MONOTONIC, so converting all
+    their records through the same anchors keeps their epoch times consistent with
+    one another, whatever the wall clock does. Each client converting through an
+    anchor of its own, re-taken at its own moment, did not: after a wall-clock step
+    (seen on this machine kind: +34.3 s), records of the same instant were converted
+    with the old offset in some processes and the new one in others for up to one
+    anchor interval, which the clock-skew analysis (DESIGN.md §3) then read as an
+    offset between them.
+
+    A record converts through the anchor in effect at its start: the latest anchor
+    taken at or before its monotonic start (the oldest kept one for a record that
+    started earlier), whenever it is converted. Its end uses the same offset, so a
+    duration never includes a step. :meth:`refresh` takes a new anchor once
+    ``interval_s`` has passed; ``keep`` anchors are kept (memory only: one tuple each).
+    Not thread-safe: the sink's one thread uses it.
+    """
+
+    def __init__(self, interval_s: float, keep: int = 720) -> None:
+        self.interval_s = interval_s
+        self.keep = max(2, keep)
+        self._anchors: list[Anchor] = []
+        self._monos: list[int] = []
+        self._due = 0.0
+        self.refresh()
+
+    def refresh(self) -> Anchor:
+        """Take a new anchor if ``interval_s`` has passed since the last one; return the latest."""
+        now = time.monotonic()
+        if now >= self._due:
+            a = take_anchor()
+            self._anchors.append(a)
+            self._monos.append(a.mono_ns)
+            if len(self._anchors) > self.keep:
+                del self._anchors[0], self._monos[0]
+            self._due = now + self.interval_s
+        return self._anchors[-1]
+
+    def latest(self, test_offset_ns: int = 0) -> Anchor:
+        """The latest anchor, its wall reading shifted by ``test_offset_ns`` (one client's test setting)."""
+        a = self._anchors[-1]
+        return Anchor(a.mono_ns, a.wall_ns + test_offset_ns, a.uncertainty_ns, test_offset_ns)
+
+    def split(self, recs: list[tuple], start_index: int, test_offset_ns: int = 0) -> list[tuple[list[tuple], int]]:
+        """``recs`` grouped by the anchor in effect at each one's start: ``[(records, offset_ns)]``.
+
+        ``start_index``: where a record tuple holds its monotonic start (ns; a record
+        without one, None, takes the latest anchor). ``offset_ns`` = wall - mono of the
+        anchor plus ``test_offset_ns``. Groups follow the anchors' order; records keep
+        their order within a group.
+        """
+        monos, last = self._monos, self._monos[-1]
+        if len(monos) == 1 or all(r[start_index] is None or r[start_index] >= last for r in recs):
+            return [(recs, self._anchors[-1].offset_ns + test_offset_ns)] if recs else []
+        groups: dict[int, list[tuple]] = {}
+        top = len(monos) - 1
+        for r in recs:
+            t = r[start_index]
+            k = top if t is None else max(0, bisect.bisect_right(monos, t) - 1)
+            groups.setdefault(k, []).append(r)
+        return [(g, self._anchors[k].offset_ns + test_offset_ns) for k, g in sorted(groups.items())]
 
 
 def wall_minus_mono_ns() -> int:

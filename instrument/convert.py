@@ -26,6 +26,8 @@ _T = {name: typ for name, typ, _ in schema.COLUMNS}
 
 #: Slots of a record tuple before its attributes (recorder.py's record layout).
 N_FIXED = 15
+#: The slot of a record tuple that holds its monotonic start (ns).
+START = 6
 
 #: Value types of the three attribute map columns (attr_int, attr_float, attr_str).
 _VALUE_TYPES = (pa.int64(), pa.float64(), pa.string())

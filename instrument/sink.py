@@ -129,7 +129,7 @@ if __name__ == "__main__":  # only in the sink process, before pyarrow is import
 import pyarrow as pa  # noqa: E402
 
 from . import attributes, clock, config, hostsink, layout, schema, store  # noqa: E402
-from .convert import Converter  # noqa: E402
+from .convert import START, Converter  # noqa: E402
 from .recorder import R_CLOCK, R_STATS  # noqa: E402
 from .retention import SIGNAL_WINDOW_S, TailRetention  # noqa: E402
 from .writer import stats  # noqa: E402
@@ -203,7 +203,8 @@ class Sink:
     per client. ``cfg`` is the client's :class:`pdtrace.instrument.config.Config`.
     """
 
-    def __init__(self, cfg, resource: dict, pid: int, start_tag: str, activation: str = "explicit") -> None:
+    def __init__(self, cfg, resource: dict, pid: int, start_tag: str, activation: str = "explicit",
+                 anchors: clock.HostAnchors | None = None) -> None:
         self.cfg = cfg
         self.activation = activation  # written as pdtrace.activation on every stats row
         self.resource = resource
@@ -215,8 +216,11 @@ class Sink:
         self._raw: list[tuple] = []  # received, not yet converted (< CONVERT_BATCH)
         self._pending: list[pa.Table] = []
         self._pending_rows = 0  # records received since the last part file (in _raw and _pending)
-        self._anchor = clock.take_anchor(cfg.test_wall_offset_ns)
-        self._anchor_due = 0.0  # the first file gets this anchor as it is (its records were converted with it)
+        # the host's anchors (the collector's, shared by its clients; one of its own when used alone):
+        # records convert through the anchor in effect at their start (clock.HostAnchors)
+        self._anchors = anchors if anchors is not None else clock.HostAnchors(cfg.anchor_interval_s)
+        self._anchor = self._anchors.latest(cfg.test_wall_offset_ns)
+        self._anchor_due = 0.0  # the first file gets this anchor as it is (the latest when the client came)
         self._anchor_fresh = True
         self._read_cost = clock.read_cost_ns()
         self._clock_source = clock.clock_source()
@@ -270,9 +274,10 @@ class Sink:
         if not self._raw:
             return
         raw, self._raw = self._raw, []
-        tables, bad = self._convert(raw, self.resource, self._anchor.offset_ns)
-        self._pending += tables
-        self._pending_rows -= bad
+        for recs, offset in self._anchors.split(raw, START, self.cfg.test_wall_offset_ns):
+            tables, bad = self._convert(recs, self.resource, offset)
+            self._pending += tables
+            self._pending_rows -= bad
 
     def _convert(self, raw: list[tuple], res: dict, offset: int) -> tuple[list[pa.Table], int]:
         """``raw`` converted with this client's converter: (tables, records dropped).
@@ -330,8 +335,9 @@ class Sink:
             return None
         rows = self._pending_rows
         segs = []
-        if self._raw:  # with the anchor of their time: it may be renewed just below
-            segs.append((self._raw, self.resource, self._anchor.offset_ns, self.allowed))
+        if self._raw:  # each through the anchor in effect at its start
+            for recs, offset in self._anchors.split(self._raw, START, self.cfg.test_wall_offset_ns):
+                segs.append((recs, self.resource, offset, self.allowed))
             self._raw = []
         meta = self._meta_records(traced, final, rows, extra_recorded)
         segs.append((meta, self.resource, self._anchor.offset_ns, self.allowed))
@@ -384,10 +390,11 @@ class Sink:
         out = []
         now = time.monotonic()
         if now >= self._anchor_due or final:
-            if self._anchor_fresh:  # taken when the client connected: written once as it is
+            if self._anchor_fresh:  # the latest when the client connected: written once as it is
                 self._anchor_fresh = False
             else:
-                self._anchor = clock.take_anchor(self.cfg.test_wall_offset_ns)
+                self._anchors.refresh()
+                self._anchor = self._anchors.latest(self.cfg.test_wall_offset_ns)
             a = self._anchor
             self._anchor_due = now + self.cfg.anchor_interval_s
             out.append((R_CLOCK, next(self._ids), None, None, "clock.anchor", schema.KIND_INTERNAL,
@@ -464,6 +471,8 @@ class Collector:
 
     def __init__(self, cfg, listener: socket.socket) -> None:
         self.cfg = cfg
+        #: one set of clock anchors for every client: their records' epoch times agree (clock.HostAnchors)
+        self.anchors = clock.HostAnchors(cfg.anchor_interval_s)
         self.dir = cfg.trace_dir
         self.listener = listener
         listener.setblocking(False)
@@ -625,7 +634,7 @@ class Collector:
             elif kind == "attrs":
                 sink.set_allowed(msg[1])
             elif kind == "init":
-                c.sink = Sink(*msg[1:])
+                c.sink = Sink(*msg[1:], anchors=self.anchors)
                 if self.retention is not None:
                     c.sink.tail_dropped = 0
                     self.retention.add_client(c.sink)

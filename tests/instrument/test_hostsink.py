@@ -222,3 +222,80 @@ def test_sink_address_fits_any_directory_length(tmp_path):
     deep = tmp_path / ("x" * 200) / ("y" * 200)
     a, b = hostsink.address(deep), hostsink.address(tmp_path)
     assert len(a) == len(b) < 108 and a != b and a.startswith(b"\0")
+
+
+def _wall_shim(step: list):
+    """``time`` with a wall clock that can step by ``step[0]`` ns; every other function the real one."""
+    import time as real
+
+    class Wall:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def time_ns(self):
+            return real.time_ns() + step[0]
+
+    return Wall()
+
+
+def test_clients_convert_through_the_host_anchors_through_a_wall_clock_step(monkeypatch):
+    """Two clients of one sink, a wall-clock step of +34.3 s between two anchors (seen on this machine
+    kind): a record converts through the anchor in effect at its monotonic start, whichever client
+    holds it and whenever it is converted, so records of the same instant get the same epoch time
+    in both, and no duration contains the step.
+
+    The step is a FAKE wall clock (``clock.time`` replaced): stepping the real one would move the
+    clock of everything on this machine, the test runner's included."""
+    from pdtrace.instrument import clock, config
+    from pdtrace.instrument import sink as sinkmod
+
+    step = [0]
+    monkeypatch.setattr(clock, "time", _wall_shim(step))
+    anchors = clock.HostAnchors(interval_s=0.0)  # every refresh takes a new anchor
+    cfg = config.Config(trace_dir="/nonexistent")
+    a = sinkmod.Sink(cfg, {"role": "router"}, 1, "a", anchors=anchors)
+    b = sinkmod.Sink(cfg, {"role": "decode"}, 2, "b", anchors=anchors)
+
+    def rec(i, start, end):
+        return (0, i, i, None, "kv.transfer", 1, start, end, 0, None, f"X{i}", 0, 0, None, "T")
+
+    t0 = clock.now_ns()
+    a.add([rec(1, t0, t0 + 5_000_000)])
+    a.convert_received()  # before the step
+    step[0] = 34_300_000_000
+    anchors.refresh()
+    t1 = clock.now_ns()
+    b.add([rec(2, t0, t0 + 5_000_000), rec(3, t1, t1 + 1_000)])
+    b.convert_received()  # after it: record 2 started before the new anchor
+    a.add([rec(4, t1, t1 + 1_000)])
+    a.convert_received()
+    got = {}
+    for s in (a, b):
+        for t in s._pending:
+            for rid, st, en in zip(t["record_id"].to_pylist(), t["start_ns"].to_pylist(), t["end_ns"].to_pylist()):
+                got[rid] = (st, en - st)
+    assert got[1] == got[2] == (got[1][0], 5_000_000)  # the same instant in both clients; duration exact
+    assert got[3][0] == got[4][0]
+    # records after the new anchor carry the step (within the two anchors' read windows, well under 0.1 ms)
+    assert abs((got[3][0] - t1) - (got[1][0] - t0) - 34_300_000_000) < 100_000
+
+
+def test_host_anchors_split_by_start():
+    """Records grouped by the anchor in effect at their start: before the oldest kept one -> the oldest;
+    no start (None) -> the latest; later anchors after earlier ones; the oldest anchors are let go."""
+    from pdtrace.instrument import clock
+
+    h = clock.HostAnchors(interval_s=0.0, keep=3)
+    for _ in range(4):
+        h.refresh()
+    monos = list(h._monos)
+    assert len(monos) == 3  # the first of the four was let go
+    offs = [x.offset_ns for x in h._anchors]
+    recs = [("late", monos[2] + 1), ("none", None), ("early", monos[0] - 10**9), ("mid", monos[1]),
+            ("first", monos[0])]
+    got = {r[0]: off for g, off in h.split(recs, 1, test_offset_ns=0) for r in g}
+    assert got == {"late": offs[2], "none": offs[2], "early": offs[0], "mid": offs[1], "first": offs[0]}
+    groups = h.split(recs, 1, test_offset_ns=7)
+    assert [off for _, off in groups] == [offs[0] + 7, offs[1] + 7, offs[2] + 7]
+    assert h.split([], 1) == []
+    assert h.split([("late", monos[2] + 5)], 1) == [([("late", monos[2] + 5)], offs[2])]  # the common case
