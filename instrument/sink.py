@@ -44,8 +44,8 @@ through a temporary name and a rename; each client's rows keep their own resourc
 anchor) gets its own ``recorder.stats`` row and, every PDTRACE_ANCHOR_INTERVAL_S, a clock anchor row.
 The anchors are the sink's (PDTRACE_ANCHOR_INTERVAL_S of the process that started it), one set for
 all clients; a record is converted through the anchor in effect at its monotonic start
-(:class:`pdtrace.instrument.clock.HostAnchors`), a client's test wall offset added. At least every PDTRACE_ROTATE_S, or when the parts hold PDTRACE_ROTATE_BYTES (Arrow
-buffer bytes), and when the last client has gone, the parts are merged into one *segment* file
+(:class:`pdtrace.instrument.clock.HostAnchors`), a client's test wall offset added. At least every
+PDTRACE_ROTATE_S, or when the parts hold PDTRACE_ROTATE_BYTES (Arrow buffer bytes), and when the last client has gone, the parts are merged into one *segment* file
 (``-s<seq>.parquet``) and then deleted; a reader that lists the directory between the rename and
 the deletes sees those rows twice, which readers remove by ``record_id``.
 

@@ -39,7 +39,7 @@ import aiohttp
 
 from pdtrace.instrument import clock
 
-from .sse import SSEDecoder
+from .sse import SSEDecoder, finish_reasons
 from .workload import ReplayRequest, Workload
 
 
@@ -123,8 +123,7 @@ async def send_one(session: aiohttp.ClientSession, url: str, req: ReplayRequest,
                             rec.error_type = str(err.get("type", ""))[:64]
                             rec.http_status = int(err.get("code") or 0) if str(err.get("code", "")).isdigit() else rec.http_status
                             continue
-                        reasons = {c.get("finish_reason") for c in obj.get("choices") or () if isinstance(c, dict)}
-                        bad = reasons & {"abort", "error"}
+                        bad = finish_reasons(obj) & {"abort", "error"}
                         if bad and rec.status == "pending":
                             rec.status = "stream_error"
                             rec.error_type = "finish_error" if "error" in bad else "finish_abort"

@@ -75,7 +75,7 @@ import time
 from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
 
 from . import inject as _inject
-from .sse import SSEDecoder
+from .sse import SSEDecoder, finish_reasons
 
 try:  # the recorder (issue 2); the router works without it
     from pdtrace.instrument import ids as _ids
@@ -120,7 +120,7 @@ def finish_failure(obj: dict) -> LegError | None:
     its graceful shutdown, ``vllm/entrypoints/launchers/launcher.py``); any
     other reason, or none -> ``None``.
     """
-    reasons = {c.get("finish_reason") for c in obj.get("choices") or () if isinstance(c, dict)}
+    reasons = finish_reasons(obj)
     if "error" in reasons:
         return LegError(502, "decode engine finished the request with an error "
                              "(e.g. KV load from the prefill engine failed)", "decode", "decode_failed")

@@ -52,3 +52,8 @@ class SSEDecoder:
     def feed(self, data: bytes) -> list:
         """Append ``data``; return the decoded payloads of the events it completed, in order."""
         return [obj for _, payloads in self.events(data) for obj in payloads]
+
+
+def finish_reasons(obj: dict) -> set:
+    """The ``finish_reason`` values of a decoded chunk's choices (``None`` for an unfinished choice)."""
+    return {c.get("finish_reason") for c in obj.get("choices") or () if isinstance(c, dict)}
