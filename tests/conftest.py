@@ -47,3 +47,12 @@ def spark():
     s = _spark.session("local[2]")
     yield s
     s.stop()
+
+
+@pytest.fixture(scope="session")
+def traced_greedy_record() -> dict:
+    """{mode: {"model": Path, "prompts": [[token id]], "outputs": [["token_id:N"]]}}: the greedy tokens of the
+    traced P/D lab of each mode, put here by ``tests/connector/test_traced_{pull,push}_lab.py`` and read by
+    ``tests/lab/test_{pull,push}.py``, which compare their untraced lab's tokens with them (so no module starts
+    an untraced lab for that alone; see ``labkit.traced_greedy``)."""
+    return {}

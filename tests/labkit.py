@@ -2,7 +2,8 @@
 
 Importable from any test module as ``import labkit`` (``tests/`` is on
 ``sys.path`` under pytest's default import mode, because ``tests/conftest.py``
-lives here). Nothing here starts an engine.
+lives here). Nothing here starts an engine but :func:`traced_greedy`, and that
+only when the traced lab of its mode did not run in this session.
 """
 from __future__ import annotations
 
@@ -68,3 +69,90 @@ def get_json(url: str, timeout: float = 30) -> dict:
     """GET ``url``; return its JSON answer."""
     with urllib.request.urlopen(url, timeout=timeout) as r:
         return json.loads(r.read())
+
+
+def greedy(lab, prompts, max_tokens: int = 6) -> list[list[str]]:
+    """Greedy token ids (as ``token_id:N`` strings) of each prompt through the router."""
+    out = []
+    for p in prompts:
+        r = post(lab.router_url + "/v1/completions",
+                 {"model": "lab", "prompt": p, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+                  "logprobs": 0, "return_tokens_as_token_ids": True})
+        out.append(r["choices"][0]["logprobs"]["tokens"])
+    return out
+
+
+def pdtrace_in_processes(lab) -> dict:
+    """What of pdtrace runs for the lab's engine process trees, read from ``/proc`` while the lab runs.
+
+    Returns ``{"writers": [(pid, process name)], "sinks": [pid], "processes": n}``: every process
+    with a thread named ``pdtrace-writer`` (the writer names its kernel thread), every
+    ``pdtrace.instrument.sink`` process of the lab's trace directory or started by one of the
+    lab's processes (the host's sink is detached, not in their trees: ``hostsink.find``,
+    ``hostsink.starter``), and how many engine processes were read (API servers, EngineCores,
+    workers; the router is not an engine).
+    """
+    import psutil
+
+    from pdtrace.instrument import hostsink
+
+    writers, n, tree = [], 0, set()
+    for name, pid in lab.pids().items():
+        root = psutil.Process(pid)
+        for p in [root] + root.children(recursive=True):
+            tree.add(p.pid)
+            if name == "router":
+                continue
+            try:
+                if "pdtrace.instrument.sink" in " ".join(p.cmdline()):
+                    continue
+                n += 1
+                for tid in os.listdir(f"/proc/{p.pid}/task"):
+                    with open(f"/proc/{p.pid}/task/{tid}/comm") as f:
+                        if f.read().strip() == "pdtrace-writer":
+                            writers.append((p.pid, p.name()))
+                            break
+            except (psutil.NoSuchProcess, FileNotFoundError, ProcessLookupError):
+                continue
+    mine = set(hostsink.find(lab.cfg.trace_dir)) if lab.cfg.trace_dir else set()
+    sinks = sorted(s for s in hostsink.find() if s in mine or hostsink.starter(s) in tree)
+    return {"writers": writers, "sinks": sinks, "processes": n}
+
+
+def check_untraced(untraced_run: dict, log_name: str, connector: str) -> None:
+    """A lab run with ``PDTRACE_DIR`` unset (plugin installed): no ``pdtrace-writer`` thread and no sink in any of
+    its >= 4 engine processes (``untraced_run["in_procs"]`` from :func:`pdtrace_in_processes`), and the engine
+    whose log is ``log_name`` built vLLM's stock ``connector`` class."""
+    p = untraced_run["in_procs"]
+    print(p)
+    assert p["processes"] >= 4 and p["writers"] == [] and p["sinks"] == [], p
+    log = (untraced_run["dir"] / "logs" / log_name).read_text(errors="replace")
+    assert f"Creating v1 connector with name: {connector}" in log
+
+
+def traced_greedy(record: dict, mode: str, model: Path, prompts: list, run_dir: Path) -> dict:
+    """The greedy tokens of a traced P/D lab of ``mode``: ``{"model", "prompts", "outputs"}``.
+
+    ``record`` is the session's ``traced_greedy`` fixture (``tests/conftest.py``), where
+    ``tests/connector/test_traced_{pull,push}_lab.py`` put the greedy tokens of their traced lab
+    (vLLM's stock serving command traced by pdtrace's plugin). If that lab did not run in this
+    session, or ran another model, a traced lab of the same recipe is started here in ``run_dir``,
+    warmed up (first contact), asked ``prompts`` greedily and stopped. Raises AssertionError if its
+    warm-up fails twice.
+    """
+    got = record.get(mode)
+    if got is not None and Path(got["model"]) == Path(model):
+        return got
+    from pdtrace.connector.lab.launcher import Lab, LabConfig
+
+    cfg = LabConfig(model=model, mode=mode, run_dir=run_dir, trace_dir=run_dir.resolve(), push_join_timeout_s=60.0,
+                    router_timeout_s=300.0)
+    with Lab(cfg) as lab:
+        for i in range(2):  # first contact (the handshake), once more if it missed the join timeout
+            status, body = post_status(lab.router_url + "/v1/completions",
+                                       {"model": "lab", "prompt": [20 + i, 21, 22, 23], "max_tokens": 2})
+            if status == 200:
+                break
+        assert status == 200, f"traced {mode} lab: warm-up failed twice: {body}"
+        record[mode] = {"model": Path(model), "prompts": prompts, "outputs": greedy(lab, prompts)}
+    return record[mode]

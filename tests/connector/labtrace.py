@@ -35,6 +35,7 @@ BLOCK_TOKENS = 128  # vLLM's CPU block size (tokens per KV block in the lab's en
 
 
 post, post_status, get_json = labkit.post, labkit.post_status, labkit.get_json
+greedy, pdtrace_in_processes, check_untraced = labkit.greedy, labkit.pdtrace_in_processes, labkit.check_untraced
 
 
 def traced_cfg(model: Path, run_dir: Path, trace: bool, mode: str = "pull", env: dict | None = None,
@@ -53,43 +54,6 @@ def plugin_cfg(model: Path, run_dir: Path, trace: bool, mode: str = "pull", env:
                      extra_env=env or {}, **kw)
 
 
-def pdtrace_in_processes(lab: Lab) -> dict:
-    """What of pdtrace runs for the lab's engine process trees, read from ``/proc`` while the lab runs.
-
-    Returns ``{"writers": [(pid, process name)], "sinks": [pid], "processes": n}``: every process
-    with a thread named ``pdtrace-writer`` (the writer names its kernel thread), every
-    ``pdtrace.instrument.sink`` process of the lab's trace directory or started by one of the
-    lab's processes (the host's sink is detached, not in their trees: ``hostsink.find``,
-    ``hostsink.starter``), and how many engine processes were read (API servers, EngineCores,
-    workers; the router is not an engine).
-    """
-    import psutil
-
-    from pdtrace.instrument import hostsink
-
-    writers, n, tree = [], 0, set()
-    for name, pid in lab.pids().items():
-        root = psutil.Process(pid)
-        for p in [root] + root.children(recursive=True):
-            tree.add(p.pid)
-            if name == "router":
-                continue
-            try:
-                if "pdtrace.instrument.sink" in " ".join(p.cmdline()):
-                    continue
-                n += 1
-                for tid in os.listdir(f"/proc/{p.pid}/task"):
-                    with open(f"/proc/{p.pid}/task/{tid}/comm") as f:
-                        if f.read().strip() == "pdtrace-writer":
-                            writers.append((p.pid, p.name()))
-                            break
-            except (psutil.NoSuchProcess, FileNotFoundError, ProcessLookupError):
-                continue
-    mine = set(hostsink.find(lab.cfg.trace_dir)) if lab.cfg.trace_dir else set()
-    sinks = sorted(s for s in hostsink.find() if s in mine or hostsink.starter(s) in tree)
-    return {"writers": writers, "sinks": sinks, "processes": n}
-
-
 def check_activation(run_dir: Path, engines: str, router: str = "explicit") -> dict:
     """Every ``recorder.stats`` row of the engines' processes says ``engines`` ('plugin' | 'explicit'),
     the router's ``router``; at least API server and EngineCore of each engine wrote some."""
@@ -106,17 +70,6 @@ def check_activation(run_dir: Path, engines: str, router: str = "explicit") -> d
     return by
 
 
-def check_untraced(untraced_run: dict, log_name: str, connector: str) -> None:
-    """A lab run with ``PDTRACE_DIR`` unset (plugin installed): no ``pdtrace-writer`` thread and no sink in any of
-    its >= 4 engine processes (``untraced_run["in_procs"]`` from :func:`pdtrace_in_processes`), and the engine
-    whose log is ``log_name`` built vLLM's stock ``connector`` class."""
-    p = untraced_run["in_procs"]
-    print(p)
-    assert p["processes"] >= 4 and p["writers"] == [] and p["sinks"] == [], p
-    log = (untraced_run["dir"] / "logs" / log_name).read_text(errors="replace")
-    assert f"Creating v1 connector with name: {connector}" in log
-
-
 def lab_model(profile: str = "default") -> Path:
     """The lab model of ``profile`` (shared cache); skip — or fail under ``PDTRACE_LAB_REQUIRED=1`` — without the lab."""
     labkit.require_lab()
@@ -128,17 +81,6 @@ def azure_workload(model_dir: Path, n: int = N_REPLAY):
     from pdtrace.connector.data import AZURE_CONV
     return workload.build("azure-conv", AZURE_CONV, vocab_size=model_info(model_dir)["vocab_size"],
                           length_scale=0.25, rate_scale=1.0, max_requests=n, max_model_len=8192)
-
-
-def greedy(lab: Lab, prompts, max_tokens: int = 6) -> list[list[str]]:
-    """Greedy token ids (as ``token_id:N`` strings) of each prompt through the router."""
-    out = []
-    for p in prompts:
-        r = post(lab.router_url + "/v1/completions",
-                 {"model": "lab", "prompt": p, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-                  "logprobs": 0, "return_tokens_as_token_ids": True})
-        out.append(r["choices"][0]["logprobs"]["tokens"])
-    return out
 
 
 def replay_ok(lab: Lab, wl) -> list:

@@ -1,18 +1,18 @@
 """Traced pull connector on real engines (the lab's launcher and router): ≥ 20 real-trace requests.
 
-Three labs, each started once for the module and stopped before the next:
+Two labs, each started once for the module and stopped before the next:
 
 1. traced by the production recipe: vLLM's stock serving command (connector
    ``NixlPullConnector``, no module path, no ``--middleware``) plus
    ``PDTRACE_DIR`` = the run directory (sampling 1), so pdtrace's vLLM plugin
    does the tracing: a first request (first contact: the handshake), then 20
    Azure-conversation requests replayed open-loop through the router, then
-   greedy prompts; vLLM's ``vllm:nixl_*`` counters are read from D before the
+   greedy prompts (their tokens go to the session's ``traced_greedy_record``:
+   ``tests/lab/test_pull.py`` checks that its untraced lab, the same stock
+   command without ``PDTRACE_DIR``, gives the same tokens and runs no pdtrace
+   thread or sink); vLLM's ``vllm:nixl_*`` counters are read from D before the
    lab stops (engines flush on shutdown). Most checks read this one trace.
-2. the same stock command without ``PDTRACE_DIR``: no pdtrace thread or sink in
-   any engine process (``/proc``), and the same greedy prompts -> outputs must
-   be identical.
-3. pdtrace's explicit class names (``TracedNixlPullConnector`` + module path,
+2. pdtrace's explicit class names (``TracedNixlPullConnector`` + module path,
    ``--middleware``) at ``PDTRACE_SAMPLE=0.5``: 20 requests; router, P and D
    keep exactly the same request ids, which are those the sampling rule
    selects; every process records activation 'explicit'.
@@ -57,8 +57,9 @@ def greedy_prompts(wl):
 
 
 @pytest.fixture(scope="module")
-def traced_run(model_dir, wl, greedy_prompts, tmp_path_factory):
-    """The traced lab's run: trace dir, client records, D's nixl counters, greedy outputs."""
+def traced_run(model_dir, wl, greedy_prompts, tmp_path_factory, traced_greedy_record):
+    """The traced lab's run: trace dir, client records, D's nixl counters, greedy outputs (also recorded in
+    ``traced_greedy_record["pull"]``)."""
     run_dir = tmp_path_factory.mktemp("traced")
     with Lab(_plugin_cfg(model_dir, run_dir, trace=True)) as lab:
         lt.warm_up(lab, wl.requests[0].prompt, tries=1)
@@ -68,6 +69,7 @@ def traced_run(model_dir, wl, greedy_prompts, tmp_path_factory):
         stats = metrics.router_stats(lab.router_url)
         affinity = lt.helper_affinities(lab)
         in_procs = lt.pdtrace_in_processes(lab)
+    traced_greedy_record["pull"] = {"model": model_dir, "prompts": greedy_prompts, "outputs": greedy}
     tr = lt.open_trace(run_dir)
     yield {"dir": run_dir, "tr": tr, "recs": recs, "greedy": greedy, "d_metrics": d_metrics, "stats": stats,
            "affinity": affinity, "in_procs": in_procs,
@@ -153,25 +155,6 @@ def test_engines_traced_through_the_plugin(traced_run):
     log = (traced_run["dir"] / "logs" / "decode-0.log").read_text(errors="replace")
     assert "Creating v1 connector with name: TracedNixlPullConnector" in log
     assert len(traced_run["in_procs"]["writers"]) >= 4 and len(traced_run["in_procs"]["sinks"]) == 1
-
-
-@pytest.fixture(scope="module")
-def untraced_run(model_dir, greedy_prompts, traced_run, tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("untraced")
-    with Lab(_plugin_cfg(model_dir, run_dir, trace=False)) as lab:
-        out = lt.greedy(lab, greedy_prompts)
-        in_procs = lt.pdtrace_in_processes(lab)
-    assert not list(run_dir.glob("*.parquet"))
-    return {"greedy": out, "in_procs": in_procs, "dir": run_dir}
-
-
-def test_greedy_outputs_equal_with_tracing_off(traced_run, untraced_run):
-    assert traced_run["greedy"] == untraced_run["greedy"]
-
-
-def test_unset_no_pdtrace_thread_or_process_in_any_engine_process(untraced_run):
-    """PDTRACE_DIR unset, plugin installed: stock classes, no writer thread, no sink (read from /proc)."""
-    lt.check_untraced(untraced_run, "decode-0.log", "NixlPullConnector")
 
 
 def test_sampling_half_keeps_the_same_ids_everywhere(model_dir, wl, traced_run, tmp_path_factory, monkeypatch):

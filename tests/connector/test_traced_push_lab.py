@@ -1,8 +1,6 @@
 """Traced push connector on real engines (the lab's launcher and router): ≥ 20 real-trace requests.
 
-Two labs, each started once for the module and stopped before the next:
-
-1. traced push lab by the production recipe: vLLM's stock serving command
+One lab: a traced push lab by the production recipe: vLLM's stock serving command
    (``NixlPushConnector``, no module path, no ``--middleware``) plus
    ``PDTRACE_DIR`` = the run directory (sampling 1), traced by pdtrace's vLLM
    plugin; in this order:
@@ -15,9 +13,10 @@ Two labs, each started once for the module and stopped before the next:
    request whose client goes away 50 ms after sending it. vLLM's
    ``vllm:nixl_*`` counters are read from P — in push the prefill engine owns
    the WRITE handles and records them (D's stay 0) — before the lab stops.
-2. the same stock command without ``PDTRACE_DIR``: no pdtrace thread or sink
-   in any engine process (``/proc``); the same greedy prompts -> outputs must
-   be identical.
+   The greedy prompts' tokens go to the session's ``traced_greedy_record``:
+   ``tests/lab/test_push.py`` checks that its untraced lab, the same stock
+   command without ``PDTRACE_DIR``, gives the same tokens and runs no pdtrace
+   thread or sink.
 
 (pdtrace's explicit push class names run on real engines in the dashboard's
 lab stores, ``tests/dashboard/conftest.py``.)
@@ -84,7 +83,7 @@ def _transfers_expected(greedy) -> int:
 
 
 @pytest.fixture(scope="module")
-def traced_run(model_dir, wl, greedy_prompts, seq_prompts, gone_prompt, tmp_path_factory):
+def traced_run(model_dir, wl, greedy_prompts, seq_prompts, gone_prompt, tmp_path_factory, traced_greedy_record):
     run_dir = tmp_path_factory.mktemp("push-traced")
     cfg = lt.plugin_cfg(model_dir, run_dir, trace=True, mode="push", push_join_timeout_s=60.0,
                         router_timeout_s=300.0)
@@ -101,6 +100,7 @@ def traced_run(model_dir, wl, greedy_prompts, seq_prompts, gone_prompt, tmp_path
         p_metrics = lt.settled_metrics(lab.prefills[0].url, "vllm:nixl_xfer_time_seconds_count",
                                        _transfers_expected(greedy))
         d_metrics = metrics.scrape(lab.decodes[0].url)
+    traced_greedy_record["push"] = {"model": model_dir, "prompts": greedy_prompts, "outputs": greedy}
     tr = lt.open_trace(run_dir)
     yield {"dir": run_dir, "tr": tr, "recs": recs, "greedy": greedy, "conc": conc, "serial": serial,
            "p_metrics": p_metrics, "d_metrics": d_metrics, "in_procs": in_procs,
@@ -223,26 +223,6 @@ def test_engines_traced_through_the_plugin(traced_run):
     log = (traced_run["dir"] / "logs" / "prefill-0.log").read_text(errors="replace")
     assert "Creating v1 connector with name: TracedNixlPushConnector" in log
     assert len(traced_run["in_procs"]["writers"]) >= 4 and len(traced_run["in_procs"]["sinks"]) == 1
-
-
-@pytest.fixture(scope="module")
-def untraced_run(model_dir, greedy_prompts, traced_run, tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("push-untraced")
-    with Lab(lt.plugin_cfg(model_dir, run_dir, trace=False, mode="push", push_join_timeout_s=60.0,
-                           router_timeout_s=300.0)) as lab:
-        out = lt.greedy(lab, greedy_prompts)
-        in_procs = lt.pdtrace_in_processes(lab)
-    assert not list(run_dir.glob("*.parquet"))
-    return {"greedy": out, "in_procs": in_procs, "dir": run_dir}
-
-
-def test_greedy_outputs_equal_with_tracing_off(traced_run, untraced_run):
-    assert traced_run["greedy"] == untraced_run["greedy"]
-
-
-def test_unset_no_pdtrace_thread_or_process_in_any_engine_process(untraced_run):
-    """PDTRACE_DIR unset, plugin installed: stock classes, no writer thread, no sink (read from /proc)."""
-    lt.check_untraced(untraced_run, "prefill-0.log", "NixlPushConnector")
 
 
 def test_engine_clock_window_without_the_routers_files(traced_run):

@@ -49,8 +49,10 @@ def lab_ready():
 
 
 @pytest.fixture(scope="session")
-def model_dir(lab_ready, tmp_path_factory):
-    return make_model("default", tmp_path_factory.mktemp("labmodel"))
+def model_dir(lab_ready):
+    """The shared lab model (``pdtrace lab setup`` builds it once per machine), as the traced lab tests use:
+    ``test_pull``/``test_push`` compare their greedy tokens with the traced labs' (``traced_greedy_record``)."""
+    return make_model("default")
 
 
 @pytest.fixture(scope="session")

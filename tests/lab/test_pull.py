@@ -1,5 +1,5 @@
 """Pull mode on real engines: replay, metrics, logprobs vs one engine, negative control, kill P before D's READ,
-SIGTERM D mid-stream.
+SIGTERM D mid-stream; tracing off gives the traced lab's greedy tokens and runs no pdtrace thread.
 
 One lab for the module; the destructive tests (kill P, then SIGTERM D) run last, in that order.
 """
@@ -11,6 +11,7 @@ import signal
 import threading
 import time
 
+import labkit
 import pytest
 
 from pdtrace.connector.lab import replay
@@ -39,6 +40,26 @@ def test_replay_real_trace(pull_lab, trace_requests):
 def test_first_token_logprobs_match_single_engine(pull_lab, check_prompts, reference):
     gaps = check_logprobs(pull_lab, check_prompts, reference)
     print(f"pull: max |Δ logprob| over top-5 = {max(gaps):.4f} nats (tolerance {LOGPROB_TOL})")
+
+
+def test_greedy_outputs_equal_with_tracing_on(pull_lab, model_dir, traced_greedy_record, check_prompts,
+                                               tmp_path_factory):
+    """This untraced lab (vLLM's stock serving command, pdtrace's plugin installed, ``PDTRACE_DIR`` unset) gives
+    the greedy tokens of the traced pull lab (``tests/connector/test_traced_pull_lab.py``, or a traced lab
+    started here when that module did not run): tracing changes no output."""
+    rec = labkit.traced_greedy(traced_greedy_record, "pull", model_dir, check_prompts["trace"],
+                               tmp_path_factory.mktemp("traced-greedy"))
+    assert labkit.greedy(pull_lab, rec["prompts"]) == rec["outputs"]
+
+
+def test_unset_no_pdtrace_thread_or_process_in_any_engine_process(pull_lab):
+    """``PDTRACE_DIR`` unset, plugin installed: vLLM's stock connector class, no pdtrace writer thread and no
+    sink in any engine process (read from ``/proc``), no span file in the run directory."""
+    run_dir = pull_lab.cfg.run_dir
+    assert pull_lab.cfg.trace_dir is None
+    in_procs = labkit.pdtrace_in_processes(pull_lab)
+    labkit.check_untraced({"in_procs": in_procs, "dir": run_dir}, "decode-0.log", "NixlPullConnector")
+    assert not list(run_dir.rglob("*.parquet"))
 
 
 def test_negative_control_wrong_blocks_fail_the_check(pull_lab, check_prompts, reference):

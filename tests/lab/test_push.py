@@ -1,9 +1,11 @@
-"""Push mode on real engines: replay, metrics, logprobs, the shared-id guard, kill D mid-run (last)."""
+"""Push mode on real engines: replay, metrics, logprobs, tracing off gives the traced lab's greedy tokens and runs no
+pdtrace thread, the shared-id guard, kill D mid-run (last)."""
 from __future__ import annotations
 
 import asyncio
 import time
 
+import labkit
 import pytest
 
 from conftest import LOGPROB_TOL, check_logprobs, check_replay, post, start_lab
@@ -41,6 +43,26 @@ def test_replay_real_trace(push_lab, trace_requests):
 def test_first_token_logprobs_match_single_engine(push_lab, check_prompts, reference):
     gaps = check_logprobs(push_lab, check_prompts, reference)
     print(f"push: max |Δ logprob| over top-5 = {max(gaps):.4f} nats (tolerance {LOGPROB_TOL})")
+
+
+def test_greedy_outputs_equal_with_tracing_on(push_lab, model_dir, traced_greedy_record, check_prompts,
+                                               tmp_path_factory):
+    """This untraced lab (vLLM's stock serving command, pdtrace's plugin installed, ``PDTRACE_DIR`` unset) gives
+    the greedy tokens of the traced push lab (``tests/connector/test_traced_push_lab.py``, or a traced lab
+    started here when that module did not run): tracing changes no output."""
+    rec = labkit.traced_greedy(traced_greedy_record, "push", model_dir, check_prompts["trace"],
+                               tmp_path_factory.mktemp("traced-greedy"))
+    assert labkit.greedy(push_lab, rec["prompts"]) == rec["outputs"]
+
+
+def test_unset_no_pdtrace_thread_or_process_in_any_engine_process(push_lab):
+    """``PDTRACE_DIR`` unset, plugin installed: vLLM's stock connector class, no pdtrace writer thread and no
+    sink in any engine process (read from ``/proc``), no span file in the run directory."""
+    run_dir = push_lab.cfg.run_dir
+    assert push_lab.cfg.trace_dir is None
+    in_procs = labkit.pdtrace_in_processes(push_lab)
+    labkit.check_untraced({"in_procs": in_procs, "dir": run_dir}, "prefill-0.log", "NixlPushConnector")
+    assert not list(run_dir.rglob("*.parquet"))
 
 
 def test_push_without_shared_id_fails_fast(push_lab):
