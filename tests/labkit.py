@@ -119,15 +119,18 @@ def pdtrace_in_processes(lab) -> dict:
     return {"writers": writers, "sinks": sinks, "processes": n}
 
 
-def check_untraced(untraced_run: dict, log_name: str, connector: str) -> None:
-    """A lab run with ``PDTRACE_DIR`` unset (plugin installed): no ``pdtrace-writer`` thread and no sink in any of
-    its >= 4 engine processes (``untraced_run["in_procs"]`` from :func:`pdtrace_in_processes`), and the engine
-    whose log is ``log_name`` built vLLM's stock ``connector`` class."""
-    p = untraced_run["in_procs"]
+def check_untraced_lab(lab, log_name: str, connector: str) -> None:
+    """``lab`` runs untraced (``PDTRACE_DIR`` unset, pdtrace's plugin installed): no trace directory, no
+    ``pdtrace-writer`` thread and no sink in any of its >= 4 engine processes (:func:`pdtrace_in_processes`, read
+    from ``/proc`` now), vLLM's stock ``connector`` class built by the engine whose log is ``log_name``, no span
+    file in the run directory."""
+    assert lab.cfg.trace_dir is None
+    p = pdtrace_in_processes(lab)
     print(p)
     assert p["processes"] >= 4 and p["writers"] == [] and p["sinks"] == [], p
-    log = (untraced_run["dir"] / "logs" / log_name).read_text(errors="replace")
+    log = (lab.cfg.run_dir / "logs" / log_name).read_text(errors="replace")
     assert f"Creating v1 connector with name: {connector}" in log
+    assert not list(lab.cfg.run_dir.rglob("*.parquet"))
 
 
 def traced_greedy(record: dict, mode: str, model: Path, prompts: list, run_dir: Path) -> dict:
@@ -156,3 +159,10 @@ def traced_greedy(record: dict, mode: str, model: Path, prompts: list, run_dir: 
         assert status == 200, f"traced {mode} lab: warm-up failed twice: {body}"
         record[mode] = {"model": Path(model), "prompts": prompts, "outputs": greedy(lab, prompts)}
     return record[mode]
+
+
+def check_greedy_like_traced(lab, record: dict, model: Path, prompts: list, run_dir: Path) -> None:
+    """``lab`` (untraced) answers the traced lab of its mode's greedy prompts with the same tokens
+    (:func:`traced_greedy`, which starts that traced lab in ``run_dir`` if it did not run in the session)."""
+    rec = traced_greedy(record, lab.cfg.mode, model, prompts, run_dir)
+    assert greedy(lab, rec["prompts"]) == rec["outputs"]

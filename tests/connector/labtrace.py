@@ -35,7 +35,7 @@ BLOCK_TOKENS = 128  # vLLM's CPU block size (tokens per KV block in the lab's en
 
 
 post, post_status, get_json = labkit.post, labkit.post_status, labkit.get_json
-greedy, pdtrace_in_processes, check_untraced = labkit.greedy, labkit.pdtrace_in_processes, labkit.check_untraced
+greedy, pdtrace_in_processes = labkit.greedy, labkit.pdtrace_in_processes
 
 
 def traced_cfg(model: Path, run_dir: Path, trace: bool, mode: str = "pull", env: dict | None = None,

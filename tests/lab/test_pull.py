@@ -44,22 +44,13 @@ def test_first_token_logprobs_match_single_engine(pull_lab, check_prompts, refer
 
 def test_greedy_outputs_equal_with_tracing_on(pull_lab, model_dir, traced_greedy_record, check_prompts,
                                                tmp_path_factory):
-    """This untraced lab (vLLM's stock serving command, pdtrace's plugin installed, ``PDTRACE_DIR`` unset) gives
-    the greedy tokens of the traced pull lab (``tests/connector/test_traced_pull_lab.py``, or a traced lab
-    started here when that module did not run): tracing changes no output."""
-    rec = labkit.traced_greedy(traced_greedy_record, "pull", model_dir, check_prompts["trace"],
-                               tmp_path_factory.mktemp("traced-greedy"))
-    assert labkit.greedy(pull_lab, rec["prompts"]) == rec["outputs"]
+    """Tracing changes no output: this untraced lab gives the traced pull lab's greedy tokens."""
+    labkit.check_greedy_like_traced(pull_lab, traced_greedy_record, model_dir, check_prompts["trace"],
+                                    tmp_path_factory.mktemp("traced-greedy"))
 
 
 def test_unset_no_pdtrace_thread_or_process_in_any_engine_process(pull_lab):
-    """``PDTRACE_DIR`` unset, plugin installed: vLLM's stock connector class, no pdtrace writer thread and no
-    sink in any engine process (read from ``/proc``), no span file in the run directory."""
-    run_dir = pull_lab.cfg.run_dir
-    assert pull_lab.cfg.trace_dir is None
-    in_procs = labkit.pdtrace_in_processes(pull_lab)
-    labkit.check_untraced({"in_procs": in_procs, "dir": run_dir}, "decode-0.log", "NixlPullConnector")
-    assert not list(run_dir.rglob("*.parquet"))
+    labkit.check_untraced_lab(pull_lab, "decode-0.log", "NixlPullConnector")
 
 
 def test_negative_control_wrong_blocks_fail_the_check(pull_lab, check_prompts, reference):

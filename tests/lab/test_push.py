@@ -47,22 +47,13 @@ def test_first_token_logprobs_match_single_engine(push_lab, check_prompts, refer
 
 def test_greedy_outputs_equal_with_tracing_on(push_lab, model_dir, traced_greedy_record, check_prompts,
                                                tmp_path_factory):
-    """This untraced lab (vLLM's stock serving command, pdtrace's plugin installed, ``PDTRACE_DIR`` unset) gives
-    the greedy tokens of the traced push lab (``tests/connector/test_traced_push_lab.py``, or a traced lab
-    started here when that module did not run): tracing changes no output."""
-    rec = labkit.traced_greedy(traced_greedy_record, "push", model_dir, check_prompts["trace"],
-                               tmp_path_factory.mktemp("traced-greedy"))
-    assert labkit.greedy(push_lab, rec["prompts"]) == rec["outputs"]
+    """Tracing changes no output: this untraced lab gives the traced push lab's greedy tokens."""
+    labkit.check_greedy_like_traced(push_lab, traced_greedy_record, model_dir, check_prompts["trace"],
+                                    tmp_path_factory.mktemp("traced-greedy"))
 
 
 def test_unset_no_pdtrace_thread_or_process_in_any_engine_process(push_lab):
-    """``PDTRACE_DIR`` unset, plugin installed: vLLM's stock connector class, no pdtrace writer thread and no
-    sink in any engine process (read from ``/proc``), no span file in the run directory."""
-    run_dir = push_lab.cfg.run_dir
-    assert push_lab.cfg.trace_dir is None
-    in_procs = labkit.pdtrace_in_processes(push_lab)
-    labkit.check_untraced({"in_procs": in_procs, "dir": run_dir}, "prefill-0.log", "NixlPushConnector")
-    assert not list(run_dir.rglob("*.parquet"))
+    labkit.check_untraced_lab(push_lab, "prefill-0.log", "NixlPushConnector")
 
 
 def test_push_without_shared_id_fails_fast(push_lab):
