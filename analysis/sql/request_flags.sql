@@ -34,6 +34,15 @@
 --                        (request_base.wasted_compute_ns > 0: an aborted or
 --                        retried attempt's prefill, a prefill whose KV D failed
 --                        to load; DESIGN.md §7.3)
+--   aborted_after_first_token  the first token was written and then the request
+--                        was given up: a request.abort at or after the first
+--                        token (EngineCore's, or the API server's for a 200
+--                        response whose last chunk finished 'abort' or 'error',
+--                        lifecycle.cause response_finish_<reason>), or the
+--                        router's leg failure decode_aborted / decode_failed
+--                        (vllm-project/vllm#57082 and #45520: engine shutdown,
+--                        sleep or scale-down ends every open stream so, with
+--                        HTTP 200 and [DONE]; sgl-project/sglang#8936)
 --   split_trace          the request's spans sit in more than one trace id
 --                        (request_base.trace_count > 1: broken traceparent
 --                        propagation; ai-dynamo/dynamo#7030, DESIGN.md §7.2)
@@ -53,6 +62,12 @@ WITH bh AS MATERIALIZED (
     WHERE record = 'span' AND name = 'kv.transfer' AND rkey IN (SELECT rkey FROM _scope_keys)
 ), q AS (
     SELECT * FROM _req_base WHERE rkey IN (SELECT rkey FROM _scope_keys)
+), gave_up AS (
+    -- the instants the request was given up (for aborted_after_first_token)
+    SELECT rkey, c_start_ns AS t_ns FROM _timed
+    WHERE record = 'event' AND rkey IN (SELECT rkey FROM _scope_keys)
+      AND (name = 'request.abort'
+           OR (name = 'router.leg_failed' AND attr_str['error.type'] IN ('decode_aborted', 'decode_failed')))
 ), flag_rows AS (
     -- one line per flag: SELECT rkey, '<flag>' FROM <rows> WHERE <rule>
               SELECT rkey, 'read_after_release' AS flag FROM bh WHERE side = 'prefill' AND transfer_after_release
@@ -66,6 +81,8 @@ WITH bh AS MATERIALIZED (
     UNION ALL SELECT rkey, 'hung_after_first_token' FROM q WHERE first_token_ns IS NOT NULL AND last_token_ns IS NULL
     UNION ALL SELECT rkey, 'wasted_compute' FROM q WHERE wasted_compute_ns > 0
     UNION ALL SELECT rkey, 'split_trace' FROM q WHERE trace_count > 1
+    UNION ALL SELECT q.rkey, 'aborted_after_first_token' FROM q JOIN gave_up g ON g.rkey = q.rkey
+              WHERE g.t_ns >= q.first_token_ns
 )
 SELECT rkey, list_sort(list(DISTINCT flag)) AS flags
 FROM flag_rows WHERE rkey IS NOT NULL GROUP BY rkey;

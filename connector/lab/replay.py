@@ -39,7 +39,7 @@ import aiohttp
 
 from pdtrace.instrument import clock
 
-from .sse import SSEDecoder, finish_reasons
+from ..sse import SSEDecoder, finish_reasons
 from .workload import ReplayRequest, Workload
 
 

@@ -75,7 +75,7 @@ import time
 from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
 
 from . import inject as _inject
-from .sse import SSEDecoder, finish_reasons
+from ..sse import SSEDecoder, chunk_has_token, finish_reasons
 
 try:  # the recorder (issue 2); the router works without it
     from pdtrace.instrument import ids as _ids
@@ -137,28 +137,6 @@ def check_shared_id(p_headers: dict, d_headers: dict) -> None:
     if not a or a != b:
         raise LegError(500, "push mode needs the same X-Request-Id on the prefill and decode legs "
                             "(P matches D's registration by it); refusing to dispatch", "router", "push_id_mismatch")
-
-
-def _chunk_has_token(obj: dict) -> bool:
-    """True if an SSE chunk (parsed JSON) carries at least one generated token.
-
-    Completions: vLLM sends a choice chunk only when it has new tokens (or, after
-    the first, a finish), so a ``text`` key counts even when empty: a token that
-    ends inside a multi-byte character detokenizes to "" (vLLM's
-    ``serving_completion`` stream loop skips empty chunks only before the first
-    token). Chat: the first chunk announces the role with no token, so only
-    content, reasoning or logprobs count.
-    """
-    for ch in obj.get("choices") or ():
-        if "text" in ch:
-            return True
-        d = ch.get("delta") or {}
-        if d.get("content") or d.get("reasoning_content") or d.get("reasoning"):
-            return True
-        lp = ch.get("logprobs")
-        if lp and (lp.get("tokens") or lp.get("content")):
-            return True
-    return False
 
 
 class _Spans:
@@ -574,7 +552,7 @@ class Router:
                             if failure is not None:  # neither the failing event nor any after it is relayed
                                 break
                             whole.append(raw)
-                            has_tok = has_tok or any(_chunk_has_token(o) for o in objs)
+                            has_tok = has_tok or any(chunk_has_token(o) for o in objs)
                         data = b"".join(whole)
                         # the token's instant is read before the write: once written, a busy event loop
                         # can delay this task well after the client has the bytes (TTFT would then

@@ -15,7 +15,16 @@ by the engine's role (``prefill.frontend`` on a ``kv_producer``,
 ``--kv-transfer-config`` on the command line or ``PDTRACE_ROLE``) from the
 moment the HTTP request reaches the app to the moment the last response body
 chunk has been handed to the server, with a ``token`` event at the first body
-chunk of a 2xx response (the first output chunk written, for a stream).
+chunk of a 2xx response that carries a generated token
+(:func:`pdtrace.connector.sse.chunk_has_token`: not a chat stream's role chunk;
+for a ``stream: false`` body, ``usage.completion_tokens`` > 0). The response's
+finish reason (the last choice chunk's, read from the last two body chunks at
+the end; never any text) is attribute ``response.finish_reason``. A 2xx
+response the engine gave up on (finish reason ``abort`` or ``error``: vLLM ends
+every open stream so on shutdown or a sleep/scale-down pause, with HTTP 200 and
+``[DONE]``, vllm-project/vllm#57082) gets no ``token`` event when no chunk
+carried one, and a ``request.abort`` event (``lifecycle.cause``
+``response_finish_<reason>``) at its end.
 
 The frontend is recorded as **two spans of the same name** (DESIGN.md §2):
 ``frontend.part = "in"``: HTTP received → the request handed to EngineCore
@@ -52,10 +61,17 @@ from pdtrace.instrument import activate, tracer
 from pdtrace.instrument import attributes as _attrs
 from pdtrace.instrument import config, stages
 
+from .. import sse
 from .common import SPLIT_CACHE, split_id
 from .safety import safe
 
 _PATHS = ("/v1/completions", "/v1/chat/completions")
+#: Body chunks of a 2xx response decoded at most while looking for the first token (a tokenless
+#: aborted chat stream is three: role, abort, [DONE]); then the first chunk's time stands for it.
+PARSE_CHUNKS = 4
+_attrs.register("response.finish_reason", str, "the finish reason of the response's last choice chunk "
+                "(stop, length, abort, error, ...), read by the API-server middleware; abort / error also "
+                "record a request.abort (lifecycle.cause response_finish_<reason>)")
 _attrs.register("frontend.part", str, "which part of a frontend span: 'in' (HTTP received -> handed to "
                 "EngineCore), 'out' (first output back -> last chunk written) or 'whole' (boundaries unknown)")
 
@@ -219,10 +235,15 @@ class FrontendMiddleware:
             return await self.app(scope, receive, send)
 
         async def _send(message):
-            # once the status, the first chunk's time and a second chunk (request.stream) are noted, the
-            # rest of a stream needs nothing: no hook per streamed chunk on the event loop
+            # once the status, the first token chunk's time and a second chunk (request.stream) are noted,
+            # a streamed chunk costs two references kept (the last two chunks, read once at the end for
+            # the finish reason): no hook per streamed chunk on the event loop
             if not st["seen"]:
                 safe(self._on_send, st, message)
+            else:
+                body = message.get("body")
+                if body:
+                    st["prev"], st["last"] = st["last"], body
             await send(message)
 
         try:
@@ -240,19 +261,31 @@ class FrontendMiddleware:
             return None
         # open while the exchange lasts (an ``open`` row while it waits for EngineCore; view in_flight)
         sid = tracer.start(self.name, x, start_ns=t0, attrs={"wait.for": "engine", "frontend.part": "whole"})
-        # chunks: body chunks seen, counted up to 2 (request.stream = more than one); seen: nothing more to note
-        return {"x": x, "status": 0, "first": 0, "chunks": 0, "sid": sid or tracer.new_id(), "seen": False}
+        # chunks: body chunks seen, counted up to 2 (request.stream = more than one); first: when the first
+        # chunk carrying a token was handed on; prev/last: the last two body chunks (the finish reason is
+        # in the last event before "data: [DONE]"); seen: nothing more to note but those two
+        # t_body: when the first body chunk was handed on (the token's instant when no chunk could be read)
+        return {"x": x, "status": 0, "first": 0, "t_body": 0, "chunks": 0, "sid": sid or tracer.new_id(),
+                "seen": False, "sse": None, "prev": b"", "last": b""}
 
     def _on_send(self, st, message) -> None:
         typ = message.get("type")
         if typ == "http.response.start":
             st["status"] = int(message.get("status", 0))
         elif typ == "http.response.body" and message.get("body"):
+            body = message["body"]
             st["chunks"] += 1
-            if not st["first"]:
-                st["first"] = tracer.now()
-            elif st["status"]:
-                st["seen"] = True  # a second chunk after the start: request.stream is 1, all noted
+            st["prev"], st["last"] = st["last"], body
+            t = 0
+            if not st["t_body"]:
+                st["t_body"] = t = tracer.now()
+            ok = 200 <= st["status"] < 300
+            if ok and not st["first"] and _has_token(st, body):
+                st["first"] = t or tracer.now()
+            # request.stream known (a second chunk) and the first token found, or not to be found: an error
+            # status, or PARSE_CHUNKS chunks without one (a body shape not read here: see _finish)
+            if st["chunks"] > 1 and (st["first"] or not ok or st["chunks"] >= PARSE_CHUNKS):
+                st["seen"] = True
 
     def _finish(self, st, t0) -> None:
         t1 = tracer.now()
@@ -260,12 +293,66 @@ class FrontendMiddleware:
         t_in = _sent.pop(x, 0)
         t_out = _first_out.pop(x, 0)
         a = {"http.response.status_code": st["status"], "request.stream": int(st["chunks"] > 1)}
+        finish = _finish_reason(st) if 200 <= st["status"] < 300 else None
+        if finish:
+            a["response.finish_reason"] = finish
         if t0 <= t_in <= t_out <= t1:
             tracer.record(self.name, x, t0, t_in, {**a, "frontend.part": "in"})
             tracer.record(self.name, x, t_out, t1, {**a, "frontend.part": "out"}, span_id=st["sid"])
         else:
             tracer.record(self.name, x, t0, t1, {**a, "frontend.part": "whole"}, span_id=st["sid"])
         tracer.close(st["sid"])
-        if st["first"] and 200 <= st["status"] < 300:  # an error body (e.g. 500 after a failed KV load) is no token
-            tracer.event("token", x, span_id=st["sid"], time_ns=st["first"],
+        # the first chunk that carried a token; when none could be read (a body shape chunk_has_token does not
+        # know), the first body chunk, unless the engine gave the request up. An error status (e.g. 500 after a
+        # failed KV load) is no token.
+        first = st["first"] or (st["t_body"] if 200 <= st["status"] < 300 and finish not in sse.GAVE_UP else 0)
+        if first:
+            tracer.event("token", x, span_id=st["sid"], time_ns=first,
                          attrs={"request.stream": int(st["chunks"] > 1)})
+        if finish in sse.GAVE_UP:
+            # the engine gave the request up and the server still answered 200 (vllm-project/vllm#57082):
+            # the analysis reads it as an abort of the request (incomplete_requests, requests.flags)
+            tracer.event("request.abort", x, span_id=st["sid"], time_ns=t1,
+                         attrs={"lifecycle.cause": f"response_finish_{finish}", "request.stream": int(st["chunks"] > 1)})
+
+
+def _has_token(st: dict, body: bytes) -> bool:
+    """True if the 2xx body chunk ``body`` carries a generated token (:func:`pdtrace.connector.sse.chunk_has_token`).
+
+    A server-sent-event stream is decoded incrementally (``st["sse"]``, kept until the first token); a
+    ``stream: false`` body is one JSON object whose ``usage.completion_tokens`` says it (0 for a request
+    the engine aborted before its first token). A body that is neither (not JSON, or one split over
+    several chunks) counts as a token, as every first chunk did before the finish reason was read.
+    """
+    dec = st["sse"]
+    if dec is None and body.lstrip()[:5] == b"data:":
+        dec = st["sse"] = sse.SSEDecoder()
+    if dec is not None:
+        return any(sse.chunk_has_token(o) for o in dec.feed(body))
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return True
+    if not isinstance(obj, dict):
+        return True
+    n = (obj.get("usage") or {}).get("completion_tokens")
+    return n > 0 if isinstance(n, int) else sse.chunk_has_token(obj)
+
+
+def _finish_reason(st: dict) -> str | None:
+    """The finish reason of the response's last choice chunk (of the last two body chunks: a stream ends with
+    ``data: [DONE]``), cut to 16 characters; None when no chunk names one. Reads reasons, never text."""
+    tail = st["prev"] + st["last"] if st["sse"] is not None else st["last"]
+    if st["sse"] is not None:
+        objs = sse.SSEDecoder().feed(tail[tail.find(b"data:"):] if b"data:" in tail else b"")
+    else:
+        try:
+            objs = [json.loads(tail)]
+        except ValueError:
+            return None
+    for obj in reversed(objs):
+        if isinstance(obj, dict):
+            reasons = sorted(r for r in sse.finish_reasons(obj) if isinstance(r, str) and r)
+            if reasons:  # one choice given up is the response given up
+                return ([r for r in reasons if r in sse.GAVE_UP] or reasons)[0][:16]
+    return None

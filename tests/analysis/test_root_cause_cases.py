@@ -433,6 +433,82 @@ def test_vllm_56640_engine_only_full_prefix_hit_never_reported(analyse):
     assert r["time_to_failure_ms"] == 50000
 
 
+# ---------------------------------------------------------------- the engine gave the request up, HTTP 200
+
+def test_vllm_57082_shutdown_abort_before_the_first_token_has_no_ttft(analyse):
+    """vllm-project/vllm#57082: an engine-initiated abort (engine shutdown, a sleep or scale-down pause)
+    ends an open stream with HTTP 200, a tokenless finish_reason "abort" chunk and data: [DONE], so a
+    client or router that checks the status and [DONE] counts it complete (sgl-project/sglang#8936: P/D
+    aborts answered 200 the same way). Behind a foreign router (engine clock), D's API server's middleware
+    records no token for that chunk, response.finish_reason 'abort' and a request.abort
+    (response_finish_abort) when the response ends at 400. Right answer: no TTFT; incomplete with cause and
+    symptom abort, root itself; time to failure 400 ms, from P's API server receiving the request (0) to D's
+    API server ending the response (what the client saw). A request served beside it keeps its TTFT."""
+    c = Case()
+    for rid, t in (("sd", 0), ("ok", 1000)):
+        c.span("prefill", "prefill.frontend", t, t + 2, rid=rid, engine="p0", attrs={"frontend.part": "in"})
+        c.span("prefill", "prefill.compute", t + 2, t + 50, rid=rid, engine="p0")
+        c.span("prefill", "prefill.frontend", t + 50, t + 52, rid=rid, engine="p0",
+               attrs={"frontend.part": "out", "response.finish_reason": "length"})
+        c.span("decode", "decode.frontend", t + 60, t + 61, rid=rid, engine="d0", attrs={"frontend.part": "in"})
+        c.span("decode", "decode.queue", t + 61, t + 62, rid=rid, engine="d0")
+        c.span("decode", "kv.transfer", t + 62, t + 90, rid=rid, engine="d0", rank=0, attrs={"kv.bytes": 4096})
+    fe = c.span("decode", "decode.frontend", 95, 400, rid="sd", engine="d0",
+                attrs={"frontend.part": "out", "response.finish_reason": "abort", "http.response.status_code": 200})
+    c.event("decode", "request.abort", 400, rid="sd", engine="d0", span=fe,
+            attrs={"lifecycle.cause": "response_finish_abort"})
+    fe = c.span("decode", "decode.frontend", 1095, 1130, rid="ok", engine="d0",
+                attrs={"frontend.part": "out", "response.finish_reason": "length", "http.response.status_code": 200})
+    c.event("decode", "token", 1096, rid="ok", engine="d0", span=fe)
+    _flushes(c, "decode", "d0", at=(2000,))
+    _flushes(c, "prefill", "p0", at=(2000,))
+    tr = analyse(c)
+    r = _inc(tr, "sd")
+    assert (r["cause"], r["symptom"], r["root_request_id"], r["ttft_source"]) == ("abort", "abort", "sd", "engine")
+    assert r["time_to_failure_ms"] == 400
+    q = {x["request_id"]: x for x in tr.query("SELECT request_id, ttft_ms, flags FROM requests ORDER BY 1")}
+    assert q["sd"]["ttft_ms"] is None and q["ok"]["ttft_ms"] == 1096 - 1000
+    assert tr.query("SELECT request_id FROM incomplete_requests") == [{"request_id": "sd"}]
+
+
+def test_vllm_45520_sleep_aborts_streams_mid_decode_flagged_ttft_kept(analyse):
+    """vllm-project/vllm#45520: POST /sleep while streams were mid-decode returned finish_reason=abort to
+    every in-flight request. A request aborted after its first token keeps its TTFT (the client had the
+    token) and is flagged aborted_after_first_token, by each source of the abort: 'sl' behind pdtrace's
+    router (first token 100; EngineCore's request.abort at 500, then the router's leg failure
+    decode_aborted at 505), 'se' behind a foreign router (D's API server: token 150, its request.abort
+    response_finish_abort at 300). An abort before the first token of a retried attempt is not the flag's:
+    'rt' (attempt 0 aborted at 20, attempt 1's token at 90) is not flagged."""
+    c = Case()
+    root = c.router_request("sl", 0, 520, "pull", first_token_ms=100, last_token_ms=480)
+    c.span("prefill", "prefill.compute", 2, 50, rid="sl", engine="p0")
+    c.span("decode", "kv.transfer", 55, 80, rid="sl", engine="d0", rank=0, attrs={"kv.bytes": 4096})
+    c.span("decode", "decode.first_step", 80, 95, rid="sl", engine="d0")
+    c.event("decode", "request.abort", 500, rid="sl", engine="d0", attrs={"lifecycle.cause": "FINISHED_ABORTED"})
+    c.event("router", "router.leg_failed", 505, rid="sl", span=root,
+            attrs={"error.type": "decode_aborted", "router.leg": "decode"})
+    c.span("prefill", "prefill.frontend", 1000, 1002, rid="se", engine="p0", attrs={"frontend.part": "in"})
+    c.span("prefill", "prefill.compute", 1002, 1050, rid="se", engine="p0")
+    c.span("decode", "decode.frontend", 1060, 1061, rid="se", engine="d0", attrs={"frontend.part": "in"})
+    c.span("decode", "kv.transfer", 1062, 1090, rid="se", engine="d0", rank=0, attrs={"kv.bytes": 4096})
+    fe = c.span("decode", "decode.frontend", 1095, 1300, rid="se", engine="d0",
+                attrs={"frontend.part": "out", "response.finish_reason": "abort", "http.response.status_code": 200})
+    c.event("decode", "token", 1150, rid="se", engine="d0", span=fe)
+    c.event("decode", "request.abort", 1300, rid="se", engine="d0", span=fe,
+            attrs={"lifecycle.cause": "response_finish_abort"})
+    c.router_request("rt", 2000, 2200, "pull", first_token_ms=2090, last_token_ms=2150)
+    c.span("prefill", "prefill.compute", 2002, 2010, rid="rt", engine="p0")
+    c.event("prefill", "request.abort", 2020, rid="rt", engine="p0", attrs={"lifecycle.cause": "FINISHED_ABORTED"})
+    c.span("prefill", "prefill.compute", 2030, 2060, rid="rt", engine="p0", attempt=1)
+    c.span("decode", "kv.transfer", 2062, 2080, rid="rt", engine="d0", rank=0, attempt=1, attrs={"kv.bytes": 4096})
+    tr = analyse(c)
+    q = {x["request_id"]: x for x in tr.query("SELECT request_id, ttft_ms, flags FROM requests ORDER BY 1")}
+    assert (q["sl"]["ttft_ms"], q["se"]["ttft_ms"], q["rt"]["ttft_ms"]) == (100, 150, 90)
+    assert "aborted_after_first_token" in q["sl"]["flags"] and "aborted_after_first_token" in q["se"]["flags"]
+    assert "aborted_after_first_token" not in q["rt"]["flags"], q["rt"]["flags"]
+    assert tr.query("SELECT request_id FROM incomplete_requests") == []
+
+
 # ---------------------------------------------------------------- kind 10 (part): request_events
 
 def test_aws_do_eks_84_lease_expiry_per_rank_collapsed(analyse):

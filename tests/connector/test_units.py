@@ -1,5 +1,7 @@
 """Engine-free checks of the traced connectors' parts: safety, per-step report, middleware, compat switch."""
 
+import json
+
 import pytest
 
 pytest.importorskip("vllm")
@@ -176,6 +178,88 @@ def test_middleware_error_response_is_no_token(tmp_path, child):
         assert ("span", "decode.frontend", "X43") in names and ("event", "token", "X43") not in names
     """, env={"PDTRACE_DIR": str(tmp_path)})
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_middleware_reads_token_chunks_and_the_finish_reason(tmp_path, child):
+    """The middleware's token event sits at the first chunk that carries a token, and a 200 response the
+    engine gave up on (finish_reason abort / error) is no token but a request.abort (vllm-project/vllm#57082:
+    engine shutdown ends every open stream with HTTP 200, a tokenless "abort" chunk and [DONE]). The app is a
+    stand-in that writes what vLLM's API server writes in each case (the real shutdown path is in
+    tests/lab/test_pull.py::test_sigterm_decode_mid_stream, untraced); the middleware and recorder are real.
+
+    ab: chat stream, role chunk, then an abort chunk -> no token, request.abort response_finish_abort;
+    rc: chat stream, role chunk, 30 ms, a content chunk, stop -> token at the content chunk (>= 30 ms in);
+    mid: completions stream, two tokens, then an abort chunk -> token at the first, request.abort;
+    ok: completions stream finished 'length' -> token, no abort; er: 'error' finish, no text -> no token;
+    nsab: stream false, usage.completion_tokens 0, finish abort -> no token, request.abort;
+    ns: stream false, one token (P's answer in pull) -> token; odd: a 200 body that is not JSON -> token at
+    its first chunk (as before: a shape the middleware cannot read counts)."""
+    r = child(f"""
+        import asyncio, glob, json, pyarrow.parquet as pq
+        from pdtrace.instrument import tracer
+        from pdtrace.connector.traced.middleware import FrontendMiddleware
+        def ev(o): return b"data: " + json.dumps(o).encode() + b"\\n\\n"
+        def chat(d, fr=None): return ev({{"choices": [{{"index": 0, "delta": d, "finish_reason": fr}}]}})
+        def cmpl(t, fr=None): return ev({{"choices": [{{"index": 0, "text": t, "finish_reason": fr}}]}})
+        DONE = b"data: [DONE]\\n\\n"
+        bodies = {{
+            "ab": [chat({{"role": "assistant", "content": ""}}), chat({{}}, "abort"), DONE],
+            "rc": [chat({{"role": "assistant", "content": ""}}), "sleep", chat({{"content": "x"}}), chat({{}}, "stop"), DONE],
+            "mid": [cmpl("a"), cmpl("b"), cmpl("", "abort"), DONE],
+            "ok": [cmpl("a"), cmpl("b"), cmpl("c", "length"), DONE],
+            "er": [cmpl("", "error"), DONE],
+            "nsab": [json.dumps({{"choices": [{{"text": "", "finish_reason": "abort"}}],
+                                  "usage": {{"completion_tokens": 0}}}}).encode()],
+            "ns": [json.dumps({{"choices": [{{"text": "x", "finish_reason": "length"}}],
+                                "usage": {{"completion_tokens": 1}}}}).encode()],
+            "odd": [b"plain", b"more"],
+        }}
+        def app_for(x):
+            async def app(scope, receive, send):
+                await send({{"type": "http.response.start", "status": 200, "headers": []}})
+                for b in bodies[x]:
+                    if b == "sleep":
+                        await asyncio.sleep(0.03)
+                        continue
+                    await send({{"type": "http.response.body", "body": b, "more_body": True}})
+                await send({{"type": "http.response.body", "body": b"", "more_body": False}})
+            return app
+        async def send(m): pass
+        async def receive(): return {{"type": "http.request", "body": b"{{}}"}}
+        for x in bodies:
+            path = "/v1/chat/completions" if x in ("ab", "rc") else "/v1/completions"
+            scope = {{"type": "http", "method": "POST", "path": path, "headers": [(b"x-request-id", x.encode())]}}
+            asyncio.run(FrontendMiddleware(app_for(x), role="decode")(scope, receive, send))
+        tracer.shutdown()
+        rows = [r for f in glob.glob("{tmp_path}/*.parquet") for r in pq.read_table(f).to_pylist()]
+        out = {{}}
+        for r in rows:
+            if r["record"] not in ("span", "event") or not r["request_id"]:
+                continue
+            o = out.setdefault(r["request_id"], {{"events": {{}}}})
+            if r["record"] == "span" and r["name"] == "decode.frontend":
+                o["start"] = r["start_ns"] if "start" not in o else min(o["start"], r["start_ns"])
+                fr = dict(r["attr_str"] or {{}}).get("response.finish_reason")
+                if fr: o["finish"] = fr
+            elif r["record"] == "event":
+                o["events"][r["name"]] = [r["start_ns"], dict(r["attr_str"] or {{}}).get("lifecycle.cause")]
+        print(json.dumps(out))
+    """, env={"PDTRACE_DIR": str(tmp_path)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    has = {x: sorted(o["events"]) for x, o in got.items()}
+    assert has == {"ab": ["request.abort"], "rc": ["token"], "mid": ["request.abort", "token"], "ok": ["token"],
+                   "er": ["request.abort"], "nsab": ["request.abort"], "ns": ["token"], "odd": ["token"]}, has
+    assert {x: o.get("finish") for x, o in got.items()} == {
+        "ab": "abort", "rc": "stop", "mid": "abort", "ok": "length", "er": "error", "nsab": "abort", "ns": "length",
+        "odd": None}
+    causes = {x: o["events"]["request.abort"][1] for x, o in got.items() if "request.abort" in o["events"]}
+    assert causes == {"ab": "response_finish_abort", "mid": "response_finish_abort", "er": "response_finish_error",
+                      "nsab": "response_finish_abort"}
+    rc = got["rc"]
+    assert rc["events"]["token"][0] - rc["start"] >= 30_000_000  # the content chunk, not the role chunk
+    mid = got["mid"]
+    assert mid["events"]["token"][0] < mid["events"]["request.abort"][0]
 
 
 def _ids_each_side(fraction):

@@ -145,7 +145,7 @@ def test_kv_core_patch_keeps_forward_thread_on_engine_core():
 
 
 def test_sse_decoder_splits_events_across_chunks():
-    from pdtrace.connector.lab.sse import SSEDecoder
+    from pdtrace.connector.sse import SSEDecoder
     d = SSEDecoder()
     assert d.feed(b'data: {"a": 1}\n\ndata: [DO') == [{"a": 1}]
     assert not d.done  # half of "[DONE]" is not the end

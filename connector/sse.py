@@ -1,7 +1,10 @@
 """Incremental decoding of an OpenAI-style server-sent-event stream (``data: {json}`` events).
 
-Used by the router (reading D's stream) and the replay client (reading the
-router's stream), so both parse the same way.
+Used by the API-server middleware (what the engine wrote: its first token and how
+the response finished, :mod:`pdtrace.connector.traced.middleware`), the lab router
+(reading D's stream) and the replay client (reading the router's stream), so all
+three parse the same way. Nothing here keeps a payload: callers read a chunk's
+token presence and finish reason, never its text.
 """
 from __future__ import annotations
 
@@ -57,3 +60,36 @@ class SSEDecoder:
 def finish_reasons(obj: dict) -> set:
     """The ``finish_reason`` values of a decoded chunk's choices (``None`` for an unfinished choice)."""
     return {c.get("finish_reason") for c in obj.get("choices") or () if isinstance(c, dict)}
+
+
+#: Finish reasons that end a response the engine gave up on rather than completed: vLLM's
+#: ``FINISHED_ABORTED`` ("abort": engine shutdown, sleep or scale-down pause, an abort request;
+#: vllm-project/vllm#57082, #45520) and ``FINISHED_ERROR`` ("error": e.g. the KV load failed).
+GAVE_UP = ("abort", "error")
+
+
+def chunk_has_token(obj: dict) -> bool:
+    """True if a response chunk (parsed JSON, a streamed chunk or a whole ``stream: false`` body)
+    carries at least one generated token.
+
+    Completions: vLLM sends a choice chunk only when it has new tokens (or, after
+    the first, a finish), so a ``text`` key counts even when empty: a token that
+    ends inside a multi-byte character detokenizes to "" (vLLM's completion stream
+    loop skips empty chunks only before the first token). A choice finished with a
+    :data:`GAVE_UP` reason and no text is the engine ending the response, not a
+    token (vllm-project/vllm#57082: HTTP 200, a tokenless ``"abort"`` chunk, then
+    ``[DONE]``). Chat: the first chunk announces the role with no token, so only
+    content, reasoning or logprobs count.
+    """
+    for ch in obj.get("choices") or ():
+        if not isinstance(ch, dict):
+            continue
+        if "text" in ch and (ch["text"] or ch.get("finish_reason") not in GAVE_UP):
+            return True
+        d = ch.get("delta") or ch.get("message") or {}
+        if d.get("content") or d.get("reasoning_content") or d.get("reasoning") or d.get("tool_calls"):
+            return True
+        lp = ch.get("logprobs")
+        if lp and (lp.get("tokens") or lp.get("content")):
+            return True
+    return False
