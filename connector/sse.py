@@ -26,6 +26,11 @@ class SSEDecoder:
         #: True once the ``data: [DONE]`` event was decoded (the stream ended normally).
         self.done = False
 
+    @property
+    def pending(self) -> bool:
+        """True while bytes of an unfinished event wait for the rest."""
+        return bool(self._buf)
+
     def events(self, data: bytes) -> list[tuple[bytes, list]]:
         """Append ``data``; return ``(raw, payloads)`` for every event it completed, in order.
 

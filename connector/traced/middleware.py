@@ -18,8 +18,8 @@ chunk has been handed to the server, with a ``token`` event at the first body
 chunk of a 2xx response that carries a generated token
 (:func:`pdtrace.connector.sse.chunk_has_token`: not a chat stream's role chunk;
 for a ``stream: false`` body, ``usage.completion_tokens`` > 0). The response's
-finish reason (the last choice chunk's, read from the last two body chunks at
-the end; never any text) is attribute ``response.finish_reason``. A 2xx
+finish reason (the last choice chunk's, read from the last three body chunks
+at the end; never any text) is attribute ``response.finish_reason``. A 2xx
 response the engine gave up on (finish reason ``abort`` or ``error``: vLLM ends
 every open stream so on shutdown or a sleep/scale-down pause, with HTTP 200 and
 ``[DONE]``, vllm-project/vllm#57082) gets no ``token`` event when no chunk
@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections import deque
 
 from pdtrace.instrument import activate, tracer
 from pdtrace.instrument import attributes as _attrs
@@ -69,6 +70,9 @@ _PATHS = ("/v1/completions", "/v1/chat/completions")
 #: Body chunks of a 2xx response decoded at most while looking for the first token (a tokenless
 #: aborted chat stream is three: role, abort, [DONE]); then the first chunk's time stands for it.
 PARSE_CHUNKS = 4
+#: Body chunks kept to the end for the finish reason: the finish chunk, a usage-only chunk
+#: (``stream_options.include_usage``) and ``data: [DONE]``.
+TAIL_CHUNKS = 3
 _attrs.register("response.finish_reason", str, "the finish reason of the response's last choice chunk "
                 "(stop, length, abort, error, ...), read by the API-server middleware; abort / error also "
                 "record a request.abort (lifecycle.cause response_finish_<reason>)")
@@ -234,16 +238,18 @@ class FrontendMiddleware:
         if st is None:
             return await self.app(scope, receive, send)
 
+        keep = st["tail"].append
+
         async def _send(message):
             # once the status, the first token chunk's time and a second chunk (request.stream) are noted,
-            # a streamed chunk costs two references kept (the last two chunks, read once at the end for
-            # the finish reason): no hook per streamed chunk on the event loop
+            # a streamed chunk costs one reference kept (the last TAIL_CHUNKS chunks, read once at the end
+            # for the finish reason): no hook per streamed chunk on the event loop
             if not st["seen"]:
                 safe(self._on_send, st, message)
             else:
                 body = message.get("body")
                 if body:
-                    st["prev"], st["last"] = st["last"], body
+                    keep(body)
             await send(message)
 
         try:
@@ -262,11 +268,11 @@ class FrontendMiddleware:
         # open while the exchange lasts (an ``open`` row while it waits for EngineCore; view in_flight)
         sid = tracer.start(self.name, x, start_ns=t0, attrs={"wait.for": "engine", "frontend.part": "whole"})
         # chunks: body chunks seen, counted up to 2 (request.stream = more than one); first: when the first
-        # chunk carrying a token was handed on; prev/last: the last two body chunks (the finish reason is
-        # in the last event before "data: [DONE]"); seen: nothing more to note but those two
+        # chunk carrying a token was handed on; tail: the last body chunks (the finish reason is in the last
+        # choice event, before a usage-only chunk and "data: [DONE]"); seen: nothing more to note but those
         # t_body: when the first body chunk was handed on (the token's instant when no chunk could be read)
         return {"x": x, "status": 0, "first": 0, "t_body": 0, "chunks": 0, "sid": sid or tracer.new_id(),
-                "seen": False, "sse": None, "prev": b"", "last": b""}
+                "seen": False, "sse": None, "tail": deque(maxlen=TAIL_CHUNKS)}
 
     def _on_send(self, st, message) -> None:
         typ = message.get("type")
@@ -275,7 +281,7 @@ class FrontendMiddleware:
         elif typ == "http.response.body" and message.get("body"):
             body = message["body"]
             st["chunks"] += 1
-            st["prev"], st["last"] = st["last"], body
+            st["tail"].append(body)
             t = 0
             if not st["t_body"]:
                 st["t_body"] = t = tracer.now()
@@ -319,40 +325,60 @@ class FrontendMiddleware:
 def _has_token(st: dict, body: bytes) -> bool:
     """True if the 2xx body chunk ``body`` carries a generated token (:func:`pdtrace.connector.sse.chunk_has_token`).
 
-    A server-sent-event stream is decoded incrementally (``st["sse"]``, kept until the first token); a
-    ``stream: false`` body is one JSON object whose ``usage.completion_tokens`` says it (0 for a request
+    A server-sent-event stream is read event by event: a chunk that is one whole ``data: {...}`` event
+    (what vLLM writes) is decoded at once, anything else through an incremental decoder (``st["sse"]``);
+    a ``stream: false`` body is one JSON object whose ``usage.completion_tokens`` says it (0 for a request
     the engine aborted before its first token). A body that is neither (not JSON, or one split over
-    several chunks) counts as a token, as every first chunk did before the finish reason was read.
+    several chunks) counts as no token here; ``_finish`` then takes the first chunk's time unless the
+    engine gave the request up.
     """
     dec = st["sse"]
-    if dec is None and body.lstrip()[:5] == b"data:":
+    if dec is None and body[:5] == b"data:":
         dec = st["sse"] = sse.SSEDecoder()
     if dec is not None:
-        return any(sse.chunk_has_token(o) for o in dec.feed(body))
+        if body[:7] == b"data: {" and body[-2:] == b"\n\n" and body.count(b"\n\n") == 1 and not dec.pending:
+            try:
+                return sse.chunk_has_token(json.loads(body[6:]))
+            except ValueError:
+                return False
+        return any(sse.chunk_has_token(o) for o in dec.feed(body) if isinstance(o, dict))
     try:
         obj = json.loads(body)
     except ValueError:
-        return True
+        return False
     if not isinstance(obj, dict):
-        return True
+        return False
     n = (obj.get("usage") or {}).get("completion_tokens")
     return n > 0 if isinstance(n, int) else sse.chunk_has_token(obj)
 
 
+_FINISH_KEY = b'"finish_reason":'
+
+
 def _finish_reason(st: dict) -> str | None:
-    """The finish reason of the response's last choice chunk (of the last two body chunks: a stream ends with
-    ``data: [DONE]``), cut to 16 characters; None when no chunk names one. Reads reasons, never text."""
-    tail = st["prev"] + st["last"] if st["sse"] is not None else st["last"]
-    if st["sse"] is not None:
-        objs = sse.SSEDecoder().feed(tail[tail.find(b"data:"):] if b"data:" in tail else b"")
-    else:
-        try:
-            objs = [json.loads(tail)]
-        except ValueError:
-            return None
-    for obj in reversed(objs):
-        if isinstance(obj, dict):
-            reasons = sorted(r for r in sse.finish_reasons(obj) if isinstance(r, str) and r)
-            if reasons:  # one choice given up is the response given up
-                return ([r for r in reasons if r in sse.GAVE_UP] or reasons)[0][:16]
-    return None
+    """The finish reason of the response's last choice chunk, cut to 16 characters (one choice given up --
+    :data:`pdtrace.connector.sse.GAVE_UP` -- is the response given up); None when no chunk names one.
+
+    Read from the bytes, not decoded: the last of the kept body chunks (``st["tail"]``: a stream ends with
+    a finish chunk, a usage-only chunk when asked for, and ``data: [DONE]``) holding a
+    ``"finish_reason":`` key; in it, the last event holding one (JSON escapes a
+    quote inside a string value, so the key cannot match text), each of that event's values (a quoted
+    string, or ``null``). Never reads or keeps any text.
+    """
+    body = next((b for b in reversed(st["tail"]) if _FINISH_KEY in b), b"")
+    k = body.rfind(_FINISH_KEY)
+    if k < 0:
+        return None
+    start = body.rfind(b"data:", 0, k) if st["sse"] is not None else 0
+    reasons = []
+    while k >= 0:
+        v = body[k + len(_FINISH_KEY):k + len(_FINISH_KEY) + 40].lstrip()
+        if v[:1] == b'"':
+            end = v.find(b'"', 1)
+            if end > 1:
+                reasons.append(v[1:end].decode("ascii", "replace"))
+        k = body.rfind(_FINISH_KEY, max(start, 0), k)
+    if not reasons:
+        return None
+    gave = sorted(r for r in reasons if r in sse.GAVE_UP)
+    return (gave or sorted(reasons))[0][:16]

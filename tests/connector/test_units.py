@@ -187,7 +187,8 @@ def test_middleware_reads_token_chunks_and_the_finish_reason(tmp_path, child):
     stand-in that writes what vLLM's API server writes in each case (the real shutdown path is in
     tests/lab/test_pull.py::test_sigterm_decode_mid_stream, untraced); the middleware and recorder are real.
 
-    ab: chat stream, role chunk, then an abort chunk -> no token, request.abort response_finish_abort;
+    ab: chat stream, role chunk, then an abort chunk -> no token, request.abort response_finish_abort; abu: the
+    same with a usage-only chunk before [DONE] (stream_options.include_usage); us: a finished stream so;
     rc: chat stream, role chunk, 30 ms, a content chunk, stop -> token at the content chunk (>= 30 ms in);
     mid: completions stream, two tokens, then an abort chunk -> token at the first, request.abort;
     ok: completions stream finished 'length' -> token, no abort; er: 'error' finish, no text -> no token;
@@ -202,10 +203,13 @@ def test_middleware_reads_token_chunks_and_the_finish_reason(tmp_path, child):
         def chat(d, fr=None): return ev({{"choices": [{{"index": 0, "delta": d, "finish_reason": fr}}]}})
         def cmpl(t, fr=None): return ev({{"choices": [{{"index": 0, "text": t, "finish_reason": fr}}]}})
         DONE = b"data: [DONE]\\n\\n"
+        USAGE = ev({{"choices": [], "usage": {{"completion_tokens": 2}}}})  # stream_options.include_usage
         bodies = {{
             "ab": [chat({{"role": "assistant", "content": ""}}), chat({{}}, "abort"), DONE],
             "rc": [chat({{"role": "assistant", "content": ""}}), "sleep", chat({{"content": "x"}}), chat({{}}, "stop"), DONE],
             "mid": [cmpl("a"), cmpl("b"), cmpl("", "abort"), DONE],
+            "abu": [chat({{"role": "assistant", "content": ""}}), chat({{}}, "abort"), USAGE, DONE],
+            "us": [cmpl("a"), cmpl("b", "length"), USAGE, DONE],
             "ok": [cmpl("a"), cmpl("b"), cmpl("c", "length"), DONE],
             "er": [cmpl("", "error"), DONE],
             "nsab": [json.dumps({{"choices": [{{"text": "", "finish_reason": "abort"}}],
@@ -227,7 +231,7 @@ def test_middleware_reads_token_chunks_and_the_finish_reason(tmp_path, child):
         async def send(m): pass
         async def receive(): return {{"type": "http.request", "body": b"{{}}"}}
         for x in bodies:
-            path = "/v1/chat/completions" if x in ("ab", "rc") else "/v1/completions"
+            path = "/v1/chat/completions" if x in ("ab", "abu", "rc") else "/v1/completions"
             scope = {{"type": "http", "method": "POST", "path": path, "headers": [(b"x-request-id", x.encode())]}}
             asyncio.run(FrontendMiddleware(app_for(x), role="decode")(scope, receive, send))
         tracer.shutdown()
@@ -249,13 +253,14 @@ def test_middleware_reads_token_chunks_and_the_finish_reason(tmp_path, child):
     got = json.loads(r.stdout.strip().splitlines()[-1])
     has = {x: sorted(o["events"]) for x, o in got.items()}
     assert has == {"ab": ["request.abort"], "rc": ["token"], "mid": ["request.abort", "token"], "ok": ["token"],
-                   "er": ["request.abort"], "nsab": ["request.abort"], "ns": ["token"], "odd": ["token"]}, has
+                   "abu": ["request.abort"], "us": ["token"], "er": ["request.abort"], "nsab": ["request.abort"],
+                   "ns": ["token"], "odd": ["token"]}, has
     assert {x: o.get("finish") for x, o in got.items()} == {
-        "ab": "abort", "rc": "stop", "mid": "abort", "ok": "length", "er": "error", "nsab": "abort", "ns": "length",
-        "odd": None}
+        "ab": "abort", "rc": "stop", "mid": "abort", "ok": "length", "abu": "abort", "us": "length", "er": "error",
+        "nsab": "abort", "ns": "length", "odd": None}
     causes = {x: o["events"]["request.abort"][1] for x, o in got.items() if "request.abort" in o["events"]}
-    assert causes == {"ab": "response_finish_abort", "mid": "response_finish_abort", "er": "response_finish_error",
-                      "nsab": "response_finish_abort"}
+    assert causes == {"ab": "response_finish_abort", "mid": "response_finish_abort", "abu": "response_finish_abort",
+                      "er": "response_finish_error", "nsab": "response_finish_abort"}
     rc = got["rc"]
     assert rc["events"]["token"][0] - rc["start"] >= 30_000_000  # the content chunk, not the role chunk
     mid = got["mid"]
