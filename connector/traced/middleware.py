@@ -18,13 +18,16 @@ chunk has been handed to the server, with a ``token`` event at the first body
 chunk of a 2xx response that carries a generated token
 (:func:`pdtrace.connector.sse.chunk_has_token`: not a chat stream's role chunk;
 for a ``stream: false`` body, ``usage.completion_tokens`` > 0). The response's
-finish reason (the last choice chunk's, read from the last three body chunks
-at the end; never any text) is attribute ``response.finish_reason``. A 2xx
-response the engine gave up on (finish reason ``abort`` or ``error``: vLLM ends
+finish reason is attribute ``response.finish_reason`` when it was read: in a
+``stream: false`` body, or in a stream's chunks up to its first token (after
+it no streamed chunk is read; never any text). A 2xx response the engine gave
+up on before its first token (finish reason ``abort`` or ``error``: vLLM ends
 every open stream so on shutdown or a sleep/scale-down pause, with HTTP 200 and
-``[DONE]``, vllm-project/vllm#57082) gets no ``token`` event when no chunk
-carried one, and a ``request.abort`` event (``lifecycle.cause``
-``response_finish_<reason>``) at its end.
+``[DONE]``, vllm-project/vllm#57082) gets no ``token`` event and a
+``request.abort`` event (``lifecycle.cause`` ``response_finish_<reason>``) at
+its end; one given up after its first token is EngineCore's to record (the
+scheduler hook's ``request.abort`` for vLLM's ``FINISHED_ABORTED``), so no
+streamed chunk is read after the first token.
 
 The frontend is recorded as **two spans of the same name** (DESIGN.md §2):
 ``frontend.part = "in"``: HTTP received → the request handed to EngineCore
@@ -56,7 +59,6 @@ from __future__ import annotations
 
 import json
 import sys
-from collections import deque
 
 from pdtrace.instrument import activate, tracer
 from pdtrace.instrument import attributes as _attrs
@@ -70,9 +72,7 @@ _PATHS = ("/v1/completions", "/v1/chat/completions")
 #: Body chunks of a 2xx response decoded at most while looking for the first token (a tokenless
 #: aborted chat stream is three: role, abort, [DONE]); then the first chunk's time stands for it.
 PARSE_CHUNKS = 4
-#: Body chunks kept to the end for the finish reason: the finish chunk, a usage-only chunk
-#: (``stream_options.include_usage``) and ``data: [DONE]``.
-TAIL_CHUNKS = 3
+
 _attrs.register("response.finish_reason", str, "the finish reason of the response's last choice chunk "
                 "(stop, length, abort, error, ...), read by the API-server middleware; abort / error also "
                 "record a request.abort (lifecycle.cause response_finish_<reason>)")
@@ -238,18 +238,11 @@ class FrontendMiddleware:
         if st is None:
             return await self.app(scope, receive, send)
 
-        keep = st["tail"].append
-
         async def _send(message):
-            # once the status, the first token chunk's time and a second chunk (request.stream) are noted,
-            # a streamed chunk costs one reference kept (the last TAIL_CHUNKS chunks, read once at the end
-            # for the finish reason): no hook per streamed chunk on the event loop
+            # once the status, the first token chunk's time and a second chunk (request.stream) are noted, the
+            # rest of a stream needs nothing: no hook per streamed chunk on the event loop
             if not st["seen"]:
                 safe(self._on_send, st, message)
-            else:
-                body = message.get("body")
-                if body:
-                    keep(body)
             await send(message)
 
         try:
@@ -267,12 +260,12 @@ class FrontendMiddleware:
             return None
         # open while the exchange lasts (an ``open`` row while it waits for EngineCore; view in_flight)
         sid = tracer.start(self.name, x, start_ns=t0, attrs={"wait.for": "engine", "frontend.part": "whole"})
-        # chunks: body chunks seen, counted up to 2 (request.stream = more than one); first: when the first
-        # chunk carrying a token was handed on; tail: the last body chunks (the finish reason is in the last
-        # choice event, before a usage-only chunk and "data: [DONE]"); seen: nothing more to note but those
+        # chunks: body chunks read (request.stream = more than one); first: when the first chunk carrying a
+        # token was handed on; finish: a finish reason read in a chunk before that (or in a whole body);
+        # seen: nothing more to note
         # t_body: when the first body chunk was handed on (the token's instant when no chunk could be read)
         return {"x": x, "status": 0, "first": 0, "t_body": 0, "chunks": 0, "sid": sid or tracer.new_id(),
-                "seen": False, "sse": None, "tail": deque(maxlen=TAIL_CHUNKS)}
+                "seen": False, "sse": None, "finish": None}
 
     def _on_send(self, st, message) -> None:
         typ = message.get("type")
@@ -281,13 +274,16 @@ class FrontendMiddleware:
         elif typ == "http.response.body" and message.get("body"):
             body = message["body"]
             st["chunks"] += 1
-            st["tail"].append(body)
             t = 0
             if not st["t_body"]:
                 st["t_body"] = t = tracer.now()
             ok = 200 <= st["status"] < 300
-            if ok and not st["first"] and _has_token(st, body):
-                st["first"] = t or tracer.now()
+            if ok:
+                fin = _finish_in(body)
+                if fin:
+                    st["finish"] = fin
+                if not st["first"] and _has_token(st, body):
+                    st["first"] = t or tracer.now()
             # request.stream known (a second chunk) and the first token found, or not to be found: an error
             # status, or PARSE_CHUNKS chunks without one (a body shape not read here: see _finish)
             if st["chunks"] > 1 and (st["first"] or not ok or st["chunks"] >= PARSE_CHUNKS):
@@ -299,7 +295,7 @@ class FrontendMiddleware:
         t_in = _sent.pop(x, 0)
         t_out = _first_out.pop(x, 0)
         a = {"http.response.status_code": st["status"], "request.stream": int(st["chunks"] > 1)}
-        finish = _finish_reason(st) if 200 <= st["status"] < 300 else None
+        finish = st["finish"]
         if finish:
             a["response.finish_reason"] = finish
         if t0 <= t_in <= t_out <= t1:
@@ -325,51 +321,56 @@ class FrontendMiddleware:
 def _has_token(st: dict, body: bytes) -> bool:
     """True if the 2xx body chunk ``body`` carries a generated token (:func:`pdtrace.connector.sse.chunk_has_token`).
 
-    A server-sent-event stream is read event by event: a chunk that is one whole ``data: {...}`` event
-    (what vLLM writes) is decoded at once, anything else through an incremental decoder (``st["sse"]``);
-    a ``stream: false`` body is one JSON object whose ``usage.completion_tokens`` says it (0 for a request
-    the engine aborted before its first token). A body that is neither (not JSON, or one split over
-    several chunks) counts as no token here; ``_finish`` then takes the first chunk's time unless the
-    engine gave the request up.
+    A server-sent-event stream is read event by event: a chunk that is one whole event (what vLLM writes)
+    at once -- a completions chunk holding a ``text`` key and an unfinished choice
+    (``"finish_reason":null``) without decoding it, any other by decoding its JSON -- and anything else
+    through an incremental decoder (``st["sse"]``). A ``stream: false`` body is one JSON object whose
+    ``usage.completion_tokens`` says it (0 for a request the engine aborted before its first token). A
+    body that is neither (not JSON, or one split over several chunks) counts as no token here; ``_finish``
+    then takes the first chunk's time unless the engine gave the request up.
     """
     dec = st["sse"]
     if dec is None and body[:5] == b"data:":
         dec = st["sse"] = sse.SSEDecoder()
     if dec is not None:
         if body[:7] == b"data: {" and body[-2:] == b"\n\n" and body.count(b"\n\n") == 1 and not dec.pending:
+            if b'"text":' in body and b'"finish_reason":null' in body:
+                return True  # vLLM's completions token chunk (sse.chunk_has_token counts a text key so)
             try:
                 return sse.chunk_has_token(json.loads(body[6:]))
             except ValueError:
                 return False
         return any(sse.chunk_has_token(o) for o in dec.feed(body) if isinstance(o, dict))
+    k = body.find(_TOKENS_KEY)
+    if k >= 0:
+        digits = body[k + len(_TOKENS_KEY):k + len(_TOKENS_KEY) + 24].lstrip()
+        n = len(digits) - len(digits.lstrip(b"0123456789"))
+        if n:
+            return int(digits[:n]) > 0
     try:
         obj = json.loads(body)
     except ValueError:
         return False
-    if not isinstance(obj, dict):
-        return False
-    n = (obj.get("usage") or {}).get("completion_tokens")
-    return n > 0 if isinstance(n, int) else sse.chunk_has_token(obj)
+    return isinstance(obj, dict) and sse.chunk_has_token(obj)
 
 
+_TOKENS_KEY = b'"completion_tokens":'
 _FINISH_KEY = b'"finish_reason":'
 
 
-def _finish_reason(st: dict) -> str | None:
-    """The finish reason of the response's last choice chunk, cut to 16 characters (one choice given up --
-    :data:`pdtrace.connector.sse.GAVE_UP` -- is the response given up); None when no chunk names one.
+def _finish_in(body: bytes) -> str | None:
+    """The finish reason in a body chunk (a stream's chunk, or a whole ``stream: false`` body), cut to 16
+    characters; one choice given up (:data:`pdtrace.connector.sse.GAVE_UP`) is the response given up; None
+    when no choice in it has finished.
 
-    Read from the bytes, not decoded: the last of the kept body chunks (``st["tail"]``: a stream ends with
-    a finish chunk, a usage-only chunk when asked for, and ``data: [DONE]``) holding a
-    ``"finish_reason":`` key; in it, the last event holding one (JSON escapes a
-    quote inside a string value, so the key cannot match text), each of that event's values (a quoted
-    string, or ``null``). Never reads or keeps any text.
+    Read from the bytes, not decoded: in the last event holding a ``"finish_reason":`` key, each value that
+    is a quoted string (``null``: not finished). JSON escapes a quote inside a string value, so the key
+    cannot match text. Never reads or keeps any text.
     """
-    body = next((b for b in reversed(st["tail"]) if _FINISH_KEY in b), b"")
     k = body.rfind(_FINISH_KEY)
     if k < 0:
         return None
-    start = body.rfind(b"data:", 0, k) if st["sse"] is not None else 0
+    start = max(body.rfind(b"data:", 0, k), 0)
     reasons = []
     while k >= 0:
         v = body[k + len(_FINISH_KEY):k + len(_FINISH_KEY) + 40].lstrip()
@@ -377,7 +378,7 @@ def _finish_reason(st: dict) -> str | None:
             end = v.find(b'"', 1)
             if end > 1:
                 reasons.append(v[1:end].decode("ascii", "replace"))
-        k = body.rfind(_FINISH_KEY, max(start, 0), k)
+        k = body.rfind(_FINISH_KEY, start, k)
     if not reasons:
         return None
     gave = sorted(r for r in reasons if r in sse.GAVE_UP)

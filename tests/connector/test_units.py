@@ -182,19 +182,21 @@ def test_middleware_error_response_is_no_token(tmp_path, child):
 
 def test_middleware_reads_token_chunks_and_the_finish_reason(tmp_path, child):
     """The middleware's token event sits at the first chunk that carries a token, and a 200 response the
-    engine gave up on (finish_reason abort / error) is no token but a request.abort (vllm-project/vllm#57082:
-    engine shutdown ends every open stream with HTTP 200, a tokenless "abort" chunk and [DONE]). The app is a
-    stand-in that writes what vLLM's API server writes in each case (the real shutdown path is in
-    tests/lab/test_pull.py::test_sigterm_decode_mid_stream, untraced); the middleware and recorder are real.
+    engine gave up on before its first token (finish_reason abort / error) is no token but a request.abort
+    (vllm-project/vllm#57082: engine shutdown ends every open stream with HTTP 200, a tokenless "abort"
+    chunk and [DONE]). The app is a stand-in that writes what vLLM's API server writes in each case (the
+    real shutdown path is in tests/lab/test_pull.py::test_sigterm_decode_mid_stream, untraced); the
+    middleware and recorder are real.
 
-    ab: chat stream, role chunk, then an abort chunk -> no token, request.abort response_finish_abort; abu: the
-    same with a usage-only chunk before [DONE] (stream_options.include_usage); us: a finished stream so;
+    ab: chat stream, role chunk, then an abort chunk -> no token, request.abort response_finish_abort;
+    abu: the same with a usage-only chunk before [DONE] (stream_options.include_usage);
     rc: chat stream, role chunk, 30 ms, a content chunk, stop -> token at the content chunk (>= 30 ms in);
-    mid: completions stream, two tokens, then an abort chunk -> token at the first, request.abort;
-    ok: completions stream finished 'length' -> token, no abort; er: 'error' finish, no text -> no token;
+    mid: completions stream, two tokens, then an abort chunk -> a token and nothing more: no chunk after the
+    first token is read (EngineCore records that abort); ok, us, rc: finished streams -> a token, the finish
+    reason unread; er: 'error' finish, no text -> no token, request.abort response_finish_error;
     nsab: stream false, usage.completion_tokens 0, finish abort -> no token, request.abort;
-    ns: stream false, one token (P's answer in pull) -> token; odd: a 200 body that is not JSON -> token at
-    its first chunk (as before: a shape the middleware cannot read counts)."""
+    ns: stream false, one token (P's answer in pull) -> token, finish 'length'; odd: a 200 body that is not
+    JSON -> token at its first chunk (as before: a shape the middleware cannot read counts)."""
     r = child(f"""
         import asyncio, glob, json, pyarrow.parquet as pq
         from pdtrace.instrument import tracer
@@ -252,19 +254,17 @@ def test_middleware_reads_token_chunks_and_the_finish_reason(tmp_path, child):
     assert r.returncode == 0, r.stderr[-2000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
     has = {x: sorted(o["events"]) for x, o in got.items()}
-    assert has == {"ab": ["request.abort"], "rc": ["token"], "mid": ["request.abort", "token"], "ok": ["token"],
+    assert has == {"ab": ["request.abort"], "rc": ["token"], "mid": ["token"], "ok": ["token"],
                    "abu": ["request.abort"], "us": ["token"], "er": ["request.abort"], "nsab": ["request.abort"],
                    "ns": ["token"], "odd": ["token"]}, has
     assert {x: o.get("finish") for x, o in got.items()} == {
-        "ab": "abort", "rc": "stop", "mid": "abort", "ok": "length", "abu": "abort", "us": "length", "er": "error",
+        "ab": "abort", "rc": None, "mid": None, "ok": None, "abu": "abort", "us": None, "er": "error",
         "nsab": "abort", "ns": "length", "odd": None}
     causes = {x: o["events"]["request.abort"][1] for x, o in got.items() if "request.abort" in o["events"]}
-    assert causes == {"ab": "response_finish_abort", "mid": "response_finish_abort", "abu": "response_finish_abort",
-                      "er": "response_finish_error", "nsab": "response_finish_abort"}
+    assert causes == {"ab": "response_finish_abort", "abu": "response_finish_abort", "er": "response_finish_error",
+                      "nsab": "response_finish_abort"}
     rc = got["rc"]
     assert rc["events"]["token"][0] - rc["start"] >= 30_000_000  # the content chunk, not the role chunk
-    mid = got["mid"]
-    assert mid["events"]["token"][0] < mid["events"]["request.abort"][0]
 
 
 def _ids_each_side(fraction):
