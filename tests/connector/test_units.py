@@ -192,8 +192,9 @@ def test_middleware_reads_token_chunks_and_the_finish_reason(tmp_path, child):
     abu: the same with a usage-only chunk before [DONE] (stream_options.include_usage);
     rc: chat stream, role chunk, 30 ms, a content chunk, stop -> token at the content chunk (>= 30 ms in);
     mid: completions stream, two tokens, then an abort chunk -> a token and nothing more: no chunk after the
-    first token is read (EngineCore records that abort); ok, us, rc: finished streams -> a token, the finish
-    reason unread; er: 'error' finish, no text -> no token, request.abort response_finish_error;
+    first token is read (EngineCore records that abort); ok, rc: finished streams -> a token, the finish
+    reason unread (no chunk is read after a token and a second chunk); us: finished in its second chunk ->
+    'length'; er: 'error' finish, no text -> no token, request.abort response_finish_error;
     nsab: stream false, usage.completion_tokens 0, finish abort -> no token, request.abort;
     ns: stream false, one token (P's answer in pull) -> token, finish 'length'; odd: a 200 body that is not
     JSON -> token at its first chunk (as before: a shape the middleware cannot read counts)."""
@@ -258,7 +259,7 @@ def test_middleware_reads_token_chunks_and_the_finish_reason(tmp_path, child):
                    "abu": ["request.abort"], "us": ["token"], "er": ["request.abort"], "nsab": ["request.abort"],
                    "ns": ["token"], "odd": ["token"]}, has
     assert {x: o.get("finish") for x, o in got.items()} == {
-        "ab": "abort", "rc": None, "mid": None, "ok": None, "abu": "abort", "us": None, "er": "error",
+        "ab": "abort", "rc": None, "mid": None, "ok": None, "abu": "abort", "us": "length", "er": "error",
         "nsab": "abort", "ns": "length", "odd": None}
     causes = {x: o["events"]["request.abort"][1] for x, o in got.items() if "request.abort" in o["events"]}
     assert causes == {"ab": "response_finish_abort", "abu": "response_finish_abort", "er": "response_finish_error",
