@@ -91,6 +91,9 @@ EVENTS: dict[str, str] = {
     "notification.received": "a NIXL notification was received (attr kv.notif_kind)",
     "clock.sample": "a cross-engine clock offset sample (attrs clock.*)",
     "request.abort": "the request was aborted",
+    "response.tokenless": "an API server ended a 2xx response without any token: the engine gave the request up "
+                          "(attr lifecycle.cause finish_abort | finish_error | error_event | no_token | stream_cut; "
+                          "vllm-project/vllm#57082)",
     "request.finished": "D's engine finished the request normally (attr gen_ai.usage.output_tokens = tokens it generated)",
     "request.preempted": "the request was preempted (a recompute starts a new attempt)",
     "request.timeout": "a timeout fired (attr lifecycle.cause says which)",
@@ -117,7 +120,7 @@ EVENTS: dict[str, str] = {
 FAILURE_EVENTS = frozenset((
     "request.abort", "request.timeout", "kv.lease_expired", "kv.ttl_expired", "kv.post_failed",
     "kv.transfer_failed", "registration.timeout", "handshake.failed", "router.leg_failed",
-    "notification.unmatched"))
+    "notification.unmatched", "response.tokenless"))
 
 #: Attributes of the failure and lifecycle events above that the analysis reads
 #: (module incomplete; the allowlist with types is pdtrace.instrument.attributes):

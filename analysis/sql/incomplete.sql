@@ -36,8 +36,10 @@
 --   transfer_failure   a posted transfer failed (kv.transfer_failed; not one whose
 --                      cause/phase is the release after the data moved)
 --   handshake_failure  the NIXL handshake failed
---   abort              the request was aborted (request.abort not naming a timeout)
---                      before the router failed it; an abort after the router's
+--   abort              the request was aborted (request.abort not naming a timeout,
+--                      or response.tokenless: an API server answered 2xx with no
+--                      token, as vLLM does for a request its engine gave up on,
+--                      vllm-project/vllm#57082) before the router failed it; an abort after the router's
 --                      failure is its consequence (the client gave up or the router
 --                      timed out and cancelled the legs), not the cause
 --   leg_failed         (early) the router's first failure is no deadline (a client
@@ -148,7 +150,7 @@ SELECT k.by_rkey AS rkey, t.*  EXCLUDE (rkey),
        t.record = 'event' AND t.name IN (
            'request.abort', 'request.timeout', 'kv.lease_expired', 'kv.ttl_expired', 'kv.post_failed',
            'kv.transfer_failed', 'registration.timeout', 'handshake.failed', 'router.leg_failed',
-           'notification.unmatched') AS is_failure
+           'notification.unmatched', 'response.tokenless') AS is_failure
 FROM _inc_keys k JOIN _timed t ON t.rkey = k.rkey;
 CREATE TABLE IF NOT EXISTS _mat_inc_rows AS SELECT * FROM _calc_inc_rows LIMIT 0;
 CREATE OR REPLACE VIEW _inc_rows AS SELECT * FROM _mat_inc_rows;
@@ -194,7 +196,8 @@ SELECT t.rkey,
        bool_or(t.is_notif_failure) AS has_notif_failure,
        bool_or(t.name = 'kv.transfer_failed' AND NOT t.is_notif_failure AND NOT t.is_release_failure) AS has_transfer_failure,
        bool_or(t.name = 'kv.post_failed' AND NOT t.is_notif_failure) AS has_post_failure,
-       min(t.c_start_ns) FILTER (WHERE t.name = 'request.abort' AND NOT t.is_deadline) AS abort_ns,
+       min(t.c_start_ns) FILTER (WHERE (t.name = 'request.abort' AND NOT t.is_deadline)
+                                 OR t.name = 'response.tokenless') AS abort_ns,
        bool_or(t.name = 'request.abort' AND t.is_deadline) OR bool_or(t.name = 'router.leg_failed' AND t.is_deadline)
            AS has_timeout_reason,
        bool_or(t.role IN ('prefill', 'decode') AND t.name IN ('kv.post_failed', 'kv.transfer_failed', 'handshake.failed',

@@ -14,7 +14,7 @@
 -- own records name (tp_rank), else 1 for an event recorded without a rank.
 -- Incident kinds: request.abort, request.preempted, request.timeout,
 -- kv.lease_expired, kv.ttl_expired, kv.post_failed, kv.transfer_failed,
--- kv.load_failed, notification.unmatched, registration.timeout,
+-- kv.load_failed, notification.unmatched, response.tokenless, registration.timeout,
 -- handshake.failed, router.leg_failed.
 
 CREATE OR REPLACE VIEW _calc_request_events AS
@@ -22,7 +22,7 @@ WITH ev AS (
     SELECT * FROM _timed
     WHERE record = 'event' AND rkey IN (SELECT rkey FROM _scope_keys) AND name IN (
         'request.abort', 'request.preempted', 'request.timeout', 'kv.lease_expired', 'kv.ttl_expired',
-        'kv.post_failed', 'kv.transfer_failed', 'kv.load_failed', 'notification.unmatched',
+        'kv.post_failed', 'kv.transfer_failed', 'kv.load_failed', 'notification.unmatched', 'response.tokenless',
         'registration.timeout', 'handshake.failed', 'router.leg_failed')
 ), ranks AS (
     -- ranks of each engine the request's records name
@@ -60,7 +60,7 @@ COMMENT ON COLUMN request_events.run_id IS 'deployment run id';
 COMMENT ON COLUMN request_events.request_id IS 'base request id X';
 COMMENT ON COLUMN request_events.prompt_index IS 'prompt index i';
 COMMENT ON COLUMN request_events.attempt IS 'attempt number the incident belongs to (0 first dispatch)';
-COMMENT ON COLUMN request_events.incident IS 'event name: request.abort | request.preempted | request.timeout | kv.lease_expired | kv.ttl_expired | kv.post_failed | kv.transfer_failed | kv.load_failed | notification.unmatched | registration.timeout | handshake.failed | router.leg_failed';
+COMMENT ON COLUMN request_events.incident IS 'event name: request.abort | request.preempted | request.timeout | kv.lease_expired | kv.ttl_expired | kv.post_failed | kv.transfer_failed | kv.load_failed | notification.unmatched | response.tokenless | registration.timeout | handshake.failed | router.leg_failed';
 COMMENT ON COLUMN request_events.reason IS 'the event''s lifecycle.cause (else error.type), e.g. post_failure, aborted_waiting_for_kv, timeout; NULL when none';
 COMMENT ON COLUMN request_events.phase IS 'handoff phase the failure happened in (lifecycle.phase), NULL when not recorded';
 COMMENT ON COLUMN request_events.role IS 'router | prefill | decode: who recorded the incident';

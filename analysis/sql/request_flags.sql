@@ -36,13 +36,11 @@
 --                        to load; DESIGN.md §7.3)
 --   aborted_after_first_token  the first token was written and then the request
 --                        was given up: a request.abort at or after the first
---                        token (EngineCore's, or the API server's for a 200
---                        response whose last chunk finished 'abort' or 'error',
---                        lifecycle.cause response_finish_<reason>), or the
---                        router's leg failure decode_aborted / decode_failed
+--                        token (EngineCore's, for vLLM's FINISHED_ABORTED), or
+--                        the router's leg failure decode_aborted / decode_failed
 --                        (vllm-project/vllm#57082 and #45520: engine shutdown,
 --                        sleep or scale-down ends every open stream so, with
---                        HTTP 200 and [DONE]; sgl-project/sglang#8936)
+--                        HTTP 200 and [DONE] behind a router that relays it)
 --   split_trace          the request's spans sit in more than one trace id
 --                        (request_base.trace_count > 1: broken traceparent
 --                        propagation; ai-dynamo/dynamo#7030, DESIGN.md §7.2)

@@ -17,17 +17,21 @@ moment the HTTP request reaches the app to the moment the last response body
 chunk has been handed to the server, with a ``token`` event at the first body
 chunk of a 2xx response that carries a generated token
 (:func:`pdtrace.connector.sse.chunk_has_token`: not a chat stream's role chunk;
-for a ``stream: false`` body, ``usage.completion_tokens`` > 0). The response's
-finish reason is attribute ``response.finish_reason`` when it was read: in a
-``stream: false`` body, or in a stream's chunks up to its first token (after
-it no streamed chunk is read; never any text). A 2xx response the engine gave
-up on before its first token (finish reason ``abort`` or ``error``: vLLM ends
-every open stream so on shutdown or a sleep/scale-down pause, with HTTP 200 and
-``[DONE]``, vllm-project/vllm#57082) gets no ``token`` event and a
-``request.abort`` event (``lifecycle.cause`` ``response_finish_<reason>``) at
-its end; one given up after its first token is EngineCore's to record (the
-scheduler hook's ``request.abort`` for vLLM's ``FINISHED_ABORTED``), so no
-streamed chunk is read after the first token.
+for a ``stream: false`` body, ``usage.completion_tokens`` > 0). A stream's
+chunks are read up to its first token and second chunk (:data:`PARSE_CHUNKS`
+at most), never after them, and never any text. The finish reason read there,
+or in a ``stream: false`` body, is attribute ``response.finish_reason``.
+
+A 2xx response the engine gave up on before its first token gets no ``token``
+event but a ``response.tokenless`` event at its end (``lifecycle.cause``: why,
+:func:`_tokenless`). vLLM answers HTTP 200 and ends such a stream with
+``data: [DONE]`` -- after the role chunk (chat), a usage chunk when asked for,
+or an ``{"error": ...}`` event for a finish ``error`` -- when its engine
+aborted the request (engine shutdown, a sleep or scale-down pause, an abort:
+vllm-project/vllm#57082), so a client that checks the status and ``[DONE]``
+counts it complete. A response given up after its first token is EngineCore's
+to record (the scheduler hook's ``request.abort`` for vLLM's
+``FINISHED_ABORTED``). Echoed prompt text (``echo``) reads as a token.
 
 The frontend is recorded as **two spans of the same name** (DESIGN.md §2):
 ``frontend.part = "in"``: HTTP received → the request handed to EngineCore
@@ -73,9 +77,9 @@ _PATHS = ("/v1/completions", "/v1/chat/completions")
 #: aborted chat stream is three: role, abort, [DONE]); then the first chunk's time stands for it.
 PARSE_CHUNKS = 4
 
-_attrs.register("response.finish_reason", str, "the finish reason of the response's last choice chunk "
-                "(stop, length, abort, error, ...), read by the API-server middleware; abort / error also "
-                "record a request.abort (lifecycle.cause response_finish_<reason>)")
+_attrs.register("response.finish_reason", str, "a finish reason the API-server middleware read (stop, length, "
+                "abort, error, ...): of a stream: false body, or of a stream's chunks up to its first token and "
+                "second chunk (not read after them)")
 _attrs.register("frontend.part", str, "which part of a frontend span: 'in' (HTTP received -> handed to "
                 "EngineCore), 'out' (first output back -> last chunk written) or 'whole' (boundaries unknown)")
 
@@ -265,7 +269,7 @@ class FrontendMiddleware:
         # seen: nothing more to note
         # t_body: when the first body chunk was handed on (the token's instant when no chunk could be read)
         return {"x": x, "status": 0, "first": 0, "t_body": 0, "chunks": 0, "sid": sid or tracer.new_id(),
-                "seen": False, "sse": None, "finish": None}
+                "seen": False, "sse": None, "finish": None, "error_event": False, "read_whole": False}
 
     def _on_send(self, st, message) -> None:
         typ = message.get("type")
@@ -304,18 +308,43 @@ class FrontendMiddleware:
         else:
             tracer.record(self.name, x, t0, t1, {**a, "frontend.part": "whole"}, span_id=st["sid"])
         tracer.close(st["sid"])
-        # the first chunk that carried a token; when none could be read (a body shape chunk_has_token does not
-        # know), the first body chunk, unless the engine gave the request up. An error status (e.g. 500 after a
+        tokenless = _tokenless(st) if 200 <= st["status"] < 300 and not st["first"] else None
+        # the first chunk that carried a token; when no chunk could be read (a body shape chunk_has_token does not
+        # know) and nothing says the response had none, the first body chunk. An error status (e.g. 500 after a
         # failed KV load) is no token.
-        first = st["first"] or (st["t_body"] if 200 <= st["status"] < 300 and finish not in sse.GAVE_UP else 0)
+        first = st["first"] or (st["t_body"] if 200 <= st["status"] < 300 and tokenless is None else 0)
         if first:
             tracer.event("token", x, span_id=st["sid"], time_ns=first,
                          attrs={"request.stream": int(st["chunks"] > 1)})
-        if finish in sse.GAVE_UP:
-            # the engine gave the request up and the server still answered 200 (vllm-project/vllm#57082):
-            # the analysis reads it as an abort of the request (incomplete_requests, requests.flags)
-            tracer.event("request.abort", x, span_id=st["sid"], time_ns=t1,
-                         attrs={"lifecycle.cause": f"response_finish_{finish}", "request.stream": int(st["chunks"] > 1)})
+        if tokenless:
+            # the engine gave the request up and the server still answered 200 (vllm-project/vllm#57082): the
+            # analysis reads it as a failure of the request (incomplete_requests, cause abort)
+            tracer.event("response.tokenless", x, span_id=st["sid"], time_ns=t1,
+                         attrs={"lifecycle.cause": tokenless, "request.stream": int(st["chunks"] > 1)})
+
+
+def _tokenless(st: dict) -> str | None:
+    """Why a 2xx response that carried no token (as read) had none, or None when nothing read says so
+    (then its first chunk stands for the token, as for any body shape not read here).
+
+    ``finish_abort`` / ``finish_error``: a choice finished so (:data:`pdtrace.connector.sse.GAVE_UP`);
+    ``error_event``: a ``data: {"error": ...}`` event (vLLM turns a finish ``error`` into one, then
+    ``[DONE]``); ``no_token``: the stream reached ``data: [DONE]``, or the ``stream: false`` body was read,
+    with no token -- what vLLM 0.32 writes for a request its engine aborted before the first token (a chat
+    stream: the role chunk, a usage chunk when asked for, ``[DONE]``; a completions stream: ``[DONE]`` alone);
+    ``stream_cut``: the stream ended without ``[DONE]`` and every chunk of it was read, none with a token.
+    """
+    if st["finish"] in sse.GAVE_UP:
+        return f"finish_{st['finish']}"
+    if st["error_event"]:
+        return "error_event"
+    dec = st["sse"]
+    if dec is not None:
+        if dec.done:
+            return "no_token"
+        # every chunk was read (reading stops only at a token or after PARSE_CHUNKS): none had a token
+        return "stream_cut" if not st["seen"] else None
+    return "no_token" if st["read_whole"] else None
 
 
 def _has_token(st: dict, body: bytes) -> bool:
@@ -323,35 +352,49 @@ def _has_token(st: dict, body: bytes) -> bool:
 
     A server-sent-event stream is read event by event: a chunk that is one whole event (what vLLM writes)
     at once -- a completions chunk holding a ``text`` key and an unfinished choice
-    (``"finish_reason":null``) without decoding it, any other by decoding its JSON -- and anything else
-    through an incremental decoder (``st["sse"]``). A ``stream: false`` body is one JSON object whose
-    ``usage.completion_tokens`` says it (0 for a request the engine aborted before its first token). A
-    body that is neither (not JSON, or one split over several chunks) counts as no token here; ``_finish``
-    then takes the first chunk's time unless the engine gave the request up.
+    (``"finish_reason":null``), or a chat chunk announcing the role, without decoding it; any other by
+    decoding its JSON -- and anything else through an incremental decoder (``st["sse"]``, which notes
+    ``data: [DONE]``); an ``{"error": ...}`` event sets ``st["error_event"]``. A ``stream: false`` body is
+    one JSON object whose ``usage.completion_tokens`` says it (0 for a request the engine aborted before its
+    first token); ``st["read_whole"]`` notes that it was read. A body that is neither (not JSON, or one split
+    over several chunks) counts as no token here, unread (see :func:`_tokenless`).
     """
     dec = st["sse"]
     if dec is None and body[:5] == b"data:":
         dec = st["sse"] = sse.SSEDecoder()
     if dec is not None:
         if body[:7] == b"data: {" and body[-2:] == b"\n\n" and body.count(b"\n\n") == 1 and not dec.pending:
-            if b'"text":' in body and b'"finish_reason":null' in body:
-                return True  # vLLM's completions token chunk (sse.chunk_has_token counts a text key so)
+            if b'"finish_reason":null' in body:
+                if b'"text":' in body:
+                    return True  # vLLM's completions token chunk (sse.chunk_has_token counts a text key so)
+                if b'"delta":{"role":' in body:
+                    return False  # a chat stream's role chunk: no token
+            if body[:15] == b'data: {"error":':
+                st["error_event"] = True
+                return False
             try:
                 return sse.chunk_has_token(json.loads(body[6:]))
             except ValueError:
                 return False
-        return any(sse.chunk_has_token(o) for o in dec.feed(body) if isinstance(o, dict))
-    k = body.find(_TOKENS_KEY)
+        objs = dec.feed(body)
+        if any(isinstance(o, dict) and "error" in o for o in objs):
+            st["error_event"] = True
+        return any(sse.chunk_has_token(o) for o in objs if isinstance(o, dict))
+    k = body.rfind(_TOKENS_KEY)  # usage ends a vLLM body
     if k >= 0:
         digits = body[k + len(_TOKENS_KEY):k + len(_TOKENS_KEY) + 24].lstrip()
         n = len(digits) - len(digits.lstrip(b"0123456789"))
         if n:
+            st["read_whole"] = True
             return int(digits[:n]) > 0
     try:
         obj = json.loads(body)
     except ValueError:
         return False
-    return isinstance(obj, dict) and sse.chunk_has_token(obj)
+    if not isinstance(obj, dict):
+        return False
+    st["read_whole"] = True
+    return sse.chunk_has_token(obj)
 
 
 _TOKENS_KEY = b'"completion_tokens":'
@@ -372,7 +415,7 @@ def _finish_in(body: bytes) -> str | None:
         return None
     if body.count(_FINISH_KEY) == 1:  # one choice (n = 1): the common case
         return _reason_at(body, k)
-    start = max(body.rfind(b"data:", 0, k), 0)
+    start = max(body.rfind(b"data:", 0, k), 0) if body[:5] == b"data:" else 0
     reasons = []
     while k >= 0:
         r = _reason_at(body, k)

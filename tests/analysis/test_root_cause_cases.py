@@ -215,16 +215,10 @@ def test_llm_d_187_run_broken_by_a_complete_request(analyse):
     assert (rows["k4"]["cause"], rows["k4"]["root_request_id"]) == ("blocked_by_earlier_request", "k3")
 
 
-def test_vllm_46283_aborted_load_holds_decode_blocks_later_request_waits(analyse):
-    """vllm-project/vllm#46283: in push, a D request aborted while WAITING_FOR_REMOTE_KVS keeps its blocks
-    until the worker reports finished_recving, which only P's completion produces; P never sent it, so
-    the blocks are never reclaimed and later requests cannot be admitted. o1 is aborted on D at 2000
-    (aborted_waiting_for_kv) after the router gave up (leg failed at 1990) and holds d0's blocks to D's
-    trace end; q2 arrives at 3000 and stays in decode.queue (never allocated) until the router's timeout.
-    Right answer: q2's root is o1 (slot_held_by_orphan on d0); o1 is its own root: its client went away
-    (leg_failed, 499, before any engine failure; D's abort follows it and is its consequence); o1's P was
-    still holding its KV at the failure and released it when its lease expired (31000): orphan_wait
-    29010 ms on the prefill side (the longer of P's hold and D's hold to its trace end at 9000)."""
+def _case_46283(api_tokenless: bool = False) -> Case:
+    """The store of :func:`test_vllm_46283_aborted_load_holds_decode_blocks_later_request_waits`; with
+    ``api_tokenless``, D's API server also answered o1 with a 200 stream without a token (response.tokenless
+    at 2002, after EngineCore's abort)."""
     c = Case()
     root = c.router_request("o1", 0, 1992, "push")
     c.span("router", "router.dispatch", 0, 1, rid="o1", parent=root, attrs={"router.leg": "decode"})
@@ -243,6 +237,24 @@ def test_vllm_46283_aborted_load_holds_decode_blocks_later_request_waits(analyse
     _flushes(c, "decode", "d0", at=(5000, 9000))
     _flushes(c, "prefill", "p0", at=(5000, 40000))
     _flushes(c, "router", None, at=(5000, 9000))
+    if api_tokenless:
+        fe = c.span("decode", "decode.frontend", 3, 2002, rid="o1", engine="d0",
+                    attrs={"frontend.part": "whole", "http.response.status_code": 200, "request.stream": 1})
+        c.event("decode", "response.tokenless", 2002, rid="o1", engine="d0", span=fe, attrs={"lifecycle.cause": "no_token"})
+    return c
+
+
+def test_vllm_46283_aborted_load_holds_decode_blocks_later_request_waits(analyse):
+    """vllm-project/vllm#46283: in push, a D request aborted while WAITING_FOR_REMOTE_KVS keeps its blocks
+    until the worker reports finished_recving, which only P's completion produces; P never sent it, so
+    the blocks are never reclaimed and later requests cannot be admitted. o1 is aborted on D at 2000
+    (aborted_waiting_for_kv) after the router gave up (leg failed at 1990) and holds d0's blocks to D's
+    trace end; q2 arrives at 3000 and stays in decode.queue (never allocated) until the router's timeout.
+    Right answer: q2's root is o1 (slot_held_by_orphan on d0); o1 is its own root: its client went away
+    (leg_failed, 499, before any engine failure; D's abort follows it and is its consequence); o1's P was
+    still holding its KV at the failure and released it when its lease expired (31000): orphan_wait
+    29010 ms on the prefill side (the longer of P's hold and D's hold to its trace end at 9000)."""
+    c = _case_46283()
     tr = analyse(c)
     q2 = _inc(tr, "q2")
     assert (q2["cause"], q2["root_request_id"], q2["root_engine_id"]) == ("slot_held_by_orphan", "o1", "d0")
@@ -252,6 +264,19 @@ def test_vllm_46283_aborted_load_holds_decode_blocks_later_request_waits(analyse
     assert (o1["cause"], o1["root_request_id"]) == ("leg_failed", "o1")
     assert (o1["orphan_wait_ms"], o1["orphan_side"]) == (29010, "prefill")
     assert o1["time_to_failure_ms"] == 1990
+
+
+def test_vllm_46283_an_api_servers_tokenless_answer_releases_no_blocks(analyse):
+    """The #46283 store where D's API server also answered o1 with HTTP 200 and no token (vllm-project/vllm#57082:
+    what vLLM writes for a request its engine aborted) at 2002: that event records what the client saw, not a
+    release of D's blocks (vLLM keeps them while the KV is pending, #32255). The answers are those without it:
+    q2 still waits for o1's slot, o1's orphan wait and failure time unchanged."""
+    tr = analyse(_case_46283(api_tokenless=True))
+    q2 = _inc(tr, "q2")
+    assert (q2["cause"], q2["root_request_id"], q2["root_engine_id"]) == ("slot_held_by_orphan", "o1", "d0")
+    o1 = _inc(tr, "o1")
+    assert (o1["cause"], o1["orphan_wait_ms"], o1["orphan_side"], o1["time_to_failure_ms"]) == \
+        ("leg_failed", 29010, "prefill", 1990)
 
 
 def case_sglang_31800() -> Case:
@@ -439,11 +464,12 @@ def test_vllm_57082_shutdown_abort_before_the_first_token_has_no_ttft(analyse):
     """vllm-project/vllm#57082: an engine-initiated abort (engine shutdown, a sleep or scale-down pause)
     ends an open stream with HTTP 200, a tokenless finish_reason "abort" chunk and data: [DONE], so a
     client or router that checks the status and [DONE] counts it complete (sgl-project/sglang#8936: P/D
-    aborts answered 200 the same way). Behind a foreign router (engine clock), D's API server's middleware
-    records no token for that chunk, response.finish_reason 'abort' and a request.abort
-    (response_finish_abort) when the response ends at 400. Right answer: no TTFT; incomplete with cause and
-    symptom abort, root itself; time to failure 400 ms, from P's API server receiving the request (0) to D's
-    API server ending the response (what the client saw). A request served beside it keeps its TTFT."""
+    aborts answered 200 the same way). vLLM 0.32 writes no abort chunk for a request with no token yet:
+    the stream is the role chunk (chat) and data: [DONE]. Behind a foreign router (engine clock), D's API
+    server's middleware records no token and a response.tokenless (no_token) when the response ends at 400;
+    EngineCore's own request.abort may be lost with the engine. Right answer: no TTFT; incomplete with cause
+    and symptom abort, root itself; time to failure 400 ms, from P's API server receiving the request (0) to
+    D's API server ending the response (what the client saw). A request served beside it keeps its TTFT."""
     c = Case()
     for rid, t in (("sd", 0), ("ok", 1000)):
         c.span("prefill", "prefill.frontend", t, t + 2, rid=rid, engine="p0", attrs={"frontend.part": "in"})
@@ -454,9 +480,9 @@ def test_vllm_57082_shutdown_abort_before_the_first_token_has_no_ttft(analyse):
         c.span("decode", "decode.queue", t + 61, t + 62, rid=rid, engine="d0")
         c.span("decode", "kv.transfer", t + 62, t + 90, rid=rid, engine="d0", rank=0, attrs={"kv.bytes": 4096})
     fe = c.span("decode", "decode.frontend", 95, 400, rid="sd", engine="d0",
-                attrs={"frontend.part": "out", "response.finish_reason": "abort", "http.response.status_code": 200})
-    c.event("decode", "request.abort", 400, rid="sd", engine="d0", span=fe,
-            attrs={"lifecycle.cause": "response_finish_abort"})
+                attrs={"frontend.part": "out", "http.response.status_code": 200, "request.stream": 1})
+    c.event("decode", "response.tokenless", 400, rid="sd", engine="d0", span=fe,
+            attrs={"lifecycle.cause": "no_token"})
     fe = c.span("decode", "decode.frontend", 1095, 1130, rid="ok", engine="d0",
                 attrs={"frontend.part": "out", "response.finish_reason": "length", "http.response.status_code": 200})
     c.event("decode", "token", 1096, rid="ok", engine="d0", span=fe)
@@ -476,8 +502,8 @@ def test_vllm_45520_sleep_aborts_streams_mid_decode_flagged_ttft_kept(analyse):
     every in-flight request. A request aborted after its first token keeps its TTFT (the client had the
     token) and is flagged aborted_after_first_token, by each source of the abort: 'sl' behind pdtrace's
     router (first token 100; EngineCore's request.abort at 500, then the router's leg failure
-    decode_aborted at 505), 'se' behind a foreign router (D's API server: token 150, its request.abort
-    response_finish_abort at 300). An abort before the first token of a retried attempt is not the flag's:
+    decode_aborted at 505), 'se' behind a foreign router (D's API server's token at 1150, EngineCore's
+    request.abort FINISHED_ABORTED at 1290, D's API server ending the response at 1300). An abort before the first token of a retried attempt is not the flag's:
     'rt' (attempt 0 aborted at 20, attempt 1's token at 90) is not flagged."""
     c = Case()
     root = c.router_request("sl", 0, 520, "pull", first_token_ms=100, last_token_ms=480)
@@ -492,10 +518,9 @@ def test_vllm_45520_sleep_aborts_streams_mid_decode_flagged_ttft_kept(analyse):
     c.span("decode", "decode.frontend", 1060, 1061, rid="se", engine="d0", attrs={"frontend.part": "in"})
     c.span("decode", "kv.transfer", 1062, 1090, rid="se", engine="d0", rank=0, attrs={"kv.bytes": 4096})
     fe = c.span("decode", "decode.frontend", 1095, 1300, rid="se", engine="d0",
-                attrs={"frontend.part": "out", "response.finish_reason": "abort", "http.response.status_code": 200})
+                attrs={"frontend.part": "out", "http.response.status_code": 200, "request.stream": 1})
     c.event("decode", "token", 1150, rid="se", engine="d0", span=fe)
-    c.event("decode", "request.abort", 1300, rid="se", engine="d0", span=fe,
-            attrs={"lifecycle.cause": "response_finish_abort"})
+    c.event("decode", "request.abort", 1290, rid="se", engine="d0", attrs={"lifecycle.cause": "FINISHED_ABORTED"})
     c.router_request("rt", 2000, 2200, "pull", first_token_ms=2090, last_token_ms=2150)
     c.span("prefill", "prefill.compute", 2002, 2010, rid="rt", engine="p0")
     c.event("prefill", "request.abort", 2020, rid="rt", engine="p0", attrs={"lifecycle.cause": "FINISHED_ABORTED"})

@@ -181,46 +181,58 @@ def test_middleware_error_response_is_no_token(tmp_path, child):
 
 
 def test_middleware_reads_token_chunks_and_the_finish_reason(tmp_path, child):
-    """The middleware's token event sits at the first chunk that carries a token, and a 200 response the
-    engine gave up on before its first token (finish_reason abort / error) is no token but a request.abort
-    (vllm-project/vllm#57082: engine shutdown ends every open stream with HTTP 200, a tokenless "abort"
-    chunk and [DONE]). The app is a stand-in that writes what vLLM's API server writes in each case (the
-    real shutdown path is in tests/lab/test_pull.py::test_sigterm_decode_mid_stream, untraced); the
-    middleware and recorder are real.
+    """The middleware's token event sits at the first chunk that carries a token, and a 200 response that
+    carried none is no token but a response.tokenless event. vllm-project/vllm#57082: an engine-initiated
+    abort (shutdown, a sleep or scale-down pause) ends an open stream with HTTP 200 and data: [DONE], which a
+    client that checks the status and [DONE] counts complete. The app is a stand-in writing the bytes vLLM
+    0.32's own stream generators write in each case (``OpenAIServingChat.chat_completion_stream_generator``
+    and ``OpenAIServingCompletion.completion_stream_generator`` fed a request finished 'abort' / 'error'
+    before its first token: compact JSON, the error event as json.dumps writes it); the real shutdown path
+    is tests/lab/test_pull.py::test_sigterm_decode_mid_stream (untraced). Middleware and recorder are real.
 
-    ab: chat stream, role chunk, then an abort chunk -> no token, request.abort response_finish_abort;
-    abu: the same with a usage-only chunk before [DONE] (stream_options.include_usage);
-    rc: chat stream, role chunk, 30 ms, a content chunk, stop -> token at the content chunk (>= 30 ms in);
-    mid: completions stream, two tokens, then an abort chunk -> a token and nothing more: no chunk after the
-    first token is read (EngineCore records that abort); ok, rc: finished streams -> a token, the finish
-    reason unread (no chunk is read after a token and a second chunk); us: finished in its second chunk ->
-    'length'; er: 'error' finish, no text -> no token, request.abort response_finish_error;
-    nsab: stream false, usage.completion_tokens 0, finish abort -> no token, request.abort;
-    ns: stream false, one token (P's answer in pull) -> token, finish 'length'; odd: a 200 body that is not
-    JSON -> token at its first chunk (as before: a shape the middleware cannot read counts)."""
+    Before the first token: ab (chat: role chunk, [DONE]), abu (chat: role, usage 0, [DONE]), ca
+    (completions: [DONE] alone), cau (completions: usage 0, [DONE]) -> no_token; er (chat: role, error
+    event, [DONE]), cer (completions: error event, [DONE]) -> error_event; cut (chat: role chunk, the
+    stream cut before [DONE]) -> stream_cut; nsab (stream false, completion_tokens 0, finish abort) ->
+    finish_abort. With tokens: rc (chat: role, 30 ms, content, stop) -> token at the content chunk, >= 30 ms
+    in; mb (chat: role, 30 ms, content "" = a token ending inside a multi-byte character) -> token at it;
+    mid (completions: two tokens, then an abort chunk) -> a token and nothing more (no chunk is read after a
+    token and a second chunk: EngineCore records that abort); ok (finished 'length' in its third chunk) ->
+    a token, the finish unread; us (finished in its second chunk) -> 'length'; ns (stream false, one token,
+    P's answer in pull) -> token, 'length'; odd (a 200 body that is not JSON) -> token at its first chunk
+    (a shape the middleware cannot read counts, as before)."""
     r = child(f"""
         import asyncio, glob, json, pyarrow.parquet as pq
         from pdtrace.instrument import tracer
         from pdtrace.connector.traced.middleware import FrontendMiddleware
-        def ev(o): return b"data: " + json.dumps(o).encode() + b"\\n\\n"
-        def chat(d, fr=None): return ev({{"choices": [{{"index": 0, "delta": d, "finish_reason": fr}}]}})
-        def cmpl(t, fr=None): return ev({{"choices": [{{"index": 0, "text": t, "finish_reason": fr}}]}})
+        def ev(o): return b"data: " + json.dumps(o, separators=(",", ":")).encode() + b"\\n\\n"
+        HEAD = {{"id": "r", "object": "chat.completion.chunk", "created": 1, "model": "m"}}
+        def chat(d, fr=None):
+            return ev({{**HEAD, "choices": [{{"index": 0, "delta": d, "logprobs": None, "finish_reason": fr}}],
+                       "prompt_token_ids": None, "prompt_text": None}})
+        def cmpl(t, fr=None):
+            return ev({{"id": "r", "object": "text_completion", "created": 1, "model": "m",
+                       "choices": [{{"index": 0, "text": t, "logprobs": None, "finish_reason": fr, "stop_reason": None}}],
+                       "usage": None}})
+        ROLE = chat({{"role": "assistant", "content": ""}})
+        USAGE0 = ev({{**HEAD, "choices": [], "usage": {{"prompt_tokens": 2, "total_tokens": 2, "completion_tokens": 0}}}})
+        ERR = b'data: {{"error": {{"message": "Internal server error", "type": "InternalServerError", "param": null, "code": 500}}}}\\n\\n'
         DONE = b"data: [DONE]\\n\\n"
-        USAGE = ev({{"choices": [], "usage": {{"completion_tokens": 2}}}})  # stream_options.include_usage
         bodies = {{
-            "ab": [chat({{"role": "assistant", "content": ""}}), chat({{}}, "abort"), DONE],
-            "rc": [chat({{"role": "assistant", "content": ""}}), "sleep", chat({{"content": "x"}}), chat({{}}, "stop"), DONE],
-            "mid": [cmpl("a"), cmpl("b"), cmpl("", "abort"), DONE],
-            "abu": [chat({{"role": "assistant", "content": ""}}), chat({{}}, "abort"), USAGE, DONE],
-            "us": [cmpl("a"), cmpl("b", "length"), USAGE, DONE],
-            "ok": [cmpl("a"), cmpl("b"), cmpl("c", "length"), DONE],
-            "er": [cmpl("", "error"), DONE],
+            "ab": [ROLE, DONE], "abu": [ROLE, USAGE0, DONE], "ca": [DONE], "cau": [USAGE0, DONE],
+            "er": [ROLE, ERR, DONE], "cer": [ERR, DONE], "cut": [ROLE],
             "nsab": [json.dumps({{"choices": [{{"text": "", "finish_reason": "abort"}}],
-                                  "usage": {{"completion_tokens": 0}}}}).encode()],
+                                  "usage": {{"completion_tokens": 0}}}}, separators=(",", ":")).encode()],
+            "rc": [ROLE, "sleep", chat({{"content": "x"}}), chat({{}}, "stop"), DONE],
+            "mb": [ROLE, "sleep", chat({{"content": ""}}), chat({{"content": "\\u00e9"}}), DONE],
+            "mid": [cmpl("a"), cmpl("b"), cmpl("", "abort"), DONE],
+            "ok": [cmpl("a"), cmpl("b"), cmpl("c", "length"), DONE],
+            "us": [cmpl("a"), cmpl("b", "length"), USAGE0, DONE],
             "ns": [json.dumps({{"choices": [{{"text": "x", "finish_reason": "length"}}],
-                                "usage": {{"completion_tokens": 1}}}}).encode()],
+                                "usage": {{"completion_tokens": 1}}}}, separators=(",", ":")).encode()],
             "odd": [b"plain", b"more"],
         }}
+        CHAT = ("ab", "abu", "er", "cut", "rc", "mb")
         def app_for(x):
             async def app(scope, receive, send):
                 await send({{"type": "http.response.start", "status": 200, "headers": []}})
@@ -234,7 +246,7 @@ def test_middleware_reads_token_chunks_and_the_finish_reason(tmp_path, child):
         async def send(m): pass
         async def receive(): return {{"type": "http.request", "body": b"{{}}"}}
         for x in bodies:
-            path = "/v1/chat/completions" if x in ("ab", "abu", "rc") else "/v1/completions"
+            path = "/v1/chat/completions" if x in CHAT else "/v1/completions"
             scope = {{"type": "http", "method": "POST", "path": path, "headers": [(b"x-request-id", x.encode())]}}
             asyncio.run(FrontendMiddleware(app_for(x), role="decode")(scope, receive, send))
         tracer.shutdown()
@@ -254,18 +266,16 @@ def test_middleware_reads_token_chunks_and_the_finish_reason(tmp_path, child):
     """, env={"PDTRACE_DIR": str(tmp_path)})
     assert r.returncode == 0, r.stderr[-2000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
-    has = {x: sorted(o["events"]) for x, o in got.items()}
-    assert has == {"ab": ["request.abort"], "rc": ["token"], "mid": ["token"], "ok": ["token"],
-                   "abu": ["request.abort"], "us": ["token"], "er": ["request.abort"], "nsab": ["request.abort"],
-                   "ns": ["token"], "odd": ["token"]}, has
-    assert {x: o.get("finish") for x, o in got.items()} == {
-        "ab": "abort", "rc": None, "mid": None, "ok": None, "abu": "abort", "us": "length", "er": "error",
-        "nsab": "abort", "ns": "length", "odd": None}
-    causes = {x: o["events"]["request.abort"][1] for x, o in got.items() if "request.abort" in o["events"]}
-    assert causes == {"ab": "response_finish_abort", "abu": "response_finish_abort", "er": "response_finish_error",
-                      "nsab": "response_finish_abort"}
-    rc = got["rc"]
-    assert rc["events"]["token"][0] - rc["start"] >= 30_000_000  # the content chunk, not the role chunk
+    tokenless = {x: o["events"]["response.tokenless"][1] for x, o in got.items() if "response.tokenless" in o["events"]}
+    assert tokenless == {"ab": "no_token", "abu": "no_token", "ca": "no_token", "cau": "no_token", "er": "error_event",
+                         "cer": "error_event", "cut": "stream_cut", "nsab": "finish_abort"}, tokenless
+    assert sorted(x for x, o in got.items() if "token" in o["events"]) == \
+        ["mb", "mid", "ns", "odd", "ok", "rc", "us"]
+    assert all(sorted(o["events"]) in (["token"], ["response.tokenless"]) for o in got.values()), got
+    assert {x: o.get("finish") for x, o in got.items() if o.get("finish")} == {"nsab": "abort", "us": "length",
+                                                                             "ns": "length"}
+    for x in ("rc", "mb"):  # the content chunk after the 30 ms sleep, not the role chunk
+        assert got[x]["events"]["token"][0] - got[x]["start"] >= 30_000_000, (x, got[x])
 
 
 def _ids_each_side(fraction):
