@@ -11,8 +11,8 @@ the app's own cost is measured alone and subtracted):
   a usage-only chunk and ``data: [DONE]`` (vLLM's compact JSON);
 - ``chat 64``: a ``/v1/chat/completions`` stream, role chunk first, the same;
 - ``non-stream``: one JSON body with one token (P's answer to the router in pull);
-- ``abort``: a chat stream ended before its first token by a tokenless
-  ``finish_reason: "abort"`` chunk (vllm-project/vllm#57082).
+- ``abort``: a chat stream its engine aborted before the first token: the role
+  chunk, then ``data: [DONE]`` (what vLLM 0.32 writes: vllm-project/vllm#57082).
 
 Rounds interleave the bare app and the middleware (order alternating); the
 figure is the median over rounds of (middleware - bare) in µs of this thread's
@@ -57,7 +57,7 @@ def _shapes() -> dict[str, tuple[str, list[bytes]]]:
         "chat 64": ("/v1/chat/completions", [chat({"role": "assistant", "content": ""})]
                     + [chat({"content": "tok"}) for _ in range(64)] + [chat({}, "stop"), usage, done]),
         "non-stream": ("/v1/completions", [whole]),
-        "abort": ("/v1/chat/completions", [chat({"role": "assistant", "content": ""}), chat({}, "abort"), done]),
+        "abort": ("/v1/chat/completions", [chat({"role": "assistant", "content": ""}), done]),
     }
 
 
