@@ -352,8 +352,8 @@ def _has_token(st: dict, body: bytes) -> bool:
 
     A server-sent-event stream is read event by event: a chunk that is one whole event (what vLLM writes)
     at once -- a completions chunk holding a ``text`` key and an unfinished choice
-    (``"finish_reason":null``), or a chat chunk announcing the role, without decoding it; any other by
-    decoding its JSON -- and anything else through an incremental decoder (``st["sse"]``, which notes
+    (``"finish_reason":null``), a chat chunk whose delta starts with ``content``, or one announcing the
+    role, without decoding it; any other by decoding its JSON -- and anything else through an incremental decoder (``st["sse"]``, which notes
     ``data: [DONE]``); an ``{"error": ...}`` event sets ``st["error_event"]``. A ``stream: false`` body is
     one JSON object whose ``usage.completion_tokens`` says it (0 for a request the engine aborted before its
     first token); ``st["read_whole"]`` notes that it was read. A body that is neither (not JSON, or one split
@@ -367,6 +367,8 @@ def _has_token(st: dict, body: bytes) -> bool:
             if b'"finish_reason":null' in body:
                 if b'"text":' in body:
                     return True  # vLLM's completions token chunk (sse.chunk_has_token counts a text key so)
+                if b'"delta":{"content":' in body:
+                    return True  # vLLM's chat token chunk (content, even "": sse.chunk_has_token)
                 if b'"delta":{"role":' in body:
                     return False  # a chat stream's role chunk: no token
             if body[:15] == b'data: {"error":':
