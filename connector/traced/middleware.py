@@ -19,8 +19,8 @@ chunk of a 2xx response that carries a generated token
 (:func:`pdtrace.connector.sse.chunk_has_token`: not a chat stream's role chunk;
 for a ``stream: false`` body, ``usage.completion_tokens`` > 0). A stream's
 chunks are read up to its first token and second chunk (:data:`PARSE_CHUNKS`
-at most), never after them, and never any text. The finish reason read there,
-or in a ``stream: false`` body, is attribute ``response.finish_reason``.
+at most), never after them, and never any text; a chunk before the first token
+also for a finish reason (:func:`_finish_in`).
 
 A 2xx response the engine gave up on before its first token gets no ``token``
 event but a ``response.tokenless`` event at its end (``lifecycle.cause``: why,
@@ -77,9 +77,6 @@ _PATHS = ("/v1/completions", "/v1/chat/completions")
 #: aborted chat stream is three: role, abort, [DONE]); then the first chunk's time stands for it.
 PARSE_CHUNKS = 4
 
-_attrs.register("response.finish_reason", str, "a finish reason the API-server middleware read (stop, length, "
-                "abort, error, ...): of a stream: false body, or of a stream's chunks up to its first token and "
-                "second chunk (not read after them)")
 _attrs.register("frontend.part", str, "which part of a frontend span: 'in' (HTTP received -> handed to "
                 "EngineCore), 'out' (first output back -> last chunk written) or 'whole' (boundaries unknown)")
 
@@ -265,8 +262,8 @@ class FrontendMiddleware:
         # open while the exchange lasts (an ``open`` row while it waits for EngineCore; view in_flight)
         sid = tracer.start(self.name, x, start_ns=t0, attrs={"wait.for": "engine", "frontend.part": "whole"})
         # chunks: body chunks read (request.stream = more than one); first: when the first chunk carrying a
-        # token was handed on; finish: a finish reason read in a chunk before that (or in a whole body);
-        # seen: nothing more to note
+        # token was handed on; finish: a finish reason read in a chunk without a token before that; seen:
+        # nothing more to note
         # t_body: when the first body chunk was handed on (the token's instant when no chunk could be read)
         return {"x": x, "status": 0, "first": 0, "t_body": 0, "chunks": 0, "sid": sid or tracer.new_id(),
                 "seen": False, "sse": None, "finish": None, "error_event": False, "read_whole": False}
@@ -282,12 +279,13 @@ class FrontendMiddleware:
             if not st["t_body"]:
                 st["t_body"] = t = tracer.now()
             ok = 200 <= st["status"] < 300
-            if ok:
-                fin = _finish_in(body)
-                if fin:
-                    st["finish"] = fin
-                if not st["first"] and _has_token(st, body):
+            if ok and not st["first"]:
+                if _has_token(st, body):
                     st["first"] = t or tracer.now()
+                else:  # a chunk without a token may say why (a finish abort / error)
+                    fin = _finish_in(body)
+                    if fin:
+                        st["finish"] = fin
             # request.stream known (a second chunk) and the first token found, or not to be found: an error
             # status, or PARSE_CHUNKS chunks without one (a body shape not read here: see _finish)
             if st["chunks"] > 1 and (st["first"] or not ok or st["chunks"] >= PARSE_CHUNKS):
@@ -299,9 +297,6 @@ class FrontendMiddleware:
         t_in = _sent.pop(x, 0)
         t_out = _first_out.pop(x, 0)
         a = {"http.response.status_code": st["status"], "request.stream": int(st["chunks"] > 1)}
-        finish = st["finish"]
-        if finish:
-            a["response.finish_reason"] = finish
         if t0 <= t_in <= t_out <= t1:
             tracer.record(self.name, x, t0, t_in, {**a, "frontend.part": "in"})
             tracer.record(self.name, x, t_out, t1, {**a, "frontend.part": "out"}, span_id=st["sid"])
