@@ -23,8 +23,9 @@ that relays D's stream; empty if no chunk came), ``prompt_tokens``,
 only for a stream that ended with ``data: [DONE]``, carried no error
 event and no choice finished with ``finish_reason`` ``abort`` or ``error``;
 ``stream_error`` with ``error_type`` ``stream_truncated`` for one whose bytes
-stopped before it, ``finish_abort`` / ``finish_error`` for one the engine
-ended so (a router that relays D's stream verbatim, as vllm-router does, passes
+stopped before it, ``no_token`` for one that ended with it but carried no
+token (vLLM's answer to a request its engine aborted before the first token),
+``finish_abort`` / ``finish_error`` for one the engine ended so (a router that relays D's stream verbatim, as vllm-router does, passes
 vLLM's graceful-shutdown abort on as a clean end), ``http_status``,
 ``error_type``.
 """
@@ -135,7 +136,12 @@ async def send_one(session: aiohttp.ClientSession, url: str, req: ReplayRequest,
                                 rec.first_token_ns = t
                             rec.token_times_ns.extend([t] * new)
                 if rec.status == "pending":
-                    if dec.done:
+                    if dec.done and rec.first_token_ns is None:
+                        # [DONE] with no token: vLLM ends so a request its engine aborted before the first
+                        # token (vllm-project/vllm#57082), HTTP 200 all the same
+                        rec.status = "stream_error"
+                        rec.error_type = "no_token"
+                    elif dec.done:
                         rec.status = "ok"
                     else:  # the bytes stopped before "data: [DONE]": cut short, not complete
                         rec.status = "stream_error"

@@ -31,7 +31,11 @@ failure (type ``stream_truncated``), never a complete response; so is a D
 response whose choice finished with ``finish_reason`` ``error`` (type
 ``decode_failed``, e.g. the KV load failed) or ``abort`` (type
 ``decode_aborted``: D aborted it, as vLLM's API server does to every open
-request when SIGTERM starts its graceful shutdown). A per-request timeout (``timeout_s``) applies; when one leg fails or the
+request when SIGTERM starts its graceful shutdown), and so is a D response
+without any token (type ``decode_no_token``: ``data: [DONE]`` before any token,
+or a non-streamed body with ``completion_tokens`` 0 -- what vLLM writes, HTTP
+200, for a request its engine aborted before the first token;
+vllm-project/vllm#57082). A per-request timeout (``timeout_s``) applies; when one leg fails or the
 client disconnects, the other leg is cancelled (closing its connection makes
 vLLM abort it). Engines are picked round-robin.
 
@@ -509,6 +513,10 @@ class Router:
                         first_rx = _now()
                         obj = json.loads(raw)
                         failure = finish_failure(obj)
+                        if failure is None and (obj.get("usage") or {}).get("completion_tokens") == 0:
+                            failure = LegError(502, "decode engine answered without any token (its engine gave "
+                                                    "the request up before the first token)", "decode",
+                                               "decode_no_token")
                         if failure is not None:
                             failure.upstream_body = raw
                             raise failure
@@ -549,6 +557,13 @@ class Router:
                                     failure = finish_failure(obj)
                                 if failure is not None:
                                     break
+                            if failure is None and dec.done and not objs and not has_tok \
+                                    and ctx["first_token_ns"] is None:
+                                # [DONE] before any token: what vLLM writes for a request its engine aborted
+                                # before the first token (no abort chunk: vllm-project/vllm#57082)
+                                failure = LegError(502, "decode engine ended its stream without any token (its "
+                                                        "engine gave the request up before the first token)",
+                                                   "decode", "decode_no_token")
                             if failure is not None:  # neither the failing event nor any after it is relayed
                                 break
                             whole.append(raw)

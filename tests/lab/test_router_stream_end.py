@@ -23,14 +23,17 @@ from pdtrace.connector.lab.workload import ReplayRequest
 TOKENS = 3
 
 
-def _upstreams(done: bool, finish: str | None = None, split: bool = False) -> web.Application:
-    """A stand-in P (answers with kv_transfer_params) and D (streams TOKENS chunks, then [DONE] or not).
+def _upstreams(done: bool, finish: str | None = None, split: bool = False, tokens: int = TOKENS) -> web.Application:
+    """A stand-in P (answers with kv_transfer_params) and D (streams ``tokens`` chunks, then [DONE] or not).
 
     ``finish`` (e.g. ``"abort"``): D's last chunk is a tokenless one finished with that reason, the
     shape vLLM 0.32's API server sends to each open stream when SIGTERM starts its graceful shutdown
     (seen for real by ``tests/lab/test_pull.py::test_sigterm_decode_mid_stream``); a non-streaming D
     leg answers with that finish reason. ``split``: every event is written in two halves 50 ms apart,
-    so the router reads an event's start and its end separately.
+    so the router reads an event's start and its end separately. ``tokens=0`` with ``done``: the stream is
+    ``data: [DONE]`` alone (non-streaming: ``completion_tokens`` 0), what vLLM 0.32's completions server
+    writes for a request its engine aborted before the first token (vllm-project/vllm#57082; read from
+    ``OpenAIServingCompletion.completion_stream_generator``).
     """
 
     async def completions(request: web.Request):
@@ -39,8 +42,8 @@ def _upstreams(done: bool, finish: str | None = None, split: bool = False) -> we
             return web.json_response({"choices": [{"text": "x", "finish_reason": "length"}],
                                       "kv_transfer_params": {"do_remote_prefill": True, "remote_block_ids": [0]}})
         if not body.get("stream"):
-            return web.json_response({"choices": [{"text": "t" * TOKENS, "finish_reason": finish or "length"}],
-                                      "usage": {"completion_tokens": TOKENS}})
+            return web.json_response({"choices": [{"text": "t" * tokens, "finish_reason": finish or "length"}],
+                                      "usage": {"completion_tokens": tokens}})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
 
@@ -53,7 +56,7 @@ def _upstreams(done: bool, finish: str | None = None, split: bool = False) -> we
             else:
                 await resp.write(event)
 
-        for i in range(TOKENS):
+        for i in range(tokens):
             chunk = {"choices": [{"index": 0, "text": "t", "finish_reason": None}],
                      "usage": {"completion_tokens": i + 1}}
             await send(b"data: " + json.dumps(chunk).encode() + b"\n\n")
@@ -78,9 +81,10 @@ async def _serve(app: web.Application, port: int) -> web.AppRunner:
     return runner
 
 
-async def _one_request(done: bool, finish: str | None = None, split: bool = False) -> replay.ClientRecord:
+async def _one_request(done: bool, finish: str | None = None, split: bool = False,
+                       tokens: int = TOKENS) -> replay.ClientRecord:
     up_port, r_port = procs.free_ports(2)
-    up = await _serve(_upstreams(done, finish, split), up_port)
+    up = await _serve(_upstreams(done, finish, split, tokens), up_port)
     url = f"http://127.0.0.1:{up_port}"
     router = Router({"mode": "pull", "prefill": [{"url": url, "engine_id": "p"}],
                      "decode": [{"url": url, "engine_id": "d"}], "timeout_s": 30})
@@ -114,10 +118,19 @@ def test_stream_without_done_is_an_error(done, finish, status, error_type, split
     assert len(rec.token_times_ns) == TOKENS  # the tokens before the cut still reached the client
 
 
-async def _client_only(done: bool, finish: str | None = None) -> replay.ClientRecord:
+@pytest.mark.parametrize("split", [False, True], ids=["whole-events", "split-events"])
+def test_stream_without_any_token_is_an_error(split):
+    """[DONE] with no token before it (HTTP 200): the router ends the stream with its error decode_no_token
+    instead of relaying [DONE], and the client sees no token."""
+    rec = asyncio.run(_one_request(True, split=split, tokens=0))
+    assert (rec.status, rec.error_type, rec.http_status, len(rec.token_times_ns)) == \
+        ("stream_error", "decode_no_token", 502, 0)
+
+
+async def _client_only(done: bool, finish: str | None = None, tokens: int = TOKENS) -> replay.ClientRecord:
     """The real client straight against the stand-in D (no router in between)."""
     (port,) = procs.free_ports(1)
-    up = await _serve(_upstreams(done, finish), port)
+    up = await _serve(_upstreams(done, finish, tokens=tokens), port)
     try:
         rec = replay.ClientRecord(0, 0, 3, TOKENS, 0)
         async with aiohttp.ClientSession() as s:
@@ -142,14 +155,23 @@ def test_client_judges_the_end_itself(done, finish, status, error_type):
     assert (rec.status, rec.error_type, len(rec.token_times_ns)) == (status, error_type, TOKENS)
 
 
-@pytest.mark.parametrize("finish, status, kind", [("length", 200, None), ("abort", 502, "decode_aborted"),
-                                                  ("error", 502, "decode_failed")])
-def test_non_streaming_abort_or_error_finish_is_an_error(finish, status, kind):
-    """A non-streaming request: D's answer finished with ``abort`` or ``error`` becomes the router's 502."""
+def test_client_judges_a_stream_without_any_token():
+    """Behind a router that relays D's stream verbatim, [DONE] with no token reaches the client as a clean
+    end: the client's own check calls it an error (no_token)."""
+    rec = asyncio.run(_client_only(True, tokens=0))
+    assert (rec.status, rec.error_type, rec.token_times_ns) == ("stream_error", "no_token", [])
+
+
+@pytest.mark.parametrize("finish, tokens, status, kind", [
+    ("length", TOKENS, 200, None), ("abort", TOKENS, 502, "decode_aborted"), ("error", TOKENS, 502, "decode_failed"),
+    ("length", 0, 502, "decode_no_token")])
+def test_non_streaming_abort_or_error_finish_is_an_error(finish, tokens, status, kind):
+    """A non-streaming request: D's answer finished with ``abort`` or ``error``, or without any token
+    (``completion_tokens`` 0), becomes the router's 502."""
 
     async def run():
         up_port, r_port = procs.free_ports(2)
-        up = await _serve(_upstreams(True, finish), up_port)
+        up = await _serve(_upstreams(True, finish, tokens=tokens), up_port)
         url = f"http://127.0.0.1:{up_port}"
         router = Router({"mode": "pull", "prefill": [{"url": url, "engine_id": "p"}],
                          "decode": [{"url": url, "engine_id": "d"}], "timeout_s": 30})
