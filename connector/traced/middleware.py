@@ -73,8 +73,9 @@ from .common import SPLIT_CACHE, split_id
 from .safety import safe
 
 _PATHS = ("/v1/completions", "/v1/chat/completions")
-#: Body chunks of a 2xx response decoded at most while looking for the first token (a tokenless
-#: aborted chat stream is three: role, abort, [DONE]); then the first chunk's time stands for it.
+#: Body chunks of a 2xx response read at most while looking for the first token (vLLM's tokenless
+#: answer to an aborted chat stream is three: the role chunk, a usage chunk, [DONE]); after them, with no
+#: token found and no [DONE], the first chunk's time stands for it.
 PARSE_CHUNKS = 4
 
 _attrs.register("frontend.part", str, "which part of a frontend span: 'in' (HTTP received -> handed to "
@@ -261,10 +262,10 @@ class FrontendMiddleware:
             return None
         # open while the exchange lasts (an ``open`` row while it waits for EngineCore; view in_flight)
         sid = tracer.start(self.name, x, start_ns=t0, attrs={"wait.for": "engine", "frontend.part": "whole"})
-        # chunks: body chunks read (request.stream = more than one); first: when the first chunk carrying a
-        # token was handed on; finish: a finish reason read in a chunk without a token before that; seen:
-        # nothing more to note
-        # t_body: when the first body chunk was handed on (the token's instant when no chunk could be read)
+        # chunks: body chunks read (request.stream = more than one); t_body: when the first was handed on (the
+        # token's instant when no chunk could be read); first: when the first chunk carrying a token was; finish:
+        # a finish reason read in a chunk without a token before that; sse: the stream's decoder (None: not a
+        # stream); error_event / read_whole: see _has_token; seen: nothing more to note
         return {"x": x, "status": 0, "first": 0, "t_body": 0, "chunks": 0, "sid": sid or tracer.new_id(),
                 "seen": False, "sse": None, "finish": None, "error_event": False, "read_whole": False}
 
@@ -348,8 +349,9 @@ def _has_token(st: dict, body: bytes) -> bool:
     A server-sent-event stream is read event by event: a chunk that is one whole event (what vLLM writes)
     at once -- a completions chunk holding a ``text`` key and an unfinished choice
     (``"finish_reason":null``), a chat chunk whose delta starts with ``content``, or one announcing the
-    role, without decoding it; any other by decoding its JSON -- and anything else through an incremental decoder (``st["sse"]``, which notes
-    ``data: [DONE]``); an ``{"error": ...}`` event sets ``st["error_event"]``. A ``stream: false`` body is
+    role, without decoding it; any other by decoding its JSON -- and anything else through an
+    incremental decoder (``st["sse"]``, which notes ``data: [DONE]``); an ``{"error": ...}`` event sets
+    ``st["error_event"]``. A ``stream: false`` body is
     one JSON object whose ``usage.completion_tokens`` says it (0 for a request the engine aborted before its
     first token); ``st["read_whole"]`` notes that it was read. A body that is neither (not JSON, or one split
     over several chunks) counts as no token here, unread (see :func:`_tokenless`).
