@@ -1,10 +1,10 @@
 """Incremental decoding of an OpenAI-style server-sent-event stream (``data: {json}`` events).
 
-Used by the API-server middleware (what the engine wrote: its first token and how
-the response finished, :mod:`pdtrace.connector.traced.middleware`), the lab router
-(reading D's stream) and the replay client (reading the router's stream), so all
-three parse the same way. Nothing here keeps a payload: callers read a chunk's
-token presence and finish reason, never its text.
+Used by the API-server middleware (whether a chunk the engine wrote carries a
+token, :mod:`pdtrace.connector.traced.middleware`), the lab router (reading D's
+stream) and the replay client (reading the router's stream: its decoder and
+finish reasons; it counts tokens from usage). Nothing here keeps a payload:
+callers read a chunk's token presence and finish reason, never its text.
 """
 from __future__ import annotations
 
@@ -82,14 +82,24 @@ def chunk_has_token(obj: dict) -> bool:
     ends inside a multi-byte character detokenizes to "" (vLLM's completion stream
     loop skips empty chunks only before the first token). A choice finished with a
     :data:`GAVE_UP` reason and no text is the engine ending the response, not a
-    token (vllm-project/vllm#57082: HTTP 200, a tokenless ``"abort"`` chunk, then
-    ``[DONE]``). Chat: the first chunk announces the role with no token, so only
-    content, reasoning or logprobs count.
+    token; for a request aborted before its first token vLLM 0.32 writes no such
+    chunk at all, only ``[DONE]`` (vllm-project/vllm#57082). A choice finished with
+    any other reason (stop, length, tool calls) had tokens even when none is shown
+    (a reasoning parser with reasoning hidden writes nothing before the finish), and
+    so has a chunk listing ``token_ids`` (``return_token_ids``). Chat: the first chunk
+    announces the role with no token, so only content (even "" in a chunk that
+    announces no role: a token ending inside a multi-byte character), reasoning,
+    tool calls or logprobs count (``message`` for a whole body).
     """
     for ch in obj.get("choices") or ():
         if not isinstance(ch, dict):
             continue
-        if "text" in ch and (ch["text"] or ch.get("finish_reason") not in GAVE_UP):
+        fr = ch.get("finish_reason")
+        if fr is not None and fr not in GAVE_UP:
+            return True  # finished (stop, length, tool calls): the engine generated tokens, shown or not
+        if "text" in ch and (ch["text"] or fr not in GAVE_UP):
+            return True
+        if ch.get("token_ids"):  # return_token_ids
             return True
         d = ch.get("delta") or ch.get("message") or {}
         if d.get("content") or d.get("reasoning_content") or d.get("reasoning") or d.get("tool_calls"):

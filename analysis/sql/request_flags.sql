@@ -34,10 +34,11 @@
 --                        (request_base.wasted_compute_ns > 0: an aborted or
 --                        retried attempt's prefill, a prefill whose KV D failed
 --                        to load; DESIGN.md §7.3)
---   aborted_after_first_token  the first token was written and then the request
---                        was given up: a request.abort at or after the first
---                        token (EngineCore's, for vLLM's FINISHED_ABORTED), or
---                        the router's leg failure decode_aborted / decode_failed
+--   aborted_after_first_token  the first token was written and then D gave the
+--                        request up: D's request.abort at or after the first
+--                        token (EngineCore's, for vLLM's FINISHED_ABORTED: its
+--                        engine aborted it, or its client went away), or the
+--                        router's leg failure decode_aborted / decode_failed
 --                        (vllm-project/vllm#57082 and #45520: engine shutdown,
 --                        sleep or scale-down ends every open stream so, with
 --                        HTTP 200 and [DONE] behind a router that relays it)
@@ -64,7 +65,7 @@ WITH bh AS MATERIALIZED (
     -- the instants the request was given up (for aborted_after_first_token)
     SELECT rkey, c_start_ns AS t_ns FROM _timed
     WHERE record = 'event' AND rkey IN (SELECT rkey FROM _scope_keys)
-      AND (name = 'request.abort'
+      AND ((name = 'request.abort' AND role = 'decode')
            OR (name = 'router.leg_failed' AND attr_str['error.type'] IN ('decode_aborted', 'decode_failed')))
 ), flag_rows AS (
     -- one line per flag: SELECT rkey, '<flag>' FROM <rows> WHERE <rule>

@@ -557,7 +557,7 @@ class Router:
                                     failure = finish_failure(obj)
                                 if failure is not None:
                                     break
-                            if failure is None and dec.done and not objs and not has_tok \
+                            if failure is None and raw.startswith(b"data: [DONE]") and not has_tok \
                                     and ctx["first_token_ns"] is None:
                                 # [DONE] before any token: what vLLM writes for a request its engine aborted
                                 # before the first token (no abort chunk: vllm-project/vllm#57082)

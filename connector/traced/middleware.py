@@ -23,8 +23,8 @@ at most), never after them, and never any text; a chunk before the first token
 also for a finish reason (:func:`_finish_in`).
 
 A 2xx response the engine gave up on before its first token gets no ``token``
-event but a ``response.tokenless`` event at its end (``lifecycle.cause``: why,
-:func:`_tokenless`). vLLM answers HTTP 200 and ends such a stream with
+event but a ``response.tokenless`` event at its last chunk, before that chunk
+is handed on (``lifecycle.cause``: why, :func:`_tokenless`). vLLM answers HTTP 200 and ends such a stream with
 ``data: [DONE]`` -- after the role chunk (chat), a usage chunk when asked for,
 or an ``{"error": ...}`` event for a finish ``error`` -- when its engine
 aborted the request (engine shutdown, a sleep or scale-down pause, an abort:
@@ -73,9 +73,9 @@ from .common import SPLIT_CACHE, split_id
 from .safety import safe
 
 _PATHS = ("/v1/completions", "/v1/chat/completions")
-#: Body chunks of a 2xx response read at most while looking for the first token (vLLM's tokenless
-#: answer to an aborted chat stream is three: the role chunk, a usage chunk, [DONE]); after them, with no
-#: token found and no [DONE], the first chunk's time stands for it.
+#: Body chunks of a 2xx response read at most while looking for the first token, role chunks not counted
+#: (vLLM's tokenless answer to an aborted chat stream is the role chunk of each choice, a usage chunk,
+#: [DONE]); after them, with no token found and no [DONE], the first chunk's time stands for it.
 PARSE_CHUNKS = 4
 
 _attrs.register("frontend.part", str, "which part of a frontend span: 'in' (HTTP received -> handed to "
@@ -267,7 +267,8 @@ class FrontendMiddleware:
         # a finish reason read in a chunk without a token before that; sse: the stream's decoder (None: not a
         # stream); error_event / read_whole: see _has_token; seen: nothing more to note
         return {"x": x, "status": 0, "first": 0, "t_body": 0, "chunks": 0, "sid": sid or tracer.new_id(),
-                "seen": False, "sse": None, "finish": None, "error_event": False, "read_whole": False}
+                "seen": False, "sse": None, "finish": None, "error_event": False, "read_whole": False,
+                "role_chunks": 0, "t_last": 0}
 
     def _on_send(self, st, message) -> None:
         typ = message.get("type")
@@ -284,12 +285,13 @@ class FrontendMiddleware:
                 if _has_token(st, body):
                     st["first"] = t or tracer.now()
                 else:  # a chunk without a token may say why (a finish abort / error)
+                    st["t_last"] = t or tracer.now()  # before it is handed on: a tokenless end's instant
                     fin = _finish_in(body)
                     if fin:
                         st["finish"] = fin
             # request.stream known (a second chunk) and the first token found, or not to be found: an error
-            # status, or PARSE_CHUNKS chunks without one (a body shape not read here: see _finish)
-            if st["chunks"] > 1 and (st["first"] or not ok or st["chunks"] >= PARSE_CHUNKS):
+            # status, or PARSE_CHUNKS chunks without one besides role chunks (a body shape not read here: _finish)
+            if st["chunks"] > 1 and (st["first"] or not ok or st["chunks"] - st["role_chunks"] >= PARSE_CHUNKS):
                 st["seen"] = True
 
     def _finish(self, st, t0) -> None:
@@ -315,7 +317,7 @@ class FrontendMiddleware:
         if tokenless:
             # the engine gave the request up and the server still answered 200 (vllm-project/vllm#57082): the
             # analysis reads it as a failure of the request (incomplete_requests, cause abort)
-            tracer.event("response.tokenless", x, span_id=st["sid"], time_ns=t1,
+            tracer.event("response.tokenless", x, span_id=st["sid"], time_ns=st["t_last"] or t1,
                          attrs={"lifecycle.cause": tokenless, "request.stream": int(st["chunks"] > 1)})
 
 
@@ -367,7 +369,8 @@ def _has_token(st: dict, body: bytes) -> bool:
                 if b'"delta":{"content":' in body:
                     return True  # vLLM's chat token chunk (content, even "": sse.chunk_has_token)
                 if b'"delta":{"role":' in body:
-                    return False  # a chat stream's role chunk: no token
+                    st["role_chunks"] += 1  # a chat stream's role chunk (one per choice): no token, not counted
+                    return False
             if body[:15] == b'data: {"error":':
                 st["error_event"] = True
                 return False

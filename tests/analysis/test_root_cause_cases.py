@@ -475,7 +475,7 @@ def test_vllm_57082_shutdown_abort_before_the_first_token_has_no_ttft(analyse):
         c.span("prefill", "prefill.frontend", t, t + 2, rid=rid, engine="p0", attrs={"frontend.part": "in"})
         c.span("prefill", "prefill.compute", t + 2, t + 50, rid=rid, engine="p0")
         c.span("prefill", "prefill.frontend", t + 50, t + 52, rid=rid, engine="p0",
-               attrs={"frontend.part": "out", "response.finish_reason": "length"})
+               attrs={"frontend.part": "out"})
         c.span("decode", "decode.frontend", t + 60, t + 61, rid=rid, engine="d0", attrs={"frontend.part": "in"})
         c.span("decode", "decode.queue", t + 61, t + 62, rid=rid, engine="d0")
         c.span("decode", "kv.transfer", t + 62, t + 90, rid=rid, engine="d0", rank=0, attrs={"kv.bytes": 4096})
@@ -484,7 +484,7 @@ def test_vllm_57082_shutdown_abort_before_the_first_token_has_no_ttft(analyse):
     c.event("decode", "response.tokenless", 400, rid="sd", engine="d0", span=fe,
             attrs={"lifecycle.cause": "no_token"})
     fe = c.span("decode", "decode.frontend", 1095, 1130, rid="ok", engine="d0",
-                attrs={"frontend.part": "out", "response.finish_reason": "length", "http.response.status_code": 200})
+                attrs={"frontend.part": "out", "http.response.status_code": 200})
     c.event("decode", "token", 1096, rid="ok", engine="d0", span=fe)
     _flushes(c, "decode", "d0", at=(2000,))
     _flushes(c, "prefill", "p0", at=(2000,))
@@ -504,7 +504,8 @@ def test_vllm_45520_sleep_aborts_streams_mid_decode_flagged_ttft_kept(analyse):
     router (first token 100; EngineCore's request.abort at 500, then the router's leg failure
     decode_aborted at 505), 'se' behind a foreign router (D's API server's token at 1150, EngineCore's
     request.abort FINISHED_ABORTED at 1290, D's API server ending the response at 1300). An abort before the first token of a retried attempt is not the flag's:
-    'rt' (attempt 0 aborted at 20, attempt 1's token at 90) is not flagged."""
+    'rt' (D's attempt 0 aborted at 20, attempt 1's token at 90) is not flagged, nor is 'pa', whose P leg was
+    aborted after D's first token (a router cancelling P's leg: D served the request)."""
     c = Case()
     root = c.router_request("sl", 0, 520, "pull", first_token_ms=100, last_token_ms=480)
     c.span("prefill", "prefill.compute", 2, 50, rid="sl", engine="p0")
@@ -523,14 +524,18 @@ def test_vllm_45520_sleep_aborts_streams_mid_decode_flagged_ttft_kept(analyse):
     c.event("decode", "request.abort", 1290, rid="se", engine="d0", attrs={"lifecycle.cause": "FINISHED_ABORTED"})
     c.router_request("rt", 2000, 2200, "pull", first_token_ms=2090, last_token_ms=2150)
     c.span("prefill", "prefill.compute", 2002, 2010, rid="rt", engine="p0")
-    c.event("prefill", "request.abort", 2020, rid="rt", engine="p0", attrs={"lifecycle.cause": "FINISHED_ABORTED"})
+    c.event("decode", "request.abort", 2020, rid="rt", engine="d0", attrs={"lifecycle.cause": "FINISHED_ABORTED"})
+    c.router_request("pa", 3000, 3200, "pull", first_token_ms=3100, last_token_ms=3150)
+    c.span("prefill", "prefill.compute", 3002, 3050, rid="pa", engine="p0")
+    c.span("decode", "kv.transfer", 3052, 3080, rid="pa", engine="d0", rank=0, attrs={"kv.bytes": 4096})
+    c.event("prefill", "request.abort", 3120, rid="pa", engine="p0", attrs={"lifecycle.cause": "FINISHED_ABORTED"})
     c.span("prefill", "prefill.compute", 2030, 2060, rid="rt", engine="p0", attempt=1)
     c.span("decode", "kv.transfer", 2062, 2080, rid="rt", engine="d0", rank=0, attempt=1, attrs={"kv.bytes": 4096})
     tr = analyse(c)
     q = {x["request_id"]: x for x in tr.query("SELECT request_id, ttft_ms, flags FROM requests ORDER BY 1")}
     assert (q["sl"]["ttft_ms"], q["se"]["ttft_ms"], q["rt"]["ttft_ms"]) == (100, 150, 90)
     assert "aborted_after_first_token" in q["sl"]["flags"] and "aborted_after_first_token" in q["se"]["flags"]
-    assert "aborted_after_first_token" not in q["rt"]["flags"], q["rt"]["flags"]
+    assert "aborted_after_first_token" not in q["rt"]["flags"] + q["pa"]["flags"], (q["rt"], q["pa"])
     assert tr.query("SELECT request_id FROM incomplete_requests") == []
 
 

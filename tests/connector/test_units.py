@@ -199,7 +199,10 @@ def test_middleware_token_at_the_first_token_chunk_and_tokenless_responses(tmp_p
     mid (completions: two tokens, then an abort chunk) -> a token and nothing more (no chunk is read after a
     token and a second chunk: EngineCore records that abort); ok, us (finished 'length') -> a token; ns
     (stream false, one token, P's answer in pull) -> a token; odd (a 200 body that is not JSON) -> token at its first chunk
-    (a shape the middleware cannot read counts, as before)."""
+    (a shape the middleware cannot read counts, as before); rh (chat, a reasoning parser with reasoning hidden
+    reaching max_tokens: role, a 'length' finish with an empty delta, usage 8) -> a token at the finish; n4 (n = 4
+    aborted before the first token: four role chunks, usage 0, [DONE]) -> no_token (role chunks do not use up
+    the chunks read)."""
     r = child(f"""
         import asyncio, glob, json, pyarrow.parquet as pq
         from pdtrace.instrument import tracer
@@ -215,6 +218,7 @@ def test_middleware_token_at_the_first_token_chunk_and_tokenless_responses(tmp_p
                        "usage": None}})
         ROLE = chat({{"role": "assistant", "content": ""}})
         USAGE0 = ev({{**HEAD, "choices": [], "usage": {{"prompt_tokens": 2, "total_tokens": 2, "completion_tokens": 0}}}})
+        USAGE8 = ev({{**HEAD, "choices": [], "usage": {{"prompt_tokens": 2, "total_tokens": 10, "completion_tokens": 8}}}})
         ERR = b'data: {{"error": {{"message": "Internal server error", "type": "InternalServerError", "param": null, "code": 500}}}}\\n\\n'
         DONE = b"data: [DONE]\\n\\n"
         bodies = {{
@@ -230,8 +234,12 @@ def test_middleware_token_at_the_first_token_chunk_and_tokenless_responses(tmp_p
             "ns": [json.dumps({{"choices": [{{"text": "x", "finish_reason": "length"}}],
                                 "usage": {{"completion_tokens": 1}}}}, separators=(",", ":")).encode()],
             "odd": [b"plain", b"more"],
+            # a reasoning parser with reasoning hidden reaching max_tokens: nothing shown, yet 8 tokens
+            "rh": [ROLE, chat({{}}, "length"), USAGE8, DONE],
+            # n = 4, aborted before the first token: a role chunk per choice, usage 0, [DONE]
+            "n4": [ROLE, ROLE, ROLE, ROLE, USAGE0, DONE],
         }}
-        CHAT = ("ab", "abu", "er", "cut", "rc", "mb")
+        CHAT = ("ab", "abu", "er", "cut", "rc", "mb", "rh", "n4")
         def app_for(x):
             async def app(scope, receive, send):
                 await send({{"type": "http.response.start", "status": 200, "headers": []}})
@@ -265,9 +273,9 @@ def test_middleware_token_at_the_first_token_chunk_and_tokenless_responses(tmp_p
     got = json.loads(r.stdout.strip().splitlines()[-1])
     tokenless = {x: o["events"]["response.tokenless"][1] for x, o in got.items() if "response.tokenless" in o["events"]}
     assert tokenless == {"ab": "no_token", "abu": "no_token", "ca": "no_token", "cau": "no_token", "er": "error_event",
-                         "cer": "error_event", "cut": "stream_cut", "nsab": "finish_abort"}, tokenless
+                         "cer": "error_event", "cut": "stream_cut", "nsab": "finish_abort", "n4": "no_token"}, tokenless
     assert sorted(x for x, o in got.items() if "token" in o["events"]) == \
-        ["mb", "mid", "ns", "odd", "ok", "rc", "us"]
+        ["mb", "mid", "ns", "odd", "ok", "rc", "rh", "us"]
     assert all(sorted(o["events"]) in (["token"], ["response.tokenless"]) for o in got.values()), got
     for x in ("rc", "mb"):  # the content chunk after the 30 ms sleep, not the role chunk
         assert got[x]["events"]["token"][0] - got[x]["start"] >= 30_000_000, (x, got[x])
