@@ -1,6 +1,6 @@
 """Thread CPU per request of pdtrace's API-server middleware (``FrontendMiddleware``), tracing on.
 
-    python benchmarks/middleware_cost.py [--rounds 9] [--requests 400]
+    python benchmarks/middleware_cost.py [--rounds 9] [--requests 400] [--against OLD_MIDDLEWARE_PY]
 
 The middleware runs on vLLM's API-server event loop (a hot path, issue 18): this
 prints what it adds per request to the ASGI app it wraps, for the response shapes
@@ -18,7 +18,11 @@ Rounds interleave the bare app and the middleware (order alternating); the
 figure is the median over rounds of (middleware - bare) in µs of this thread's
 CPU (``time.thread_time``) per request, with the min-max over rounds. The
 recorder writes to a temporary ``PDTRACE_DIR`` (its writer thread's CPU is not
-this thread's). Compare two commits by running this script from each checkout.
+this thread's). ``--against FILE`` loads another version of
+``connector/traced/middleware.py`` (e.g. ``git show REV:connector/traced/middleware.py
+> FILE``) into the same process and interleaves it too, printing the paired
+difference per round (this version - that one): on a loaded machine a
+comparison within one process holds where two runs would not.
 """
 from __future__ import annotations
 
@@ -65,10 +69,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--requests", type=int, default=400, help="requests per round and handler")
+    ap.add_argument("--against", help="another version of connector/traced/middleware.py to compare with")
     args = ap.parse_args()
     os.environ["PDTRACE_DIR"] = tempfile.mkdtemp(prefix="pdtrace-mw-cost-")
     from pdtrace.connector.traced.middleware import FrontendMiddleware
     from pdtrace.instrument import tracer
+
+    other = None
+    if args.against:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("pdtrace.connector.traced.middleware_against", args.against)
+        other = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(other)
 
     async def send(m):
         pass
@@ -97,15 +110,21 @@ def main() -> None:
               f"{args.requests}; load {os.getloadavg()[0]:.1f}")
         for name, (path, chunks) in _shapes().items():
             bare = app_of(chunks)
-            mw = FrontendMiddleware(bare, role="decode")
-            diffs, bares = [], []
+            h = {"bare": bare, "mw": FrontendMiddleware(bare, role="decode")}
+            if other is not None:
+                h["against"] = other.FrontendMiddleware(bare, role="decode")
+            got = {k: [] for k in h}
             for r in range(args.rounds):
-                order = [("bare", bare), ("mw", mw)] if r % 2 else [("mw", mw), ("bare", bare)]
-                got = {k: await block(h, path, f"{name}{r}{k}") for k, h in order}
-                diffs.append(got["mw"] - got["bare"])
-                bares.append(got["bare"])
-            print(f"  {name:10s}: middleware {statistics.median(diffs):6.1f} µs/request "
-                  f"({min(diffs):.1f}-{max(diffs):.1f}); the stand-in app alone {statistics.median(bares):.1f}")
+                for k in (list(h) if r % 2 else list(h)[::-1]):
+                    got[k].append(await block(h[k], path, f"{name}{r}{k}"))
+            diffs = [m - b for m, b in zip(got["mw"], got["bare"])]
+            line = (f"  {name:10s}: middleware {statistics.median(diffs):6.1f} µs/request "
+                    f"({min(diffs):.1f}-{max(diffs):.1f}); the stand-in app alone {statistics.median(got['bare']):.1f}")
+            if other is not None:
+                paired = sorted(m - a for m, a in zip(got["mw"], got["against"]))
+                line += (f"; minus --against: {statistics.median(paired):+.1f} µs "
+                         f"({paired[0]:+.1f} to {paired[-1]:+.1f})")
+            print(line)
 
     asyncio.run(run())
     tracer.shutdown()
