@@ -86,8 +86,8 @@ def compare(run_dir: str | Path) -> dict:
     engine_ttft_ms, diff_ms, engine_status, engine_cause, tiles), ``by_mode``
     (mode -> n, median/p99/min/max diff ms, median router/engine TTFT ms,
     mean router.unseen ms), ``engine_sources`` (ttft_source -> count in the
-    engine-only analysis), ``skipped_router_files``, ``engine_clock_bound_ms`` (the largest whole-trace
-    clock-offset bound of the engine-only analysis, ms), ``untiled`` (requests
+    engine-only analysis), ``skipped_router_files``, ``engine_clock_bound_ms`` (the largest clock-offset
+    bound of the engine-only analysis, whole trace or one time window, ms), ``untiled`` (requests
     whose engine-mode segments do not sum to the TTFT).
     Raises FileNotFoundError when ``run_dir`` does not exist.
     """
@@ -103,7 +103,8 @@ def compare(run_dir: str | Path) -> dict:
         with analysis.open(Path(tmp) / "store", cache=None) as tr:
             engine = {r["k"]: r for r in tr.query(
                 f"SELECT {key} AS k, request_id, mode, ttft_ms, ttft_source, status, cause FROM requests")}
-            bound = tr.query("SELECT max(bound_ms) AS b FROM clock_offsets WHERE window_start_ns IS NULL")[0]["b"]
+            # the bound of any correction a request may have had: a time window's can exceed the whole trace's
+            bound = tr.query("SELECT max(bound_ms) AS b FROM clock_offsets")[0]["b"]
             tiles = {r["k"]: r for r in tr.query(
                 f"SELECT {key} AS k, b.ttft_ns, b.router_unseen_ms, "
                 "(SELECT sum(s.dur_ns) FROM ttft_segments s WHERE s.rkey = b.rkey) AS seg_ns FROM ttft_breakdown b")}
