@@ -29,6 +29,8 @@ NOT_VLLM = {
     "state": "Starlette app.state", "add_middleware": "Starlette app",
     "warning": "logging.Logger",
     "base": "pdtrace.instrument.ids.RequestId", "prompt_index": "pdtrace.instrument.ids.RequestId",
+    "feed": "pdtrace.connector.sse.SSEDecoder", "done": "pdtrace.connector.sse.SSEDecoder",
+    "pending": "pdtrace.connector.sse.SSEDecoder",
 }
 #: Python's own attributes (containers, queue.Queue's deque, thread-locals, exceptions).
 PY = set().union(*(dir(o) for o in (dict(), set(), [], "", b"", (), collections.deque(), 0, queue.Queue(),
