@@ -56,7 +56,7 @@ Design (single host; the cross-host part is at the end).
   (``recorder.tail_dropped`` of the process that recorded them).
 
   TTFT (DESIGN.md §3): ``router.first_token`` - ``router.request`` start, on the router's clock; without a
-  router record, the engine-clock TTFT: D's API-server ``token`` event (its first chunk: a ``token`` event
+  router record, the engine-clock TTFT: D's API-server ``token`` event (its first token chunk: a ``token`` event
   with a span id from a client whose resource role is ``decode``, the one ``request_base.sql`` reads;
   not P's ``token``, written when P answers the router, nor EngineCore's, which has no span id) - P's
   ``prefill.frontend`` start. TPOT: (``router.last_token`` - ``router.first_token``) / (output tokens -
@@ -541,7 +541,7 @@ class TailRetention:
             elif name == "router.last_token":
                 g.last_tok = t0 if g.last_tok is None else max(g.last_tok, t0)
             elif name == "token" and r[_SID] is not None and _role(sink) == "decode":
-                # D's API server's first chunk (on its decode.frontend span), as request_base.sql reads it;
+                # D's API server's first token chunk (on its decode.frontend span), as request_base.sql reads it;
                 # not P's (its answer to the router) nor EngineCore's (no span id)
                 g.eng_first = t0 if g.eng_first is None else min(g.eng_first, t0)
                 self._side_due(g, now)
