@@ -311,7 +311,9 @@ print(json.dumps({"stats": tracer.stats(), "nice": nice, "grandchildren": grandc
     out = json.loads(r.stdout.strip().splitlines()[-1])
     st = out["stats"]
     why = r.stderr + _sink_log(tmp_path)
-    assert out["nice"] == 10 and out["grandchildren"] == [] and out["new_sink"], why
+    # +10, or as far as the test's own niceness lets it (a suite run under `nice -n 19` leaves no room)
+    want_nice = min(10, 19 - os.getpriority(os.PRIO_PROCESS, 0))
+    assert out["nice"] == want_nice and out["grandchildren"] == [] and out["new_sink"], why
     from pdtrace.instrument.writer import CHUNK_MIN
 
     assert (st["recorded"], st["written"], st["dropped"]) == (130 + CHUNK_MIN, 130, CHUNK_MIN), why
