@@ -104,7 +104,7 @@ def chunk_has_token(obj: dict) -> bool:
         d = ch.get("delta") or ch.get("message") or {}
         if d.get("content") or d.get("reasoning_content") or d.get("reasoning") or d.get("tool_calls"):
             return True
-        if "content" in d and "role" not in d and ch.get("finish_reason") not in GAVE_UP:
+        if "content" in d and "role" not in d and fr not in GAVE_UP:
             return True  # a token ending inside a multi-byte character: content "" (vLLM writes it for token ids)
         lp = ch.get("logprobs")
         if lp and (lp.get("tokens") or lp.get("content")):
