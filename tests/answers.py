@@ -15,9 +15,14 @@ import pytest
 from pdtrace.analysis.materialize import materializations
 
 
+def spark_available() -> bool:
+    """True when pyspark is installed and a ``java`` is on PATH (what the Spark engine needs)."""
+    return shutil.which("java") is not None and importlib.util.find_spec("pyspark") is not None
+
+
 def require_spark() -> None:
     """Skip the calling test without pyspark or Java, or fail it under ``PDTRACE_LAB_REQUIRED=1`` (CI)."""
-    if shutil.which("java") is None or importlib.util.find_spec("pyspark") is None:
+    if not spark_available():
         msg = "the Spark engine needs pyspark (pip install -e '.[spark]') and Java 17 (openjdk-17-jre-headless)"
         if os.environ.get("PDTRACE_LAB_REQUIRED") == "1":
             pytest.fail(msg)

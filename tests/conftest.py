@@ -56,3 +56,12 @@ def traced_greedy_record() -> dict:
     ``tests/lab/test_{pull,push}.py``, which compare their untraced lab's tokens with them (so no module starts
     an untraced lab for that alone; see ``labkit.traced_greedy``)."""
     return {}
+
+
+@pytest.fixture(scope="session")
+def cli_pull_run(tmp_path_factory) -> dict:
+    """The session's one default ``pdtrace lab`` run (pull, 20 requests, through the CLI; see
+    ``labkit.cli_pull_run``), shared by the skew and footprint lab modules."""
+    import labkit
+
+    return labkit.cli_pull_run(tmp_path_factory.mktemp("cli-pull") / "run")

@@ -3,13 +3,16 @@
 Importable from any test module as ``import labkit`` (``tests/`` is on
 ``sys.path`` under pytest's default import mode, because ``tests/conftest.py``
 lives here). Nothing here starts an engine but :func:`traced_greedy`, and that
-only when the traced lab of its mode did not run in this session.
+only when the traced lab of its mode did not run in this session, and
+:func:`cli_pull_run` (the session fixture ``cli_pull_run`` of ``tests/conftest.py``).
 """
 from __future__ import annotations
 
 import importlib.util
 import json
 import os
+import threading
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -166,3 +169,84 @@ def check_greedy_like_traced(lab, record: dict, model: Path, prompts: list, run_
     (:func:`traced_greedy`, which starts that traced lab in ``run_dir`` if it did not run in the session)."""
     rec = traced_greedy(record, lab.cfg.mode, model, prompts, run_dir)
     assert greedy(lab, rec["prompts"]) == rec["outputs"]
+
+
+class HelperSampler(threading.Thread):
+    """Reads pdtrace's helper processes (psutil) and the store's file names every 0.3 s, independently of pdtrace.
+
+    ``readings``: [(wall time s, {pid: (RSS bytes, user+system CPU s)})] of every process whose command line
+    holds ``pdtrace.instrument.sink`` and that descends from this test process (where an in-process lab
+    runs) or names ``run_dir`` after ``--dir`` (the host's sink, detached from the lab's tree; read here
+    from the process table, not through ``pdtrace.instrument.hostsink``). ``files``: every ``*.parquet``
+    name (dot files excluded) seen under ``run_dir``. Stop with ``stop.set()`` then ``join()``.
+    """
+
+    def __init__(self, run_dir):
+        super().__init__(daemon=True)
+        self.run_dir = os.path.realpath(run_dir)
+        self.readings: list[tuple[float, dict[int, tuple[int, float]]]] = []
+        self.files: set[str] = set()
+        self.stop = threading.Event()
+
+    def run(self):
+        import psutil
+        me = psutil.Process(os.getpid())
+        while not self.stop.wait(0.3):
+            seen = {}
+            try:
+                tree = {c.pid for c in me.children(recursive=True)}
+            except psutil.NoSuchProcess:
+                tree = set()
+            for p in psutil.process_iter():
+                try:
+                    args = p.cmdline()
+                    if "pdtrace.instrument.sink" not in args:
+                        continue
+                    serves = "--dir" in args and args.index("--dir") + 1 < len(args) and \
+                        os.path.realpath(args[args.index("--dir") + 1]) == self.run_dir
+                    if p.pid not in tree and not serves:
+                        continue
+                    t = p.cpu_times()
+                    seen[p.pid] = (p.memory_info().rss, t.user + t.system)
+                except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                    continue
+            self.readings.append((time.time(), seen))
+            try:
+                self.files |= {f for _, _, fs in os.walk(self.run_dir) for f in fs
+                               if f.endswith(".parquet") and not f.startswith(".")}
+            except OSError:
+                pass
+
+
+#: Replayed requests of :func:`cli_pull_run` (Azure conversation trace, the lab's defaults otherwise).
+CLI_RUN_REQUESTS = 20
+
+
+def cli_pull_run(out: Path) -> dict:
+    """``pdtrace lab --mode pull --max-requests 20 --out OUT --no-progress`` exactly as a user starts it (click's
+    runner, in this process: the stock connector name, traced through pdtrace's vLLM plugin), with a
+    :class:`HelperSampler` reading the run while it lasts.
+
+    Returns {"dir": OUT, "output": the printed text, "exit_code", "exception", "summary": run.json,
+    "sampler"}. One lab start serves every check of a default CLI run (the printed report and the plugin
+    in ``tests/analysis/test_lab_skew.py``, the footprint line in ``tests/connector/test_footprint_lab.py``).
+    """
+    from click.testing import CliRunner
+
+    from pdtrace.cli.main import main
+    from pdtrace.connector.lab.model import make_model
+    require_lab()
+    make_model("default")
+    out.mkdir(parents=True, exist_ok=True)
+    sampler = HelperSampler(out)
+    sampler.start()
+    try:
+        res = CliRunner().invoke(main, ["lab", "--mode", "pull", "--max-requests", str(CLI_RUN_REQUESTS),
+                                        "--out", str(out), "--no-progress"])
+    finally:
+        sampler.stop.set()
+        sampler.join()
+    print(res.output)
+    summary = json.loads((out / "run.json").read_text()) if (out / "run.json").is_file() else None
+    return {"dir": out, "output": res.output, "exit_code": res.exit_code, "exception": res.exception,
+            "summary": summary, "sampler": sampler}

@@ -5,7 +5,8 @@ open-loop, the same workload and seed), one after the other:
 
 1. **unshifted**, started through the CLI exactly as a user would, with the
    default connector (``pdtrace lab --mode pull ...`` via click's runner: vLLM's
-   stock connector name, traced by pdtrace's vLLM plugin): also checks that
+   stock connector name, traced by pdtrace's vLLM plugin; the session fixture
+   ``cli_pull_run``, which ``tests/connector/test_footprint_lab.py`` reads too): also checks that
    ``pdtrace lab`` ends by printing the ``pdtrace report`` of the run and that
    the plugin traced every engine process (``tests/lab/test_lab_cli.py`` has the
    rules without engines);
@@ -45,7 +46,7 @@ import pytest
 pytestmark = [pytest.mark.lab, pytest.mark.timeout(1800)]
 
 SHIFT_NS = 250_000_000            # +250 ms on D's wall clock (the recorder's test setting)
-N_REPLAY = 20
+N_REPLAY = labkit.CLI_RUN_REQUESTS
 CATEGORIES = ("queue", "compute", "transfer", "coordination")
 
 
@@ -62,11 +63,9 @@ def _open(run_dir: Path):
 
 
 @pytest.fixture(scope="module")
-def unshifted(model_dir, tmp_path_factory):
-    """The unshifted traced run, through ``pdtrace lab`` (click runner): output, exit code, run.json, trace."""
-    from click.testing import CliRunner
-
-    from pdtrace.cli.main import main
+def unshifted(model_dir, request):
+    """The unshifted traced run, through ``pdtrace lab`` (click runner; fixture ``cli_pull_run``): output, exit
+    code, run.json, trace."""
     if os.environ.get("PDTRACE_SKEW_REUSE"):  # development only: analyse the runs kept in that directory
         out = Path(os.environ["PDTRACE_SKEW_REUSE"]) / "unshifted"
         tr = _open(out)
@@ -74,14 +73,10 @@ def unshifted(model_dir, tmp_path_factory):
                "summary": json.loads((out / "run.json").read_text())}
         tr.close()
         return
-    out = tmp_path_factory.mktemp("skew") / "unshifted"
-    res = CliRunner().invoke(main, ["lab", "--mode", "pull", "--max-requests", str(N_REPLAY), "--out", str(out),
-                                    "--no-progress"])
-    print(res.output)
-    assert res.exception is None or isinstance(res.exception, SystemExit), repr(res.exception)
-    summary = json.loads((out / "run.json").read_text())
-    tr = _open(out)
-    yield {"dir": out, "output": res.output, "exit_code": res.exit_code, "summary": summary, "tr": tr}
+    run = request.getfixturevalue("cli_pull_run")
+    assert run["exception"] is None or isinstance(run["exception"], SystemExit), repr(run["exception"])
+    tr = _open(run["dir"])
+    yield {**run, "tr": tr}
     tr.close()
 
 

@@ -1,8 +1,9 @@
 """The Spark engine gives DuckDB's answers, row for row, on every hand-built bug-case store.
 
-Every test of ``tests/analysis/test_*_cases.py`` that takes only the ``analyse`` fixture is run
-here with an ``analyse`` that also keeps the store it wrote (the test's own assertions run as
-usual, on the DuckDB engine); then each store is analysed again by
+Every test of ``tests/analysis/test_*_cases.py`` that takes only the ``analyse`` fixture keeps the
+stores it wrote and DuckDB's answers there (``analyse`` in ``tests/analysis/conftest.py``, when this
+module is in the session; it then runs after the last bug-case test; a case not run in the session is
+run here, its assertions as usual, on the DuckDB engine); then each store is analysed again by
 :class:`pdtrace.analysis.spark.SparkTrace` (Spark local mode, real tasks) and every materialized table
 and every public view is compared with DuckDB's: same rows, floats within 1e-9 relative.
 Needs pyspark and Java: skipped without them, a failure under ``PDTRACE_LAB_REQUIRED=1`` (CI).
@@ -33,15 +34,22 @@ def _case_tests():
 
 
 @pytest.fixture(scope="module")
-def case_stores(tmp_path_factory, spark):
-    """Run every bug-case test once, keeping each store it wrote and DuckDB's answers there:
-    [(test id, store directory, answers)]."""
+def case_stores(tmp_path_factory, spark, case_stores_kept):
+    """Every bug-case test's stores and DuckDB's answers there: [(test id, store directory, answers)].
+
+    Taken from what this session's bug-case tests kept (``case_stores_kept``: their stores, analysed by the
+    tests themselves); a case test not run in this session (this module run alone, ``-k``) is run here
+    once, keeping each store it writes."""
     root = tmp_path_factory.mktemp("cases")
     stores = []
     for mod, fn in _case_tests():
+        key = f"{mod}.{fn.__name__}"
+        if key in case_stores_kept:
+            stores += [(f"{key}[{i}]", d, duck) for i, (d, duck) in enumerate(case_stores_kept[key])]
+            continue
         opened = []
 
-        def analyse(case, directory=None, _id=f"{mod}.{fn.__name__}"):
+        def analyse(case, directory=None, _id=key):
             d = Path(directory) if directory else root / f"{_id}-{len(opened)}"
             case.write(d)
             tr = db.open_trace(d, cache=root / f"{d.name}.duckdb")  # (a template copy: no library load)
@@ -51,7 +59,7 @@ def case_stores(tmp_path_factory, spark):
         try:
             fn(analyse)
             for i, (tr, d) in enumerate(opened):
-                stores.append((f"{mod}.{fn.__name__}[{i}]", d, answers(tr.con)))
+                stores.append((f"{key}[{i}]", d, answers(tr.con)))
         finally:
             for tr, _ in opened:
                 tr.close()

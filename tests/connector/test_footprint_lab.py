@@ -1,13 +1,13 @@
 """The ``pdtrace footprint:`` line of a traced ``pdtrace lab`` run, against independent readings.
 
-One real lab (``run_lab``: real vLLM CPU engines, NIXL, the pdtrace router),
-pull mode, 10 requests, pdtrace's class names (``--connector traced``). While
-it runs, a thread of this test reads the helper processes itself with psutil
-(every process whose command line holds ``pdtrace.instrument.sink`` and that
-descends from this test's process, where the lab runs, or names the run directory after ``--dir``:
-the host's sink) and lists the run directory. Then:
+The session's default ``pdtrace lab`` run (fixture ``cli_pull_run``: real vLLM CPU engines, NIXL, the
+pdtrace router; pull mode, 20 requests, through the CLI and pdtrace's vLLM plugin; shared with
+``tests/analysis/test_lab_skew.py``). While it runs, a thread of the test process reads the helper
+processes itself with psutil (``labkit.HelperSampler``: every process whose command line holds
+``pdtrace.instrument.sink`` and that descends from the test's process, where the lab runs, or names the
+run directory after ``--dir``: the host's sink) and lists the run directory. Then:
 
-- exactly one footprint line is printed, the last line of the run's output;
+- exactly one footprint line is printed, the last line of the run's output (after the report);
 - ``processes`` equals the count this test read at the reading nearest before
   the lab's own reading; ``rss_mib`` is within 15 % of this test's total RSS
   there;
@@ -21,60 +21,12 @@ the host's sink) and lists the run directory. Then:
 """
 from __future__ import annotations
 
-import os
-import threading
-import time
-
 import duckdb
-import psutil
 import pytest
 
-import labtrace as lt
 from pdtrace.analysis import footprint as fpm
-from pdtrace.connector.lab import run as lab_run
 
 pytestmark = [pytest.mark.lab, pytest.mark.timeout(1200)]
-
-
-class _Sampler(threading.Thread):
-    """Reads the run's helper processes (psutil) and store file names every 0.3 s."""
-
-    def __init__(self, run_dir):
-        super().__init__(daemon=True)
-        self.run_dir = os.path.realpath(run_dir)
-        self.readings: list[tuple[float, dict[int, tuple[int, float]]]] = []  # (time, {pid: (rss, cpu s)})
-        self.files: set[str] = set()
-        self.stop = threading.Event()
-
-    def run(self):
-        me = psutil.Process(os.getpid())
-        while not self.stop.wait(0.3):
-            seen = {}
-            try:
-                tree = {c.pid for c in me.children(recursive=True)}  # the lab runs in this process
-            except psutil.NoSuchProcess:
-                tree = set()
-            for p in psutil.process_iter():
-                try:
-                    args = p.cmdline()
-                    if "pdtrace.instrument.sink" not in args:
-                        continue
-                    # the host's sink of this directory is detached from the lab's tree; its command
-                    # line names the directory (read here from the process table, not via hostsink.find)
-                    serves = "--dir" in args and args.index("--dir") + 1 < len(args) and \
-                        os.path.realpath(args[args.index("--dir") + 1]) == self.run_dir
-                    if p.pid not in tree and not serves:
-                        continue
-                    t = p.cpu_times()
-                    seen[p.pid] = (p.memory_info().rss, t.user + t.system)
-                except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-                    continue
-            self.readings.append((time.time(), seen))
-            try:
-                self.files |= {f for _, _, fs in os.walk(self.run_dir) for f in fs
-                               if f.endswith(".parquet") and not f.startswith(".")}
-            except OSError:
-                pass
 
 
 def _raw(run_dir, sql):
@@ -83,20 +35,11 @@ def _raw(run_dir, sql):
     return con.execute(sql).fetchall()
 
 
-def test_footprint_line_agrees_with_independent_readings(tmp_path):
-    lt.lab_model("default")
-    out = tmp_path / "run"
-    out.mkdir()
-    lines: list[str] = []
-    sampler = _Sampler(out)
-    sampler.start()
-    try:
-        s = lab_run.run_lab(lab_run.LabOptions(mode="pull", connector="traced", max_requests=10, out=out,
-                                               progress=False, report=False), echo=lines.append)
-    finally:
-        sampler.stop.set()
-        sampler.join()
+def test_footprint_line_agrees_with_independent_readings(cli_pull_run):
+    out, s, sampler = cli_pull_run["dir"], cli_pull_run["summary"], cli_pull_run["sampler"]
+    assert cli_pull_run["exit_code"] == 0, cli_pull_run["output"][-3000:]
     assert s["client"]["failed"] == 0
+    lines = cli_pull_run["output"].rstrip("\n").split("\n")
     fl = [ln for ln in lines if ln.startswith("pdtrace footprint:")]
     assert len(fl) == 1 and lines[-1] == fl[0], lines[-5:]
     got = fpm.parse(fl[0])

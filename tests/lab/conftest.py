@@ -79,19 +79,51 @@ def check_prompts(trace_requests):
 
 @pytest.fixture(scope="session")
 def reference(model_dir, check_prompts, tmp_path_factory):
-    """First-token top-k logprobs from one plain (non-disaggregated) engine; the engine is stopped after."""
-    cfg = LabConfig(model=model_dir, run_dir=tmp_path_factory.mktemp("ref"), router=False)
+    """First-token top-k logprobs from one plain (non-disaggregated) engine; the engine is stopped after.
+
+    {"trace": [{token id: logprob}], "neg_a": [...], "neg_b": [...], "ports": see below}. Its start also
+    reproduces a lost port for real (the clash of CI on 2026-11-30, ``tests/lab/test_ports.py``, one engine
+    start for both): a socket here really holds a port, and the lab's first port pick is forced to return it
+    as the engine's HTTP port; the lab must start again on new ports. ``ports`` = {"taken": the held port,
+    "calls": every pick (list of ports), "engine_port": the port the engine serves on, "run_dir"}.
+    """
+    import socket
+
+    from pdtrace.connector.lab import procs
+
+    run_dir = tmp_path_factory.mktemp("ref")
+    cfg = LabConfig(model=model_dir, run_dir=run_dir, router=False)
     out = {}
-    with Lab(cfg, single=True) as lab:
-        url = lab.singles[0].url + "/v1/completions"
-        for key, prompts in (("trace", check_prompts["trace"]),
-                             ("neg_a", [check_prompts["neg_a"]]), ("neg_b", [check_prompts["neg_b"]])):
-            got = []
-            for p in prompts:
-                status, resp = post(url, first_token_body(p))
-                assert status == 200, resp
-                got.append(top_logprobs(resp))
-            out[key] = got
+    held = socket.socket()
+    held.bind(("127.0.0.1", procs.free_port()))
+    held.listen()
+    taken = held.getsockname()[1]
+    real, calls = procs.free_ports, []
+
+    def first_pick_taken(n, host="127.0.0.1"):
+        ports = real(n, host)
+        if not calls:
+            ports[0] = taken  # the single engine's HTTP port: really bound by `held`
+        calls.append(list(ports))
+        return ports
+
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(procs, "free_ports", first_pick_taken)  # (only the start picks ports)
+            with Lab(cfg, single=True) as lab:
+                out["ports"] = {"taken": taken, "calls": calls, "engine_port": lab.singles[0].http_port,
+                                "run_dir": run_dir}
+                url = lab.singles[0].url + "/v1/completions"
+                for key, prompts in (("trace", check_prompts["trace"]),
+                                     ("neg_a", [check_prompts["neg_a"]]), ("neg_b", [check_prompts["neg_b"]])):
+                    got = []
+                    for p in prompts:
+                        status, resp = post(url, first_token_body(p))
+                        assert status == 200, resp
+                        got.append(top_logprobs(resp))
+                    out[key] = got
+    finally:
+        held.close()
     return out
 
 

@@ -2,20 +2,20 @@
 
 CI on 2026-11-30 failed because a side-channel port the lab had picked from the
 ephemeral range was bound by someone else before D's handshake listener bound
-it. The real-engine test below reproduces that clash for real (the port is
-really taken by a socket this test holds; only the lab's *choice* of that port
-is forced, by making the first pick return it) and checks the lab starts on new
-ports instead of failing.
+it. The real-engine test below reads that clash reproduced for real by the
+session's reference engine (``reference`` in ``tests/lab/conftest.py``: the port
+is really taken by a socket the fixture holds; only the lab's *choice* of that
+port is forced, by making the first pick return it) and checks the lab started
+on new ports instead of failing; the engine answered the reference's requests
+there.
 """
 from __future__ import annotations
 
 import socket
-import urllib.request
 
 import pytest
 
 from pdtrace.connector.lab import procs
-from pdtrace.connector.lab.launcher import Lab, LabConfig
 
 
 def test_free_ports_outside_ephemeral_range_distinct_and_free():
@@ -46,31 +46,11 @@ def test_ephemeral_range_reads_proc_and_falls_back(tmp_path):
 
 
 @pytest.mark.lab
-@pytest.mark.timeout(900)
-def test_lab_restarts_on_new_ports_when_a_picked_port_is_taken(lab_ready, model_dir, tmp_path, monkeypatch):
-    held = socket.socket()
-    held.bind(("127.0.0.1", procs.free_port()))
-    held.listen()
-    taken = held.getsockname()[1]
-    real = procs.free_ports
-    calls = []
-
-    def first_pick_taken(n, host="127.0.0.1"):
-        ports = real(n, host)
-        if not calls:
-            ports[0] = taken  # the single engine's HTTP port: really bound by `held`
-        calls.append(list(ports))
-        return ports
-
-    monkeypatch.setattr(procs, "free_ports", first_pick_taken)
-    try:
-        with Lab(LabConfig(model=model_dir, run_dir=tmp_path, router=False), single=True) as lab:
-            eng = lab.singles[0]
-            assert eng.http_port != taken
-            with urllib.request.urlopen(eng.url + "/health", timeout=30) as r:
-                assert r.status == 200
-    finally:
-        held.close()
-    assert len(calls) == 2 and calls[0][0] == taken
-    kept = list((tmp_path / "logs").glob("*.attempt1.log"))
+def test_lab_restarts_on_new_ports_when_a_picked_port_is_taken(reference):
+    """The session's reference engine (``tests/lab/conftest.py``) was started with its first port pick forced
+    onto a port a socket really held: the lab started again on new ports and the engine served there."""
+    ports = reference["ports"]
+    assert len(ports["calls"]) == 2 and ports["calls"][0][0] == ports["taken"], ports
+    assert ports["engine_port"] != ports["taken"] and ports["engine_port"] == ports["calls"][1][0], ports
+    kept = list((ports["run_dir"] / "logs").glob("*.attempt1.log"))
     assert kept and "address already in use" in kept[0].read_text(errors="replace").lower()
