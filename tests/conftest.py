@@ -59,6 +59,16 @@ def traced_greedy_record() -> dict:
 
 
 @pytest.fixture(scope="session")
+def traced_lab_stores() -> dict:
+    """{mode: {"dir": Path, "router_starts": int}}: the span directories of the traced P/D lab of each mode
+    (``tests/connector/test_traced_{pull,push}_lab.py``, the production recipe: stock serving command, vLLM
+    plugin; stopped, nothing writes into them after), put here by those modules for the dashboard tests,
+    which show and check them instead of starting labs of their own (``tests/dashboard/conftest.py``).
+    ``router_starts``: router processes the lab started (the push run restarts its router)."""
+    return {}
+
+
+@pytest.fixture(scope="session")
 def cli_pull_run(tmp_path_factory) -> dict:
     """The session's one default ``pdtrace lab`` run (pull, 20 requests, through the CLI; see
     ``labkit.cli_pull_run``), shared by the skew and footprint lab modules."""

@@ -11,7 +11,8 @@ Two labs, each started once for the module and stopped before the next:
    ``tests/lab/test_pull.py`` checks that its untraced lab, the same stock
    command without ``PDTRACE_DIR``, gives the same tokens and runs no pdtrace
    thread or sink); vLLM's ``vllm:nixl_*`` counters are read from D before the
-   lab stops (engines flush on shutdown). Most checks read this one trace.
+   lab stops (engines flush on shutdown). Most checks read this one trace; the
+   dashboard tests show it (``traced_lab_stores``).
 2. pdtrace's explicit class names (``TracedNixlPullConnector`` + module path,
    ``--middleware``) at ``PDTRACE_SAMPLE=0.5``: 20 requests; router, P and D
    keep exactly the same request ids, which are those the sampling rule
@@ -57,9 +58,9 @@ def greedy_prompts(wl):
 
 
 @pytest.fixture(scope="module")
-def traced_run(model_dir, wl, greedy_prompts, tmp_path_factory, traced_greedy_record):
+def traced_run(model_dir, wl, greedy_prompts, tmp_path_factory, traced_greedy_record, traced_lab_stores):
     """The traced lab's run: trace dir, client records, D's nixl counters, greedy outputs (also recorded in
-    ``traced_greedy_record["pull"]``)."""
+    ``traced_greedy_record["pull"]``; the trace dir in ``traced_lab_stores["pull"]``)."""
     run_dir = tmp_path_factory.mktemp("traced")
     with Lab(_plugin_cfg(model_dir, run_dir, trace=True)) as lab:
         lt.warm_up(lab, wl.requests[0].prompt, tries=1)
@@ -70,6 +71,7 @@ def traced_run(model_dir, wl, greedy_prompts, tmp_path_factory, traced_greedy_re
         affinity = lt.helper_affinities(lab)
         in_procs = lt.pdtrace_in_processes(lab)
     traced_greedy_record["pull"] = {"model": model_dir, "prompts": greedy_prompts, "outputs": greedy}
+    traced_lab_stores["pull"] = {"dir": run_dir, "router_starts": 1}
     tr = lt.open_trace(run_dir)
     yield {"dir": run_dir, "tr": tr, "recs": recs, "greedy": greedy, "d_metrics": d_metrics, "stats": stats,
            "affinity": affinity, "in_procs": in_procs,

@@ -18,8 +18,9 @@ One lab: a traced push lab by the production recipe: vLLM's stock serving comman
    command without ``PDTRACE_DIR``, gives the same tokens and runs no pdtrace
    thread or sink.
 
-(pdtrace's explicit push class names run on real engines in the dashboard's
-lab stores, ``tests/dashboard/conftest.py``.)
+The trace goes to the session's ``traced_lab_stores`` (the dashboard tests show it).
+(pdtrace's explicit push class names run on real engines in
+``tests/connector/test_in_flight_lab.py`` and ``tests/lab/test_inject_lab.py``.)
 """
 from __future__ import annotations
 
@@ -83,7 +84,8 @@ def _transfers_expected(greedy) -> int:
 
 
 @pytest.fixture(scope="module")
-def traced_run(model_dir, wl, greedy_prompts, seq_prompts, gone_prompt, tmp_path_factory, traced_greedy_record):
+def traced_run(model_dir, wl, greedy_prompts, seq_prompts, gone_prompt, tmp_path_factory, traced_greedy_record,
+               traced_lab_stores):
     run_dir = tmp_path_factory.mktemp("push-traced")
     cfg = lt.plugin_cfg(model_dir, run_dir, trace=True, mode="push", push_join_timeout_s=60.0,
                         router_timeout_s=300.0)
@@ -101,6 +103,7 @@ def traced_run(model_dir, wl, greedy_prompts, seq_prompts, gone_prompt, tmp_path
                                        _transfers_expected(greedy))
         d_metrics = metrics.scrape(lab.decodes[0].url)
     traced_greedy_record["push"] = {"model": model_dir, "prompts": greedy_prompts, "outputs": greedy}
+    traced_lab_stores["push"] = {"dir": run_dir, "router_starts": 2}  # (the serial part restarts the router)
     tr = lt.open_trace(run_dir)
     yield {"dir": run_dir, "tr": tr, "recs": recs, "greedy": greedy, "conc": conc, "serial": serial,
            "p_metrics": p_metrics, "d_metrics": d_metrics, "in_procs": in_procs,

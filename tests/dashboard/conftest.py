@@ -4,13 +4,17 @@
 and the lab's stores (``lab_store_pull`` / ``lab_store_push``): span
 directories written by real vLLM CPU engines (1 prefill + 1 decode) with
 pdtrace's traced NIXL connectors, the frontend middleware and the traced
-router, after replaying 20 Azure-conversation requests. Every page test takes
-it, so the same assertions run on lab-produced input.
+router, after replaying 20 Azure-conversation requests (and more). Every page
+test takes it, so the same assertions run on lab-produced input.
 
-The two labs (pull and push) run at the same time, once per session, and are
-stopped before any test reads their stores. Without the lab environment the
-lab cases are skipped with the reason, unless ``PDTRACE_LAB_REQUIRED=1`` (CI),
-which turns that into a failure.
+The lab stores are those of the session's traced lab modules when they ran
+(``traced_lab_stores``: ``tests/connector/test_traced_{pull,push}_lab.py``, the
+production recipe, their labs stopped), so no lab starts for the dashboard in a
+full run; a mode whose module did not run gets a lab of its own here (pdtrace's
+explicit class names and ``--middleware``; the missing modes at the same time),
+stopped before any test reads it. Without the lab environment the lab cases are
+skipped with the reason, unless ``PDTRACE_LAB_REQUIRED=1`` (CI), which turns
+that into a failure.
 """
 from __future__ import annotations
 
@@ -69,7 +73,7 @@ def _run_traced_lab(mode: str, model: Path, wl, root: Path) -> dict:
 
     The spans go to ``root/<mode>-trace`` (``PDTRACE_DIR`` of router and engines, nothing else in
     it); logs and engine caches to ``root/<mode>-run``. Returns {'dir', 'seconds' (wall, s),
-    'ids' (the replayed requests' router ids)}; raises AssertionError if a request failed.
+    'router_starts': 1}; raises AssertionError if a request failed.
     """
     from pdtrace.connector.lab import replay
     from pdtrace.connector.lab.launcher import Lab, LabConfig
@@ -86,7 +90,7 @@ def _run_traced_lab(mode: str, model: Path, wl, root: Path) -> dict:
         recs = asyncio.run(replay.replay(wl, lab.router_url, timeout_s=300, progress=False))
     bad = [(r.request_index, r.status, r.http_status, r.error_type) for r in recs if not r.ok]
     assert not bad, f"{mode} lab: failed requests {bad}; logs in {cfg.run_dir / 'logs'}"
-    return {"dir": trace_dir, "seconds": time.monotonic() - t0, "ids": [r.router_request_id for r in recs]}
+    return {"dir": trace_dir, "seconds": time.monotonic() - t0, "router_starts": 1}
 
 
 #: Developer shortcut: a directory holding ``pull-trace/`` and ``push-trace/`` of an earlier session's labs
@@ -95,13 +99,22 @@ REUSE_ENV = "PDTRACE_TEST_REUSE_LAB_STORES"
 
 
 @pytest.fixture(scope="session")
-def lab_stores(tmp_path_factory) -> dict:
-    """{'pull': run, 'push': run} (see :func:`_run_traced_lab`): both traced labs, run side by side, stopped."""
+def lab_stores(tmp_path_factory, traced_lab_stores) -> dict:
+    """{'pull': run, 'push': run}: {'dir', 'seconds', 'router_starts'} of each mode's traced lab, stopped.
+
+    The session's traced lab module of a mode when it ran (``traced_lab_stores``); otherwise a lab started here
+    (:func:`_run_traced_lab`; the missing modes side by side)."""
     reuse = os.environ.get(REUSE_ENV)
     if reuse:
-        runs = {m: {"dir": (Path(reuse) / f"{m}-trace").resolve(), "seconds": 0.0, "ids": None} for m in LAB_TRACED}
+        runs = {m: {"dir": (Path(reuse) / f"{m}-trace").resolve(), "seconds": 0.0, "router_starts": None}
+                for m in LAB_TRACED}
         missing = [str(r["dir"]) for r in runs.values() if not r["dir"].is_dir()]
         assert not missing, f"{REUSE_ENV}: no lab store at {missing}"
+        return runs
+    runs = {m: {"dir": Path(traced_lab_stores[m]["dir"]), "seconds": 0.0,
+                "router_starts": traced_lab_stores[m]["router_starts"]} for m in LAB_TRACED if m in traced_lab_stores}
+    todo = [m for m in LAB_TRACED if m not in runs]
+    if not todo:
         return runs
     _lab_ready()
     from pdtrace.connector.data import AZURE_CONV
@@ -113,11 +126,11 @@ def lab_stores(tmp_path_factory) -> dict:
                         rate_scale=1.0, max_requests=LAB_REQUESTS, max_model_len=8192)
     root = tmp_path_factory.mktemp("lab-stores")
     t0 = time.monotonic()
-    with ThreadPoolExecutor(max_workers=2) as ex:
-        futs = {m: ex.submit(_run_traced_lab, m, model, wl, root) for m in ("pull", "push")}
-        runs = {m: f.result() for m, f in futs.items()}
-    print(f"\nlab stores: pull {runs['pull']['seconds']:.0f} s, push {runs['push']['seconds']:.0f} s, "
-          f"both {time.monotonic() - t0:.0f} s (wall)")
+    with ThreadPoolExecutor(max_workers=len(todo)) as ex:
+        futs = {m: ex.submit(_run_traced_lab, m, model, wl, root) for m in todo}
+        runs.update({m: f.result() for m, f in futs.items()})
+    print("\nlab stores: " + ", ".join(f"{m} {runs[m]['seconds']:.0f} s" for m in todo)
+          + f", {time.monotonic() - t0:.0f} s (wall)")
     return runs
 
 

@@ -1,8 +1,9 @@
 """``pdtrace check`` on the session's lab stores (real vLLM engines, traced connectors, middleware, router).
 
-Here beside the dashboard tests only to share their session-scoped labs
-(``lab_stores`` in conftest.py: pull and push, 20 Azure-conversation requests
-each, stopped before the tests read them), so no lab is started for it. The
+Here beside the dashboard tests only to share their session-scoped lab stores
+(``lab_stores`` in conftest.py: pull and push, the traced lab modules' runs or
+labs of the dashboard's own, stopped before the tests read them), so no lab is
+started for it. The
 labs have stopped, so ages are measured from the trace end (``--at-end``).
 """
 from __future__ import annotations
@@ -40,9 +41,11 @@ def test_check_lab_store(lab_stores, mode):
                     f"{_clock_evidence(d)}; clock rows: {data['clock']}")
     assert res.exit_code == 0
     procs = data["processes"]
-    # one router; each engine: its API server (middleware) and its engine processes (connector)
+    # a router process per router start (the traced push run restarts its router), none with an engine id;
+    # each engine: its API server (middleware) and its engine processes (connector)
     assert sorted({p["role"] for p in procs}) == ["decode", "prefill", "router"]
-    assert [p["engine_id"] for p in procs if p["role"] == "router"] == [None]
+    routers = [p["engine_id"] for p in procs if p["role"] == "router"]
+    assert set(routers) == {None} and len(routers) == (lab_stores[mode]["router_starts"] or len(routers)), routers
     for role in ("prefill", "decode"):
         mine = [p for p in procs if p["role"] == role]
         assert len({p["engine_id"] for p in mine}) == 1 and mine[0]["engine_id"] is not None
