@@ -62,7 +62,8 @@ def traced_greedy_record() -> dict:
 def traced_lab_stores() -> dict:
     """{mode: {"dir": Path, "router_starts": int}}: the span directories of the traced P/D lab of each mode
     (``tests/connector/test_traced_{pull,push}_lab.py``, the production recipe: stock serving command, vLLM
-    plugin; stopped, nothing writes into them after), put here by those modules for the dashboard tests,
+    plugin; stopped: no span file is written after, only those modules' analysis cache ``analysis.duckdb``
+    beside the logs), put here by those modules for the dashboard tests,
     which show and check them instead of starting labs of their own (``tests/dashboard/conftest.py``).
     ``router_starts``: router processes the lab started (the push run restarts its router)."""
     return {}

@@ -94,7 +94,8 @@ def _run_traced_lab(mode: str, model: Path, wl, root: Path) -> dict:
 
 
 #: Developer shortcut: a directory holding ``pull-trace/`` and ``push-trace/`` of an earlier session's labs
-#: (e.g. a kept ``--basetemp``); the lab cases then read those instead of starting engines. CI never sets it.
+#: (:func:`_run_traced_lab`'s, one router start each; e.g. a kept ``--basetemp``); the lab cases then read those
+#: instead of starting engines. CI never sets it.
 REUSE_ENV = "PDTRACE_TEST_REUSE_LAB_STORES"
 
 
@@ -106,7 +107,7 @@ def lab_stores(tmp_path_factory, traced_lab_stores) -> dict:
     (:func:`_run_traced_lab`; the missing modes side by side)."""
     reuse = os.environ.get(REUSE_ENV)
     if reuse:
-        runs = {m: {"dir": (Path(reuse) / f"{m}-trace").resolve(), "seconds": 0.0, "router_starts": None}
+        runs = {m: {"dir": (Path(reuse) / f"{m}-trace").resolve(), "seconds": 0.0, "router_starts": 1}
                 for m in LAB_TRACED}
         missing = [str(r["dir"]) for r in runs.values() if not r["dir"].is_dir()]
         assert not missing, f"{REUSE_ENV}: no lab store at {missing}"
@@ -136,13 +137,15 @@ def lab_stores(tmp_path_factory, traced_lab_stores) -> dict:
 
 @pytest.fixture(scope="session")
 def lab_store_pull(lab_stores) -> Path:
-    """Span directory of the traced pull lab (20 Azure-conversation requests + 1 warm-up)."""
+    """Span directory of the traced pull lab: 20 Azure-conversation requests + 1 warm-up (+ the traced module's
+    4 greedy prompts when it is that module's run)."""
     return lab_stores["pull"]["dir"]
 
 
 @pytest.fixture(scope="session")
 def lab_store_push(lab_stores) -> Path:
-    """Span directory of the traced push lab (20 Azure-conversation requests + 1 warm-up)."""
+    """Span directory of the traced push lab: 20 Azure-conversation requests + 1 warm-up (+, when it is the traced
+    module's run, its greedy and 3,000-token prompts, a router restart and a request whose client went away)."""
     return lab_stores["push"]["dir"]
 
 
